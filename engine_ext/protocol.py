@@ -1,0 +1,181 @@
+"""The wire contract between the engine extension and the sidecar.
+
+One module, imported by both sides, so the two can never disagree on a field:
+
+* :func:`parse_size` -- the one size parser (API, CLI, settings);
+* :class:`Status` -- the one status vocabulary (API, CLI, metrics, logs);
+* the JSON bodies exchanged over HTTP (pydantic models).
+
+Dependency rule: this module imports only pydantic and the standard library,
+so the sidecar may import it without pulling in any engine.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from enum import Enum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+__all__ = [
+    "ID_PATTERN",
+    "MAX_LIMIT_BYTES",
+    "EngineState",
+    "LimitBody",
+    "RankState",
+    "RegisterBody",
+    "RegisterReply",
+    "SizeError",
+    "Status",
+    "format_size",
+    "parse_limit",
+    "parse_size",
+]
+
+#: Instance ids: what fits in a URL path segment, a file name and a metric label.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+
+#: Largest limit accepted anywhere: 1 EiB. Anything larger is a typo.
+MAX_LIMIT_BYTES = 1 << 60
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([KMGT]?)(?:I?B|I)?\s*$", re.IGNORECASE)
+
+
+class SizeError(ValueError):
+    """A size that cannot be read. The message says what forms are accepted."""
+
+
+def parse_size(value: object) -> int:
+    """Read a byte size: an int, or a string like ``512M``, ``2G``, ``1.5GiB``.
+
+    Units ``K``, ``M``, ``G``, ``T`` are powers of 1024 (as kvctl and Docker
+    read them), optionally followed by ``B``, ``i`` or ``iB`` in any case.
+    Fractions are rounded down to whole bytes. Negative, NaN, infinite,
+    boolean and oversized values are rejected with :class:`SizeError`.
+    """
+    if isinstance(value, bool):
+        raise SizeError("a size must be a byte count or a string like '512M'; got a boolean")
+    if isinstance(value, int):
+        num = value
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise SizeError(f"a size must be a finite number of bytes; got {value!r}")
+        if value != int(value):
+            raise SizeError(f"a byte count must be whole; got {value!r} (use a unit, e.g. '1.5G')")
+        num = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m is None:
+            raise SizeError(
+                f"cannot read size {value!r}: use a byte count or a number with a unit "
+                "K, M, G or T (powers of 1024), e.g. '512M', '2G', '1.5GiB'"
+            )
+        num = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    else:
+        raise SizeError(
+            f"a size must be a byte count or a string like '512M'; got {type(value).__name__}"
+        )
+    if num < 0:
+        raise SizeError(f"a size cannot be negative; got {value!r}")
+    if num > MAX_LIMIT_BYTES:
+        raise SizeError(f"size {value!r} is larger than 1 EiB; check the unit")
+    return num
+
+
+def parse_limit(value: object) -> int | None:
+    """A limit: a size, or ``None``/``"none"``/``"unlimited"`` for no limit."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in {"none", "null", "unlimited"}:
+        return None
+    return parse_size(value)
+
+
+def format_size(num_bytes: int | None) -> str:
+    """Human form of a byte count (``1.5GiB``); ``unlimited`` for None."""
+    if num_bytes is None:
+        return "unlimited"
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= factor:
+            return f"{num_bytes / factor:.4g}{unit}"
+    return f"{num_bytes}B"
+
+
+class Status(str, Enum):
+    """The one status vocabulary (DESIGN.md, "Statuses")."""
+
+    PENDING = "pending"  # sidecar holds the limit; the engine has not acknowledged it
+    DEFERRED = "deferred"  # engine holds the target but maps more; carries reason + overage
+    APPLIED = "applied"  # mapped <= limit on every rank, after the rank barrier
+    UNREACHABLE = "unreachable"  # the engine stopped answering heartbeats/pushes
+    STALE = "stale"  # rejected: an older revision (response only)
+    CONFLICT = "conflict"  # rejected: same revision, other limit (response only)
+
+
+def _size_or_none(value: Any) -> int | None:
+    return parse_limit(value)
+
+
+LimitSize = Annotated[int | None, BeforeValidator(_size_or_none)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LimitBody(_Strict):
+    """Body of ``PUT .../limit`` (sidecar API and engine control socket)."""
+
+    limit: LimitSize = Field(description="bytes per GPU: int, '4GiB', or null for unlimited")
+    revision: int | None = Field(default=None, ge=1, le=(1 << 62))
+
+
+class RankState(BaseModel):
+    """What one TP/PP rank maps."""
+
+    rank: int
+    mapped_bytes: int
+    alive: bool = True
+
+
+class EngineState(BaseModel):
+    """A snapshot of one instance's limit state, as the engine reports it.
+
+    Returned by the control socket's ``GET /state`` and ``PUT /limit``, and
+    sent to the sidecar in ``/report`` (which doubles as the heartbeat).
+    """
+
+    status: Status
+    revision: int = 0  # newest revision the engine accepted (0 = none yet)
+    limit_bytes: int | None = None  # the target the engine works towards
+    mapped_bytes: int = 0  # largest per-rank mapped KV bytes (page bundles)
+    overage_bytes: int = 0  # mapped - limit while deferred, else 0
+    reason: str | None = None  # why deferred: evicting, running_requests, rank_timeout, ...
+    capacity_bytes: int = 0  # KV bytes the instance could map with no limit
+    page_bundle_bytes: int = 0  # bytes one page costs (all layers and K/V buffers)
+    evictable_bytes: int = 0  # prefix-cache pages that could be given back now
+    pinned_bytes: int = 0  # pages held by running requests
+    num_ranks: int = 1
+    ranks: list[RankState] = Field(default_factory=list)
+    passes: int = 0  # engine passes (step() calls that took or worked on a target)
+    message: str | None = None  # human explanation for stale/conflict
+
+
+class RegisterBody(_Strict):
+    """``POST /instances/{id}/register``: sent by an engine at start-up."""
+
+    engine: str  # "vllm" or "sglang"
+    engine_version: str
+    socket_path: str | None = None  # the engine's control socket
+    device_total_bytes: int | None = None  # device memory of one rank (limit-percent)
+    state: EngineState
+
+
+class RegisterReply(BaseModel):
+    """The retained desired limit; ``revision`` 0 means none is retained."""
+
+    limit: int | None = None
+    revision: int = 0
