@@ -1,0 +1,233 @@
+"""Engine blocks inside pages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ._errors import AllocatorConfigError, AllocatorContractError, AllocatorError
+from ._guard import ThreadGuard
+from ._pages import PageAllocator
+
+__all__ = ["BlockAllocator"]
+
+
+class BlockAllocator:
+    """Hands out engine blocks from pages; engine thread only (guarded).
+
+    Block ids are ``page * blocks_per_page + slot``: a block never straddles
+    a page, and :meth:`page_of` is a division.
+
+    Owns, per page, the free slots and the occupancy (allocated blocks), and
+    buckets of *partly used, non-retired* pages keyed by occupancy, so that
+    best fit (fullest partly used page first) is found in O(blocks_per_page)
+    per ``alloc`` call and each block costs O(1). Empty pages go back to the
+    :class:`PageAllocator` at once; retired pages sit in no bucket, so they
+    never receive new blocks.
+
+    Invariants: ``num_allocated_blocks == sum(occupancy)``; every in-use page
+    has occupancy >= 1; ``_partial_free`` == free slots on in-use,
+    non-retired pages.
+    """
+
+    def __init__(
+        self, pages: PageAllocator, blocks_per_page: int, *, guard: ThreadGuard | None = None
+    ) -> None:
+        if isinstance(blocks_per_page, bool) or not isinstance(blocks_per_page, int) \
+                or blocks_per_page <= 0:
+            raise AllocatorConfigError(
+                f"blocks_per_page must be an int >= 1; got {blocks_per_page!r} (use "
+                "PageLayout.blocks_per_page(block_bytes) to compute it)")
+        pages.set_observer(self)
+        bpp = blocks_per_page
+        self.pages = pages
+        self.guard = guard if guard is not None else pages.guard
+        self.blocks_per_page = bpp
+        self.num_blocks = pages.num_pages * bpp  # virtual capacity in blocks
+        self.num_allocated_blocks = 0
+        self.num_retired_blocks = 0  # allocated blocks on retired pages
+        self._allocated = bytearray(self.num_blocks)  # 1 per allocated block
+        self._occupancy = [0] * pages.num_pages
+        self._slots: list[list[int]] = [[] for _ in range(pages.num_pages)]  # free slots, in use
+        self._retired = bytearray(pages.num_pages)  # mirror of PageAllocator retirement
+        # _buckets[k]: partly used, non-retired pages holding k blocks (1 <= k < bpp);
+        # _pos[page] is the page's index in its bucket (swap-remove keeps this O(1)).
+        self._buckets: list[list[int]] = [[] for _ in range(bpp)]
+        self._pos = [0] * pages.num_pages
+        self._top = 0  # no bucket above this index is non-empty
+        self._partial_free = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks :meth:`alloc` could still hand out under the current target."""
+        return self._partial_free + self.pages.headroom_pages() * self.blocks_per_page
+
+    def page_of(self, block: int) -> int:
+        """The page that holds ``block``."""
+        self._check_block(block)
+        return block // self.blocks_per_page
+
+    def occupancy(self, page: int) -> int:
+        """Allocated blocks on ``page``."""
+        return self._occupancy[page]
+
+    def blocks_on_page(self, page: int) -> list[int]:
+        """Allocated block ids on ``page``, ascending."""
+        first = page * self.blocks_per_page
+        flags = self._allocated
+        return [b for b in range(first, first + self.blocks_per_page) if flags[b]]
+
+    def is_allocated(self, block: int) -> bool:
+        """Whether ``block`` is allocated now."""
+        self._check_block(block)
+        return bool(self._allocated[block])
+
+    # PageObserver ---------------------------------------------------------
+    def live_blocks(self, page: int) -> int:
+        """Same as :meth:`occupancy` (asked by the PageAllocator when retiring)."""
+        return self._occupancy[page]
+
+    def on_retired(self, page: int, retired: bool) -> None:
+        """Move ``page`` out of (or back into) the pages that take new blocks."""
+        occ = self._occupancy[page]
+        if retired:
+            self._retired[page] = 1
+            if 0 < occ < self.blocks_per_page:
+                self._bucket_remove(page, occ)
+            self._partial_free -= self.blocks_per_page - occ
+            self.num_retired_blocks += occ
+        else:
+            self._retired[page] = 0
+            if 0 < occ < self.blocks_per_page:
+                self._bucket_add(page, occ)
+            self._partial_free += self.blocks_per_page - occ
+            self.num_retired_blocks -= occ
+
+    # ------------------------------------------------------------------ mutations
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` blocks, all or nothing; ``None`` when they cannot all be had now.
+
+        Fills partly used, non-retired pages first (fullest first), then
+        acquires pages from the :class:`PageAllocator`.
+        """
+        self.guard.check()
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise AllocatorContractError(f"alloc(n) needs an int >= 0; got {n!r}")
+        if n > self.num_free_blocks:
+            return None
+        out: list[int] = []
+        need = n
+        try:
+            while need and self._partial_free:
+                page = self._fullest_partial()
+                need -= self._take(page, need, out)
+            while need:
+                fresh = self.pages.acquire()
+                if fresh is None:  # cannot happen after the headroom check
+                    raise AllocatorContractError("PageAllocator refused a page within headroom")
+                self._slots[fresh] = list(range(self.blocks_per_page - 1, -1, -1))
+                self._partial_free += self.blocks_per_page
+                need -= self._take(fresh, need, out)
+        except AllocatorError:
+            self._free_checked(out)
+            raise
+        self.num_allocated_blocks += n
+        return out
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Give ``blocks`` back; a page that empties goes back to the PageAllocator.
+
+        Checks every id first (range, allocated, no repeats) and changes
+        nothing if one is wrong.
+        """
+        self.guard.check()
+        batch = blocks if isinstance(blocks, list) else list(blocks)
+        allocated = self._allocated
+        for block in batch:
+            if isinstance(block, bool) or not isinstance(block, int) \
+                    or not 0 <= block < self.num_blocks:
+                raise AllocatorContractError(
+                    f"free(): {block!r} is not a block id in 0..{self.num_blocks - 1}")
+            if not allocated[block]:
+                raise AllocatorContractError(f"free(): block {block} is not allocated "
+                                             "(double free?)")
+        if len(batch) > 1 and len(set(batch)) != len(batch):
+            raise AllocatorContractError("free(): the same block appears twice in one call")
+        self.num_allocated_blocks -= len(batch)
+        self._free_checked(batch)
+
+    # ------------------------------------------------------------------ internals
+    def _check_block(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise AllocatorContractError(f"block {block} is outside 0..{self.num_blocks - 1}")
+
+    def _fullest_partial(self) -> int:
+        buckets = self._buckets
+        top = self._top
+        while not buckets[top]:
+            top -= 1
+        self._top = top
+        return buckets[top][-1]
+
+    def _take(self, page: int, need: int, out: list[int]) -> int:
+        """Allocate up to ``need`` blocks from ``page`` (in use, not retired) into ``out``."""
+        bpp = self.blocks_per_page
+        old = self._occupancy[page]
+        count = min(need, bpp - old)
+        slots = self._slots[page]
+        first = page * bpp
+        allocated = self._allocated
+        for _ in range(count):
+            block = first + slots.pop()
+            allocated[block] = 1
+            out.append(block)
+        new = old + count
+        self._occupancy[page] = new
+        if old:
+            self._bucket_remove(page, old)
+        if new < bpp:
+            self._bucket_add(page, new)
+        self._partial_free -= count
+        return count
+
+    def _free_checked(self, batch: list[int]) -> None:
+        """Free blocks already known to be allocated and distinct."""
+        bpp = self.blocks_per_page
+        allocated, occupancy, retired = self._allocated, self._occupancy, self._retired
+        for block in batch:
+            page, slot = divmod(block, bpp)
+            allocated[block] = 0
+            self._slots[page].append(slot)
+            old = occupancy[page]
+            new = old - 1
+            occupancy[page] = new
+            if retired[page]:
+                self.num_retired_blocks -= 1
+                if new == 0:
+                    self._slots[page] = []
+                    self._retired[page] = 0
+                    self.pages.release(page)
+                continue
+            if old < bpp:
+                self._bucket_remove(page, old)
+            self._partial_free += 1
+            if new:
+                self._bucket_add(page, new)
+            else:
+                self._partial_free -= bpp
+                self._slots[page] = []
+                self.pages.release(page)
+
+    def _bucket_add(self, page: int, occ: int) -> None:
+        bucket = self._buckets[occ]
+        self._pos[page] = len(bucket)
+        bucket.append(page)
+        self._top = max(self._top, occ)
+
+    def _bucket_remove(self, page: int, occ: int) -> None:
+        bucket = self._buckets[occ]
+        index = self._pos[page]
+        last = bucket.pop()
+        if last != page:
+            bucket[index] = last
+            self._pos[last] = index

@@ -1,0 +1,234 @@
+"""Host-memory backend: a memfd behind a PROT_NONE reservation.
+
+Why a memfd: its pages are shared memory that ``fallocate`` commits and
+``fallocate(PUNCH_HOLE)`` returns, so what the allocator maps is what
+``/proc`` and ``fstat`` show, and another process (a TP rank, a test) can map
+the same pages through ``/proc/<pid>/fd/<fd>``.
+
+File layout equals reservation layout: region ``r`` page ``p`` lives at
+``layout.page_offset(r, p)`` both in the file and from ``base_address``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Self
+
+from . import _libc
+from ._errors import AllocatorConfigError, AllocatorContractError, BackendError
+from ._layout import PageLayout, check_granularity
+from ._pageset import check_pages, runs
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["HostBackend"]
+
+
+class HostBackend:
+    """Pages of a memfd mapped on demand into one reserved address range.
+
+    Owns the memfd (``fd``), the reservation at ``base_address`` and the
+    per-page mapped flags of *this* process. The creating process (the owner)
+    commits memory on ``map`` and punches it out on ``unmap``; an attached
+    process only maps and unmaps its own view, never frees the owner's memory
+    (so every attached view of a page must be unmapped before the owner unmaps
+    it, or the view reads zeros and a write there commits memory again).
+
+    Not thread-safe: call from the thread that owns the allocator.
+    Tensors from :meth:`tensor` must not be touched on unmapped pages
+    (``SIGSEGV``) nor after :meth:`release`.
+    """
+
+    layout: PageLayout
+    base_address: int
+    fd: int
+    fd_path: str
+
+    def __init__(self, layout: PageLayout, fd: int, *, owner: bool) -> None:
+        """Use :meth:`reserve` or :meth:`attach`; this adopts an open memfd."""
+        self.layout = layout
+        self.fd = fd
+        self.fd_path = f"/proc/{os.getpid()}/fd/{fd}"
+        self.owner = owner
+        self._mapped = bytearray(layout.num_pages)  # 1 where this process maps the page
+        self._released = False
+        self.base_address = _libc.reserve(layout.total_bytes)
+
+    # ------------------------------------------------------------------ life cycle
+    @classmethod
+    def reserve(cls, layout: PageLayout, *, name: str = "kvsidecar") -> HostBackend:
+        """Create a memfd of ``layout.total_bytes`` (no memory yet) and reserve its range."""
+        check_granularity(layout, mmap.PAGESIZE, "host page size")
+        try:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise BackendError(f"memfd_create({name!r}) failed: {exc}", errno=exc.errno) from exc
+        try:
+            os.ftruncate(fd, layout.total_bytes)
+            return cls(layout, fd, owner=True)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, layout: PageLayout, fd_path: str) -> HostBackend:
+        """Open another process's memfd through ``fd_path`` (``/proc/<pid>/fd/<n>``).
+
+        The attached backend starts with nothing mapped; map the pages the
+        owner mapped to see their data.
+        """
+        check_granularity(layout, mmap.PAGESIZE, "host page size")
+        try:
+            fd = os.open(fd_path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BackendError(
+                f"cannot open {fd_path}: {exc.strerror}; is the owning process alive "
+                "and run by the same user?", errno=exc.errno) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size != layout.total_bytes:
+                raise AllocatorConfigError(
+                    f"{fd_path} holds {size} bytes but the layout needs {layout.total_bytes}; "
+                    "attach with the owner's exact PageLayout")
+            return cls(layout, fd, owner=False)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def release(self) -> None:
+        """Unmap everything, give back the range and the memory, close the fd. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            _libc.unreserve(self.base_address, self.layout.total_bytes)
+            if self.owner:
+                _libc.punch(self.fd, 0, self.layout.total_bytes)
+        finally:
+            self._mapped = bytearray(self.layout.num_pages)
+            os.close(self.fd)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    # ------------------------------------------------------------------ mapping
+    def map(self, page: int) -> None:
+        """Commit (owner) and map ``page`` in every region."""
+        self._check_live()
+        if not 0 <= page < self.layout.num_pages:
+            raise AllocatorContractError(f"page {page} is outside 0..{self.layout.num_pages - 1}")
+        if self._mapped[page]:
+            raise AllocatorContractError(f"page {page} is already mapped")
+        self._map_run(page, 1)
+        self._mapped[page] = 1
+
+    def unmap(self, page: int) -> None:
+        """Unmap ``page`` in every region; the owner also returns its memory."""
+        self._check_live()
+        if not 0 <= page < self.layout.num_pages:
+            raise AllocatorContractError(f"page {page} is outside 0..{self.layout.num_pages - 1}")
+        if not self._mapped[page]:
+            raise AllocatorContractError(f"page {page} is not mapped")
+        self._mapped[page] = 0
+        self._unmap_run(page, 1)
+
+    def map_many(self, pages: Sequence[int]) -> None:
+        """Map several pages; each run of consecutive pages is one commit + one mmap per region."""
+        self._check_live()
+        ordered = check_pages(pages, self.layout.num_pages, self._mapped, False)
+        done: list[tuple[int, int]] = []
+        try:
+            for first, count in runs(ordered):
+                self._map_run(first, count)
+                done.append((first, count))
+        except BackendError:
+            for first, count in done:
+                self._unmap_run(first, count)
+            raise
+        for page in ordered:
+            self._mapped[page] = 1
+
+    def unmap_many(self, pages: Sequence[int]) -> None:
+        """Unmap several pages; each run of consecutive pages is one call per region."""
+        self._check_live()
+        ordered = check_pages(pages, self.layout.num_pages, self._mapped, True)
+        for page in ordered:
+            self._mapped[page] = 0
+        for first, count in runs(ordered):
+            self._unmap_run(first, count)
+
+    def is_mapped(self, page: int) -> bool:
+        """Whether this process maps ``page``."""
+        return bool(self._mapped[page])
+
+    def mapped_pages(self) -> list[int]:
+        """Pages this process maps, ascending."""
+        return [page for page, flag in enumerate(self._mapped) if flag]
+
+    def mapped_bytes(self) -> int:
+        """Memory committed in the memfd, from ``fstat`` (``st_blocks * 512``).
+
+        Shared by every process attached to the same memfd; 0 after release.
+        """
+        if self._released:
+            return 0
+        return os.fstat(self.fd).st_blocks * 512
+
+    # ------------------------------------------------------------------ views
+    def tensor(self, region: int | None = None) -> torch.Tensor:
+        """A flat ``torch.uint8`` CPU tensor viewing the whole range or one region.
+
+        Only bytes of mapped pages may be touched. The tensor does not keep the
+        reservation alive: drop it before :meth:`release`.
+        """
+        import torch  # lazy: the allocator imports without torch
+
+        self._check_live()
+        if region is None:
+            start, length = self.base_address, self.layout.total_bytes
+        else:
+            if not 0 <= region < self.layout.num_regions:
+                raise AllocatorContractError(
+                    f"region {region} is outside 0..{self.layout.num_regions - 1}")
+            start = self.base_address + region * self.layout.region_bytes
+            length = self.layout.region_bytes
+        buffer = (ctypes.c_uint8 * length).from_address(start)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+    # ------------------------------------------------------------------ internals
+    def _check_live(self) -> None:
+        if self._released:
+            raise AllocatorContractError("this HostBackend was released; reserve a new one")
+
+    def _map_run(self, first: int, count: int) -> None:
+        layout = self.layout
+        length = count * layout.page_bytes
+        done: list[int] = []
+        try:
+            for region in range(layout.num_regions):
+                offset = region * layout.region_bytes + first * layout.page_bytes
+                _libc.commit(self.fd, offset, length)
+                done.append(offset)
+                _libc.map_file(self.base_address + offset, length, self.fd, offset)
+        except BackendError:
+            for offset in done:
+                self._drop(offset, length)
+            raise
+
+    def _unmap_run(self, first: int, count: int) -> None:
+        layout = self.layout
+        length = count * layout.page_bytes
+        for region in range(layout.num_regions):
+            self._drop(region * layout.region_bytes + first * layout.page_bytes, length)
+
+    def _drop(self, offset: int, length: int) -> None:
+        _libc.map_none(self.base_address + offset, length)
+        if self.owner:
+            _libc.punch(self.fd, offset, length)

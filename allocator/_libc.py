@@ -1,0 +1,88 @@
+"""The few libc calls the host backend needs, through ctypes.
+
+Python's :mod:`mmap` module cannot place a mapping at a fixed address, and
+:func:`os.posix_fallocate` cannot punch holes, so ``mmap``, ``munmap`` and
+``fallocate`` are called directly. Every failure becomes a
+:class:`~allocator.BackendError` carrying ``errno``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+from ._errors import BackendError
+
+PROT_NONE = 0x0
+PROT_READ = 0x1
+PROT_WRITE = 0x2
+MAP_SHARED = 0x01
+MAP_PRIVATE = 0x02
+MAP_FIXED = 0x10
+MAP_ANONYMOUS = 0x20
+MAP_NORESERVE = 0x4000
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = (
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+)
+_munmap = _libc.munmap
+_munmap.restype = ctypes.c_int
+_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_fallocate = _libc.fallocate64
+_fallocate.restype = ctypes.c_int
+_fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+
+
+def _fail(call: str, detail: str) -> BackendError:
+    err = ctypes.get_errno()
+    return BackendError(f"{call}({detail}) failed: {os.strerror(err)} (errno {err})", errno=err)
+
+
+def reserve(length: int) -> int:
+    """Reserve ``length`` bytes of address space, inaccessible and without memory."""
+    addr = _mmap(None, length, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+    if addr is None or addr == _MAP_FAILED:
+        raise _fail("mmap", f"reserve {length} bytes PROT_NONE")
+    return int(addr)
+
+
+def map_file(addr: int, length: int, fd: int, offset: int) -> None:
+    """Map ``length`` bytes of ``fd`` at ``offset`` read/write and shared, exactly at ``addr``."""
+    got = _mmap(addr, length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, offset)
+    if got != addr:
+        raise _fail("mmap", f"{addr:#x}, {length} bytes, fd {fd} at offset {offset}")
+
+
+def map_none(addr: int, length: int) -> None:
+    """Replace whatever is mapped at ``addr`` with an inaccessible placeholder."""
+    flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE
+    got = _mmap(addr, length, PROT_NONE, flags, -1, 0)
+    if got != addr:
+        raise _fail("mmap", f"{addr:#x}, {length} bytes PROT_NONE")
+
+
+def unreserve(addr: int, length: int) -> None:
+    """Give the address range back (``munmap``)."""
+    if _munmap(addr, length) != 0:
+        raise _fail("munmap", f"{addr:#x}, {length} bytes")
+
+
+def commit(fd: int, offset: int, length: int) -> None:
+    """Allocate memory for a file range now (``fallocate`` mode 0)."""
+    if _fallocate(fd, 0, offset, length) != 0:
+        raise _fail("fallocate", f"fd {fd}, commit {length} bytes at {offset}")
+
+
+def punch(fd: int, offset: int, length: int) -> None:
+    """Free the memory of a file range (``fallocate`` PUNCH_HOLE|KEEP_SIZE)."""
+    if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        raise _fail("fallocate", f"fd {fd}, punch {length} bytes at {offset}")

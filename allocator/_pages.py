@@ -1,0 +1,241 @@
+"""Which pages are mapped, and which may take new blocks."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from enum import IntEnum
+from typing import Protocol
+
+from ._backend import Backend
+from ._errors import AllocatorConfigError, AllocatorContractError, BackendError
+from ._guard import ThreadGuard
+
+__all__ = ["PageAllocator", "PageObserver", "PageState"]
+
+_log = logging.getLogger(__name__)
+
+
+class PageState(IntEnum):
+    """Life cycle of one page."""
+
+    UNMAPPED = 0  # no physical memory behind it
+    FREE = 1  # mapped, holds no blocks: the pre-mapped reserve
+    IN_USE = 2  # handed out by acquire(); may take new blocks
+    RETIRED = 3  # in use but above the target: no new blocks, unmapped when emptied
+
+
+class PageObserver(Protocol):
+    """What a :class:`PageAllocator` asks of the block layer above it."""
+
+    def live_blocks(self, page: int) -> int:
+        """Blocks allocated on ``page`` now (retirement picks the emptiest pages)."""
+        ...
+
+    def on_retired(self, page: int, retired: bool) -> None:
+        """``page`` was retired (``True``) or taken back into service (``False``)."""
+        ...
+
+
+class PageAllocator:
+    """Decides which pages are mapped; engine thread only (guarded).
+
+    Owns the page states and drives the backend's ``map``/``unmap``; it does
+    not own the backend's life cycle (the caller releases the backend).
+
+    Invariants (``cap`` = ``target_pages`` or ``num_pages`` when unlimited):
+
+    * non-retired mapped pages (free + in use) <= ``cap``;
+    * retired pages == max(0, in-use pages - ``cap``) after every call, and
+      free pages == 0 while any page is retired;
+    * free mapped pages <= ``reserve_pages``; they count as mapped.
+
+    Costs: ``acquire`` and ``release`` are O(1) (plus one map/unmap), except
+    that releasing a page while others are retired scans the retired set to
+    take back the fullest one. ``set_target`` is O(in-use pages log k).
+    """
+
+    def __init__(
+        self, backend: Backend, *, reserve_pages: int = 0, guard: ThreadGuard | None = None
+    ) -> None:
+        num_pages = backend.layout.num_pages
+        if isinstance(reserve_pages, bool) or not isinstance(reserve_pages, int):
+            raise AllocatorConfigError(f"reserve_pages must be an int; got {reserve_pages!r}")
+        if not 0 <= reserve_pages <= num_pages:
+            raise AllocatorConfigError(
+                f"reserve_pages={reserve_pages} must be between 0 and the capacity ({num_pages} "
+                "pages); a few pages are enough to keep acquire() off the map path")
+        if any(backend.is_mapped(page) for page in range(num_pages)):
+            raise AllocatorConfigError("the backend already maps pages; give PageAllocator a "
+                                       "fresh backend")
+        self.backend = backend
+        self.guard = guard if guard is not None else ThreadGuard("PageAllocator")
+        self.num_pages = num_pages
+        self.reserve_pages = reserve_pages
+        self.target_pages: int | None = None  # None = unlimited
+        self._state = bytearray(num_pages)  # PageState per page
+        self._unmapped = list(range(num_pages - 1, -1, -1))  # stack: low pages come out first
+        self._free: list[int] = []  # stack of FREE pages
+        self._in_use: set[int] = set()  # IN_USE (not retired)
+        self._retired: set[int] = set()  # RETIRED
+        self._observer: PageObserver | None = None
+        self._top_up()
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def num_mapped(self) -> int:
+        """Pages with memory behind them (free reserve + in use + retired)."""
+        return self.num_pages - len(self._unmapped)
+
+    @property
+    def num_free_mapped(self) -> int:
+        """Mapped pages that hold no blocks (the reserve)."""
+        return len(self._free)
+
+    @property
+    def num_in_use(self) -> int:
+        """Pages handed out by :meth:`acquire` and not yet released (retired included)."""
+        return len(self._in_use) + len(self._retired)
+
+    @property
+    def num_retired(self) -> int:
+        """In-use pages above the target, waiting for their last block to go."""
+        return len(self._retired)
+
+    def cap_pages(self) -> int:
+        """Most pages that may be mapped now: the target, or the capacity if unlimited."""
+        target = self.target_pages
+        return self.num_pages if target is None else min(target, self.num_pages)
+
+    def headroom_pages(self) -> int:
+        """Pages :meth:`acquire` could still hand out (free mapped + mappable under the cap)."""
+        if self._retired:
+            return 0
+        return len(self._free) + max(0, self.cap_pages() - self.num_mapped)
+
+    def page_state(self, page: int) -> PageState:
+        """The state of ``page``."""
+        return PageState(self._state[page])
+
+    def is_retired(self, page: int) -> bool:
+        """Whether ``page`` is retired (in use above the target)."""
+        return self._state[page] == PageState.RETIRED
+
+    def set_observer(self, observer: PageObserver) -> None:
+        """Register the block layer (one per PageAllocator; BlockAllocator does this)."""
+        if self._observer is not None:
+            raise AllocatorContractError("this PageAllocator already serves a BlockAllocator")
+        self._observer = observer
+
+    # ------------------------------------------------------------------ mutations
+    def set_target(self, pages: int | None) -> None:
+        """Allow at most ``pages`` mapped pages (``None`` = unlimited, 0 is valid).
+
+        Free mapped pages above the target are unmapped at once; in-use pages
+        still above it are retired, fewest live blocks first. Raising the
+        target takes retired pages back (fullest first) and refills the reserve.
+        """
+        self.guard.check()
+        if pages is not None and (isinstance(pages, bool) or not isinstance(pages, int)
+                                  or pages < 0):
+            raise AllocatorContractError(f"target must be None or an int >= 0; got {pages!r}")
+        self.target_pages = pages
+        cap = self.cap_pages()
+        drop = min(self.num_mapped - cap, len(self._free))
+        if drop > 0:
+            victims = self._free[-drop:]
+            self.backend.unmap_many(victims)
+            del self._free[-drop:]
+            self._mark_unmapped(victims)
+        want_retired = max(0, self.num_in_use - cap)
+        if want_retired > len(self._retired):
+            self._retire(want_retired - len(self._retired))
+        elif want_retired < len(self._retired):
+            self._unretire(len(self._retired) - want_retired)
+        try:
+            self._top_up()
+        except BackendError as exc:
+            _log.warning("could not refill the page reserve after set_target: %s", exc)
+
+    def acquire(self) -> int | None:
+        """A mapped page for new blocks, mapping one if the target allows; else ``None``."""
+        self.guard.check()
+        if self._free:
+            page = self._free.pop()
+        elif not self._retired and self.num_mapped < self.cap_pages():
+            page = self._unmapped[-1]
+            self.backend.map(page)
+            self._unmapped.pop()
+        else:
+            return None
+        self._state[page] = PageState.IN_USE
+        self._in_use.add(page)
+        return page
+
+    def release(self, page: int) -> None:
+        """``page`` holds no blocks any more: unmap it, or keep it as free reserve.
+
+        A retired page is always unmapped. While other pages are retired, the
+        emptied page is unmapped and the fullest retired page is taken back.
+        Otherwise it stays mapped as reserve if the reserve has room.
+        """
+        self.guard.check()
+        state = self._state[page] if 0 <= page < self.num_pages else None
+        if state == PageState.RETIRED:
+            self.backend.unmap(page)
+            self._retired.discard(page)
+            self._mark_unmapped([page])
+        elif state == PageState.IN_USE:
+            if self._retired or len(self._free) >= self.reserve_pages:
+                self.backend.unmap(page)
+                self._in_use.discard(page)
+                self._mark_unmapped([page])
+                if self._retired:
+                    self._unretire(1)
+            else:
+                self._in_use.discard(page)
+                self._state[page] = PageState.FREE
+                self._free.append(page)
+        else:
+            raise AllocatorContractError(
+                f"release({page}): page is not in use (state {state!r}); release each page once")
+
+    # ------------------------------------------------------------------ internals
+    def _mark_unmapped(self, pages: list[int]) -> None:
+        for page in pages:
+            self._state[page] = PageState.UNMAPPED
+        self._unmapped.extend(reversed(pages))
+
+    def _top_up(self) -> None:
+        if self._retired:
+            return
+        want = min(self.reserve_pages - len(self._free), self.cap_pages() - self.num_mapped)
+        if want <= 0:
+            return
+        pages = self._unmapped[-want:]
+        self.backend.map_many(pages)
+        del self._unmapped[-want:]
+        for page in pages:
+            self._state[page] = PageState.FREE
+        self._free.extend(reversed(pages))
+
+    def _live(self, page: int) -> int:
+        return 0 if self._observer is None else self._observer.live_blocks(page)
+
+    def _retire(self, count: int) -> None:
+        chosen = heapq.nsmallest(count, self._in_use, key=lambda p: (self._live(p), -p))
+        for page in chosen:
+            self._in_use.discard(page)
+            self._retired.add(page)
+            self._state[page] = PageState.RETIRED
+            if self._observer is not None:
+                self._observer.on_retired(page, True)
+
+    def _unretire(self, count: int) -> None:
+        chosen = heapq.nlargest(count, self._retired, key=lambda p: (self._live(p), -p))
+        for page in chosen:
+            self._retired.discard(page)
+            self._in_use.add(page)
+            self._state[page] = PageState.IN_USE
+            if self._observer is not None:
+                self._observer.on_retired(page, False)
