@@ -1,0 +1,243 @@
+"""The control socket: HTTP/1.1 over a unix socket inside the engine process.
+
+``PUT /limit`` publishes into the :class:`LimitMailbox`; ``GET /state``
+returns the engine's latest snapshot; ``GET /healthz`` says the socket is up.
+The server touches nothing else: no allocator, no prefix cache (the thread
+guard would raise if it did). Errors are ``application/problem+json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import socketserver
+import stat
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+from pydantic import ValidationError
+
+from ._errors import EngineExtConfigError
+from ._mailbox import LimitMailbox
+from .protocol import EngineState, LimitBody
+
+__all__ = ["MAX_BODY_BYTES", "ControlServer"]
+
+_log = logging.getLogger("engine_ext.control")
+
+#: Largest request body accepted; a limit body is a few dozen bytes.
+MAX_BODY_BYTES = 64 * 1024
+#: A client that sends nothing for this long is dropped.
+_CLIENT_TIMEOUT_S = 10.0
+#: sun_path is 108 bytes on Linux, including the terminating NUL.
+_MAX_SOCKET_PATH = 107
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    mailbox: LimitMailbox
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        thread = threading.Thread(
+            target=self.process_request_thread,
+            args=(request, client_address),
+            name="control-handler",
+            daemon=True,
+        )
+        thread.start()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+    timeout = _CLIENT_TIMEOUT_S
+    server_version = "kvsidecar-engine"
+
+    def address_string(self) -> str:
+        return "unix"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        _log.debug("control socket: " + format, *args)
+
+    def do_GET(self) -> None:
+        if self.path == "/state":
+            self._send_json(HTTPStatus.OK, self.server.mailbox.latest_state.model_dump(mode="json"))
+        elif self.path == "/healthz":
+            self._send_json(HTTPStatus.OK, {"status": "ok"})
+        elif self.path == "/limit":
+            self._problem(HTTPStatus.METHOD_NOT_ALLOWED, "use PUT /limit to set a limit")
+        else:
+            self._not_found()
+
+    def do_PUT(self) -> None:
+        if self.path != "/limit":
+            self._not_found()
+            return
+        body = self._read_body()
+        if body is None:
+            return
+        try:
+            req = LimitBody.model_validate_json(body)
+        except ValidationError as exc:
+            self._problem(HTTPStatus.UNPROCESSABLE_ENTITY, _describe(exc))
+            return
+        mailbox = self.server.mailbox
+        if req.revision is None:
+            result = mailbox.publish_next(req.limit)
+        else:
+            result = mailbox.publish(req.limit, req.revision)
+        code = HTTPStatus.OK if result.accepted else HTTPStatus.CONFLICT
+        self._send_json(code, _state_json(result.state))
+
+    def do_POST(self) -> None:
+        self._wrong_method()
+
+    def do_DELETE(self) -> None:
+        self._wrong_method()
+
+    def _wrong_method(self) -> None:
+        if self.path in ("/limit", "/state", "/healthz"):
+            self._problem(HTTPStatus.METHOD_NOT_ALLOWED, "use PUT /limit, GET /state or GET /healthz")
+        else:
+            self._not_found()
+
+    def _not_found(self) -> None:
+        self._problem(
+            HTTPStatus.NOT_FOUND,
+            f"no such path {self.path!r}; this socket serves PUT /limit, GET /state, GET /healthz",
+        )
+
+    def _read_body(self) -> bytes | None:
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            self._problem(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length header")
+            return None
+        raw = self.headers.get("Content-Length")
+        try:
+            length = int(raw) if raw is not None else -1
+        except ValueError:
+            length = -1
+        if length < 0:
+            self.close_connection = True
+            self._problem(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length header")
+            return None
+        if length > MAX_BODY_BYTES:
+            self.close_connection = True  # the body is not read: the connection cannot be reused
+            self._problem(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"the body has {length} bytes; a limit body must be under {MAX_BODY_BYTES}",
+            )
+            return None
+        return self.rfile.read(length)
+
+    def _problem(self, code: HTTPStatus, detail: str) -> None:
+        body = {"type": "about:blank", "title": code.phrase, "status": int(code), "detail": detail}
+        self._send_json(code, body, content_type="application/problem+json")
+
+    def _send_json(
+        self, code: HTTPStatus, body: Any, *, content_type: str = "application/json"
+    ) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _state_json(state: EngineState) -> dict[str, Any]:
+    return state.model_dump(mode="json")
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "body"
+        parts.append(f"field {field!r}: {err['msg']}")
+    return "; ".join(parts)
+
+
+class ControlServer:
+    """Serves the control socket on its own daemon thread.
+
+    Owns the listening socket file (mode 0600) and its server thread. The
+    directory holding the socket must exist; :class:`ElasticInstance` creates
+    it with mode 0700. ``start()``/``stop()`` from the thread that owns the
+    instance; handlers run on threads named ``control-handler`` and touch only
+    the mailbox.
+    """
+
+    def __init__(self, socket_path: str, mailbox: LimitMailbox) -> None:
+        if len(os.fsencode(socket_path)) > _MAX_SOCKET_PATH:
+            raise EngineExtConfigError(
+                f"control socket path {socket_path!r} is longer than {_MAX_SOCKET_PATH} bytes; "
+                "set KVSIDECAR_RUNTIME_DIR to a shorter directory"
+            )
+        self.socket_path = socket_path
+        self._mailbox = mailbox
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Bind the socket (0600) and serve on a daemon thread. Idempotent."""
+        if self._server is not None:
+            return
+        _clear_stale_socket(self.socket_path)
+        server = _Server(self.socket_path, _Handler, bind_and_activate=False)
+        server.mailbox = self._mailbox
+        try:
+            server.server_bind()
+            os.chmod(self.socket_path, 0o600)
+            server.server_activate()
+        except OSError as exc:
+            server.server_close()
+            raise EngineExtConfigError(
+                f"cannot serve the control socket at {self.socket_path!r}: {exc}"
+            ) from exc
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.1},
+            name="control-server", daemon=True,
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving and remove the socket file. Idempotent."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+
+
+def _clear_stale_socket(path: str) -> None:
+    """Remove a socket left by a dead process; refuse if a live one answers."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise EngineExtConfigError(f"{path!r} exists and is not a socket; remove it or pick another")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: a leftover from a crash
+        return
+    finally:
+        probe.close()
+    raise EngineExtConfigError(
+        f"another engine already serves {path!r}; give this instance its own KVSIDECAR_INSTANCE_ID"
+    )

@@ -1,0 +1,237 @@
+"""The engine-thread side of a limit: take the target, shrink, report the status."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ._barrier import BarrierOutcome, BarrierResult, RankBarrier
+from ._mailbox import LimitMailbox, Target
+from ._reasons import DeferReason
+from ._reclaim import Reclaimer, count_reclaimable_pages, select_victim_pages
+from .protocol import EngineState, RankState, Status
+
+if TYPE_CHECKING:
+    from allocator import Backend, BlockAllocator, PageAllocator, ThreadGuard
+
+__all__ = ["CoordinatorConfig", "ShrinkCoordinator"]
+
+_log = logging.getLogger("engine_ext.coordinator")
+Reporter = Callable[[EngineState], None]
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    """How the coordinator shrinks."""
+
+    reclaim: bool = True  # False: record targets, never evict (the "without reclaim" baseline)
+    max_evict_pages_per_step: int | None = None  # cap per pass; None = the whole overage
+    stats_interval_s: float = 1.0  # how often an idle pass may rescan evictable/pinned figures
+
+
+@dataclass(frozen=True, slots=True)
+class _Pass:
+    """What one shrink pass did."""
+
+    requested_pages: int = 0  # overage in pages when the pass started
+    freed_pages: int = 0  # pages emptied by eviction
+
+
+class ShrinkCoordinator:
+    """Applies the mailbox's targets to one pool, on the engine thread.
+
+    Owns the current :class:`Target`, the last computed :class:`EngineState`
+    (also published to the mailbox as the read-only snapshot) and the
+    registered reclaimers. ``step()`` is called at the top of every
+    allocation and from the engine's idle hook; when nothing waits it costs a
+    few attribute reads.
+
+    Threads: constructor and ``add_reclaimer``/``set_reporter``/
+    ``set_rank_barrier`` before the engine starts; ``step()`` from the engine
+    thread only (guarded); ``state()`` and ``pending`` from any thread.
+    """
+
+    def __init__(
+        self,
+        mailbox: LimitMailbox,
+        blocks: BlockAllocator,
+        config: CoordinatorConfig | None = None,
+        *,
+        guard: ThreadGuard | None = None,
+    ) -> None:
+        self._mailbox = mailbox
+        self._blocks = blocks
+        self._pages: PageAllocator = blocks.pages
+        self._backend: Backend = self._pages.backend
+        self._bundle_bytes = self._backend.layout.bundle_bytes
+        self._config = config or CoordinatorConfig()
+        self._guard = guard if guard is not None else blocks.guard  # one owner for pool + us
+        self._reclaimers: list[Reclaimer] = []
+        self._reporter: Reporter | None = None
+        self._barrier: RankBarrier | None = None
+        self._target = Target(None, 0)
+        self._passes = 0
+        self._seen_num_mapped = -1  # allocator's mapped-page count at the last state
+        self._reclaimable_pages = 0  # from the last scan
+        self._scanned_at = float("-inf")
+        self._reported: tuple[Status, int, int] | None = None
+        self._state = self._compute(_Pass(), None)
+        mailbox.set_state(self._state)
+
+    # -- set-up (before the engine runs) ---------------------------------------------
+
+    def add_reclaimer(self, reclaimer: Reclaimer) -> None:
+        """Register a prefix cache the coordinator may ask to evict."""
+        self._reclaimers.append(reclaimer)
+
+    def set_reporter(self, reporter: Reporter | None) -> None:
+        """Called (engine thread) with the new state when status, revision or mapped change."""
+        self._reporter = reporter
+
+    def set_rank_barrier(self, barrier: RankBarrier | None) -> None:
+        """TP/PP: confirm every rank's unmaps before ``applied`` (see :class:`RankBarrier`)."""
+        self._barrier = barrier
+
+    # -- read from any thread ---------------------------------------------------------
+
+    def state(self) -> EngineState:
+        """The last computed state (read-only snapshot)."""
+        return self._state
+
+    @property
+    def pending(self) -> bool:
+        """A target waits or the status is deferred: the adapter should call ``step()``."""
+        return self._mailbox.has_untaken or self._state.status is Status.DEFERRED
+
+    # -- engine thread ----------------------------------------------------------------
+
+    def step(self) -> EngineState:
+        """One pass: take the newest target once, shrink toward it, update the status."""
+        self._guard.check()
+        target = self._mailbox.take()
+        if target is None and self._state.status is not Status.DEFERRED:
+            if self._pages.num_mapped == self._seen_num_mapped:
+                return self._state  # nothing waits, nothing moved: the common case
+            return self._update(_Pass(), None)
+        if target is not None:
+            self._apply_target(target)
+        self._passes += 1
+        done = self._shrink()
+        barrier = self._barrier.sync() if self._barrier is not None else None
+        return self._update(done, barrier)
+
+    def _apply_target(self, target: Target) -> None:
+        self._target = target
+        limit = target.limit_bytes
+        self._pages.set_target(None if limit is None else limit // self._bundle_bytes)
+
+    def _overage_pages(self) -> int:
+        target_pages = self._pages.target_pages
+        if target_pages is None:
+            return 0
+        return max(0, self._pages.num_mapped - target_pages)
+
+    def _shrink(self) -> _Pass:
+        over = self._overage_pages()
+        if over == 0 or not self._config.reclaim or not self._reclaimers:
+            return _Pass(over, 0)
+        cap = self._config.max_evict_pages_per_step
+        max_pages = over if cap is None else min(over, cap)
+        owners: dict[int, Reclaimer] = {}
+        for reclaimer in self._reclaimers:
+            for block in reclaimer.evictable_blocks():
+                owners[block] = reclaimer
+        victims = select_victim_pages(
+            owners, self._blocks, max_pages, lambda b: b in owners and owners[b].is_evictable(b)
+        )
+        freed = 0
+        for _page, page_blocks in victims:
+            for reclaimer, group in _group_by_owner(page_blocks, owners):
+                reclaimer.evict(group)
+            freed += 1
+        return _Pass(over, freed)
+
+    def _update(self, done: _Pass, barrier: BarrierResult | None) -> EngineState:
+        state = self._compute(done, barrier)
+        self._state = state
+        self._mailbox.set_state(state)
+        key = (state.status, state.revision, state.mapped_bytes)
+        if key != self._reported:
+            self._reported = key
+            self._report(state)
+        return state
+
+    def _report(self, state: EngineState) -> None:
+        reporter = self._reporter
+        if reporter is None:
+            return
+        try:
+            reporter(state)
+        except Exception:  # noqa: BLE001 -- last resort: reporting must never break the engine loop
+            _log.exception("reporting the limit state failed; the next change is reported again")
+
+    def _scan_reclaimable(self, force: bool) -> int:
+        now = time.monotonic()
+        if force or now - self._scanned_at >= self._config.stats_interval_s:
+            evictable: list[int] = []
+            for reclaimer in self._reclaimers:
+                evictable.extend(reclaimer.evictable_blocks())
+            self._reclaimable_pages = count_reclaimable_pages(evictable, self._blocks)
+            self._scanned_at = now
+        return self._reclaimable_pages
+
+    def _compute(self, done: _Pass, barrier: BarrierResult | None) -> EngineState:
+        self._seen_num_mapped = self._pages.num_mapped
+        local_mapped = self._backend.mapped_bytes()
+        ranks = list(barrier.ranks) if barrier is not None and barrier.ranks else []
+        if not ranks:
+            ranks = [RankState(rank=0, mapped_bytes=local_mapped)]
+        mapped = max(r.mapped_bytes for r in ranks)
+        limit = self._target.limit_bytes
+        over = 0 if limit is None else max(0, mapped - limit)
+        reclaimable = self._scan_reclaimable(force=done.requested_pages > 0)
+        reason = None if limit is None else self._reason(over, reclaimable, barrier)
+        bundle = self._bundle_bytes
+        return EngineState(
+            status=Status.APPLIED if reason is None else Status.DEFERRED,
+            revision=self._target.revision,
+            limit_bytes=limit,
+            mapped_bytes=mapped,
+            overage_bytes=over,
+            reason=None if reason is None else reason.value,
+            capacity_bytes=self._backend.layout.num_pages * bundle,
+            page_bundle_bytes=bundle,
+            evictable_bytes=reclaimable * bundle,
+            pinned_bytes=max(0, self._pages.num_in_use - reclaimable) * bundle,
+            num_ranks=len(ranks),
+            ranks=ranks,
+            passes=self._passes,
+        )
+
+    def _reason(
+        self, over: int, reclaimable: int, barrier: BarrierResult | None
+    ) -> DeferReason | None:
+        if barrier is not None and barrier.outcome is not BarrierOutcome.CONFIRMED:
+            if barrier.outcome is BarrierOutcome.TIMEOUT:
+                return DeferReason.RANK_TIMEOUT
+            return DeferReason.RANK_FAILED
+        if over == 0:
+            return None
+        if not self._config.reclaim:
+            return DeferReason.RECLAIM_DISABLED
+        if reclaimable > 0:
+            return DeferReason.EVICTING
+        return DeferReason.RUNNING_REQUESTS
+
+
+def _group_by_owner(
+    blocks: Sequence[int], owners: dict[int, Reclaimer]
+) -> Iterator[tuple[Reclaimer, list[int]]]:
+    groups: dict[int, tuple[Reclaimer, list[int]]] = {}
+    for block in blocks:
+        owner = owners[block]
+        groups.setdefault(id(owner), (owner, []))[1].append(block)
+    yield from groups.values()

@@ -1,0 +1,187 @@
+"""The per-process runtime of one elastic instance: what an adapter builds and starts."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import stat
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import httpx
+
+from ._control import ControlServer
+from ._coordinator import CoordinatorConfig, ShrinkCoordinator
+from ._errors import EngineExtConfigError
+from ._mailbox import LimitMailbox, PublishResult
+from ._reclaim import Reclaimer
+from ._settings import EngineSettings
+from ._sidecar_client import SidecarClient
+from .protocol import EngineState, RegisterBody
+
+if TYPE_CHECKING:
+    from allocator import BlockAllocator
+
+__all__ = ["ElasticInstance", "EngineBinding"]
+
+_log = logging.getLogger("engine_ext.instance")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBinding:
+    """What an engine adapter hands the core."""
+
+    engine: str  # "vllm" or "sglang"
+    engine_version: str
+    blocks: BlockAllocator  # the pool's block allocator (its PageAllocator and backend behind it)
+    reclaimers: tuple[Reclaimer, ...] = ()  # the prefix caches of the pool
+    wake: Callable[[], None] | None = None  # wakes the engine thread after a publish
+    device_total_bytes: int | None = None  # device memory of one rank (limit-percent)
+
+
+class ElasticInstance:
+    """Wires mailbox, coordinator, control socket and sidecar client for one instance.
+
+    Owns the per-instance runtime directory (mode 0700) and the control
+    socket in it, the sidecar client and the mailbox. The adapter calls
+    :meth:`start` on the engine thread before the first allocation, then
+    ``coordinator.step()`` (or :meth:`step`) at the top of each allocation
+    and when idle, and :meth:`close` on shutdown. :meth:`set_limit` may be
+    called from any thread. ``close()`` also runs at interpreter exit, and on
+    SIGINT/SIGTERM once :meth:`install_signal_cleanup` was called.
+    """
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        binding: EngineBinding,
+        *,
+        sidecar_transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.settings = settings
+        self.binding = binding
+        self.instance_id = settings.resolved_instance_id(binding.engine)
+        self.mailbox = LimitMailbox(binding.wake)
+        config = CoordinatorConfig(
+            reclaim=settings.reclaim, max_evict_pages_per_step=settings.max_evict_pages_per_step
+        )
+        self.coordinator = ShrinkCoordinator(self.mailbox, binding.blocks, config)
+        for reclaimer in binding.reclaimers:
+            self.coordinator.add_reclaimer(reclaimer)
+        self.runtime_dir = settings.resolved_runtime_dir() / self.instance_id
+        self.socket_path = str(self.runtime_dir / "control.sock")
+        self.control = ControlServer(self.socket_path, self.mailbox)
+        self.sidecar: SidecarClient | None = None
+        if settings.sidecar_url is not None:
+            self.sidecar = SidecarClient(
+                settings, self.mailbox, self._register_body,
+                instance_id=self.instance_id, transport=sidecar_transport,
+            )
+            self.coordinator.set_reporter(self.sidecar.report)
+        self._started = False
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    def start(self) -> None:
+        """Create the runtime dir, serve the socket, register, publish the start-up limit.
+
+        Blocks for at most ``register_timeout_s`` while the sidecar is
+        unreachable. The retained (or configured) limit is in the mailbox when
+        this returns, so the first ``step()`` applies it before any allocation.
+        """
+        if self._started:
+            return
+        self._started = True
+        _make_private_dir(self.runtime_dir)
+        self.control.start()
+        atexit.register(self.close)
+        if self.sidecar is not None:
+            self.sidecar.register_blocking(self.settings.register_timeout_s)
+            self.sidecar.start()
+        if self.settings.limit is not None and self.mailbox.revision == 0:
+            self.mailbox.publish_next(self.settings.limit)  # no retained limit: use the setting
+
+    def set_limit(self, limit_bytes: int | None) -> PublishResult:
+        """Any thread: publish ``limit_bytes`` at the next revision; never evicts here."""
+        return self.mailbox.publish_next(limit_bytes)
+
+    def step(self) -> EngineState:
+        """Engine thread: one coordinator pass (see :meth:`ShrinkCoordinator.step`)."""
+        return self.coordinator.step()
+
+    def state(self) -> EngineState:
+        """The latest state snapshot (any thread)."""
+        return self.mailbox.latest_state
+
+    def close(self) -> None:
+        """Stop the threads, remove the socket and the runtime dir. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.close)
+        if self.sidecar is not None:
+            self.sidecar.stop()
+        self.control.stop()
+        try:
+            self.runtime_dir.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("left %s in place: %s", self.runtime_dir, exc)
+
+    def install_signal_cleanup(self) -> None:
+        """Main thread: on SIGINT/SIGTERM close first, then do what the old handler did."""
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.getsignal(signum)
+            signal.signal(signum, _chained(self.close, signum, previous))
+
+    def _register_body(self) -> RegisterBody:
+        return RegisterBody(
+            engine=self.binding.engine,
+            engine_version=self.binding.engine_version,
+            socket_path=self.socket_path,
+            device_total_bytes=self.binding.device_total_bytes,
+            state=self.mailbox.latest_state,
+        )
+
+
+_Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
+
+
+def _chained(
+    close: Callable[[], None], signum: int, previous: _Handler
+) -> Callable[[int, FrameType | None], None]:
+    def handler(sig: int, frame: FrameType | None) -> None:
+        close()
+        if callable(previous):
+            previous(sig, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    return handler
+
+
+def _make_private_dir(path: Path) -> None:
+    """Create ``path`` (and its parent) with mode 0700; refuse a dir owned by someone else."""
+    for directory in (path.parent, path):
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            info = os.lstat(directory)
+        except OSError as exc:
+            raise EngineExtConfigError(
+                f"cannot create the runtime dir {directory}: {exc}; set KVSIDECAR_RUNTIME_DIR"
+            ) from exc
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            raise EngineExtConfigError(
+                f"{directory} is not a directory owned by this user; set KVSIDECAR_RUNTIME_DIR "
+                "to a private directory"
+            )
+    os.chmod(path, 0o700)

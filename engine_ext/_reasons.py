@@ -1,0 +1,16 @@
+"""Why a limit is ``deferred``: the one vocabulary for ``EngineState.reason``."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class DeferReason(str, Enum):
+    """The reason carried by a ``deferred`` state (docs/limits.md, "Statuses")."""
+
+    ENGINE_PASS = "engine_pass"  # published; the engine thread has not run a pass since
+    EVICTING = "evicting"  # reclaimable pages remain; the next pass continues
+    RUNNING_REQUESTS = "running_requests"  # what is left over the limit is held by requests
+    RECLAIM_DISABLED = "reclaim_disabled"  # reclaim is off: the target is recorded, nothing evicted
+    RANK_TIMEOUT = "rank_timeout"  # a TP/PP rank did not confirm its unmaps in time
+    RANK_FAILED = "rank_failed"  # a TP/PP rank is dead or reported an error

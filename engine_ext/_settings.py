@@ -1,0 +1,87 @@
+"""Settings of the engine extension, read from ``KVSIDECAR_*`` variables."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ._errors import EngineExtConfigError
+from .protocol import ID_PATTERN, parse_limit
+
+__all__ = ["EngineSettings", "load_engine_settings"]
+
+
+def _limit(value: Any) -> int | None:
+    return parse_limit(value)
+
+
+class EngineSettings(BaseSettings):
+    """Everything the engine extension reads from the environment.
+
+    Read once by :func:`load_engine_settings` (from the plugin's entry point),
+    never at import time, and passed down.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVSIDECAR_", extra="ignore", frozen=True)
+
+    enable: bool = False  # off: the adapter leaves the engine untouched
+    instance_id: str | None = None  # None: "<engine>-<pid>"
+    sidecar_url: str | None = None  # None: no sidecar (control socket / in-process API only)
+    token: SecretStr | None = None  # bearer token for the sidecar's engine endpoints
+    runtime_dir: Path | None = None  # None: $XDG_RUNTIME_DIR/kvsidecar or /tmp/kvsidecar-<uid>
+    limit: Annotated[int | None, BeforeValidator(_limit)] = None  # start-up limit, e.g. "4G"
+    reclaim: bool = True  # False: record limits but never evict (baseline)
+    thread_guard: bool = False  # raise on allocator mutation from a foreign thread
+    reserve_pages: int = Field(default=0, ge=0)  # pre-mapped free pages kept for bursts
+    max_evict_pages_per_step: int | None = Field(default=None, ge=1)  # None: whole overage
+    heartbeat_s: float = Field(default=5.0, gt=0, le=3600)
+    register_timeout_s: float = Field(default=10.0, ge=0, le=600)
+
+    @field_validator("instance_id")
+    @classmethod
+    def _check_id(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(ID_PATTERN, value):
+            raise ValueError(
+                f"{value!r} is not a valid instance id: use 1-63 letters, digits, '.', '_' "
+                "or '-', starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("sidecar_url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is None or value.strip() == "":
+            return None
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"{value!r} is not an http(s) URL, e.g. http://127.0.0.1:8420")
+        return value.rstrip("/")
+
+    def resolved_instance_id(self, engine: str) -> str:
+        """The instance id, defaulting to ``<engine>-<pid>``."""
+        return self.instance_id or f"{engine}-{os.getpid()}"
+
+    def resolved_runtime_dir(self) -> Path:
+        """Where per-instance runtime directories (sockets) live."""
+        if self.runtime_dir is not None:
+            return self.runtime_dir
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        if xdg:
+            return Path(xdg) / "kvsidecar"
+        return Path(f"/tmp/kvsidecar-{os.getuid()}")
+
+
+def load_engine_settings(**overrides: Any) -> EngineSettings:
+    """Read ``KVSIDECAR_*`` now; keyword overrides win. Bad values raise a config error."""
+    try:
+        return EngineSettings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"KVSIDECAR_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
+            for e in exc.errors()
+        )
+        raise EngineExtConfigError(f"bad kvsidecar engine settings: {problems}") from None

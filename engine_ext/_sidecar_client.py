@@ -1,0 +1,197 @@
+"""The engine's client of the sidecar: register, report, heartbeat; never on the engine thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+from pydantic import ValidationError
+
+from ._mailbox import LimitMailbox
+from ._settings import EngineSettings
+from .protocol import EngineState, RegisterBody, RegisterReply, Status
+
+__all__ = ["SidecarClient"]
+
+_log = logging.getLogger("engine_ext.sidecar_client")
+
+_BACKOFF_FIRST_S = 0.05
+_BACKOFF_MAX_S = 5.0
+_REQUEST_TIMEOUT_S = 5.0
+
+
+class SidecarClient:
+    """Talks to the sidecar on its own daemon thread (``sidecar-client``).
+
+    Owns one ``httpx.Client``, the registered flag and the newest state not
+    sent yet. ``register_blocking`` runs once at start-up on the caller's
+    thread, before the engine allocates; afterwards only the client thread
+    does network I/O. ``report`` may be called from the engine thread: it
+    stores the state (latest wins) and returns at once.
+
+    Retained limits from the sidecar are *published* into the mailbox like
+    any other source, so revisions decide what wins.
+    """
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        mailbox: LimitMailbox,
+        register_body_factory: Callable[[], RegisterBody],
+        *,
+        instance_id: str,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if settings.sidecar_url is None:
+            raise ValueError("SidecarClient needs settings.sidecar_url")
+        headers = {}
+        if settings.token is not None:
+            headers["Authorization"] = f"Bearer {settings.token.get_secret_value()}"
+        self._client = httpx.Client(
+            base_url=f"{settings.sidecar_url}/instances/{instance_id}",
+            headers=headers,
+            timeout=_REQUEST_TIMEOUT_S,
+            transport=transport,
+        )
+        self._mailbox = mailbox
+        self._body = register_body_factory
+        self._heartbeat_s = settings.heartbeat_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._unsent: EngineState | None = None
+        self._registered = False
+        self._healthy = True  # last call succeeded (only for logging transitions)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def registered(self) -> bool:
+        """Whether the sidecar acknowledged this instance (since the last 404)."""
+        return self._registered
+
+    def register_blocking(self, timeout_s: float) -> bool:
+        """Register, retrying with backoff for up to ``timeout_s``; publish the retained limit.
+
+        Returns whether registration succeeded. On failure the client thread
+        keeps trying after :meth:`start`; the engine runs unlimited meanwhile.
+        """
+        deadline = time.monotonic() + timeout_s
+        delay = _BACKOFF_FIRST_S
+        while not self._stop.is_set():
+            if self._register():
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                _log.warning(
+                    "the sidecar did not answer within %.1fs; starting without its retained "
+                    "limit and registering in the background", timeout_s,
+                )
+                return False
+            self._stop.wait(min(delay, remaining))
+            delay = min(delay * 2, _BACKOFF_MAX_S)
+        return False
+
+    def report(self, state: EngineState) -> None:
+        """Queue ``state`` for the sidecar (latest wins); never blocks."""
+        with self._lock:
+            self._unsent = state
+        self._wake.set()
+
+    def start(self) -> None:
+        """Start the client thread (registers if not registered, then reports). Idempotent."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="sidecar-client", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and close the HTTP client. Idempotent."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=_REQUEST_TIMEOUT_S + 1)
+        self._client.close()
+
+    # -- client thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = _BACKOFF_FIRST_S
+        while not self._stop.is_set():
+            ok = self._report_once() if self._registered else self._register()
+            if not ok:
+                self._stop.wait(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S, self._heartbeat_s)
+                continue
+            delay = _BACKOFF_FIRST_S
+            if not self._registered:
+                continue  # the sidecar forgot us (404): register again at once
+            self._wake.wait(self._heartbeat_s)
+            self._wake.clear()
+
+    def _register(self) -> bool:
+        body = self._body()
+        response = self._post("/register", body.model_dump_json())
+        if response is None:
+            return False
+        if response.status_code >= 300:
+            self._log_failure(f"register answered {response.status_code}: {response.text[:200]}")
+            return False
+        self._registered = True
+        self._adopt(response)
+        _log.info("registered with the sidecar")
+        return True
+
+    def _report_once(self) -> bool:
+        with self._lock:
+            state, self._unsent = self._unsent, None
+        if state is None:
+            state = self._mailbox.latest_state  # heartbeat: the latest snapshot
+        response = self._post("/report", state.model_dump_json())
+        if response is None or (response.status_code >= 300 and response.status_code != 404):
+            if response is not None:
+                self._log_failure(f"report answered {response.status_code}: {response.text[:200]}")
+            with self._lock:
+                if self._unsent is None:
+                    self._unsent = state  # resend unless something newer arrived
+            return False
+        if response.status_code == 404:
+            _log.info("the sidecar does not know this instance any more; registering again")
+            self._registered = False
+            with self._lock:
+                if self._unsent is None:
+                    self._unsent = state
+            return True
+        return True
+
+    def _adopt(self, response: httpx.Response) -> None:
+        """Publish the retained limit of a register reply, if it is newer than ours."""
+        try:
+            reply = RegisterReply.model_validate_json(response.content)
+        except ValidationError as exc:
+            _log.warning("the sidecar's register reply is not a RegisterReply (%s); ignored", exc)
+            return
+        if reply.revision > self._mailbox.revision:
+            result = self._mailbox.publish(reply.limit, reply.revision)
+            if result.status in (Status.STALE, Status.CONFLICT):
+                _log.warning("retained limit from the sidecar rejected: %s", result.message)
+
+    def _post(self, path: str, content: str) -> httpx.Response | None:
+        try:
+            response = self._client.post(
+                path, content=content, headers={"Content-Type": "application/json"}
+            )
+        except httpx.HTTPError as exc:
+            self._log_failure(f"cannot reach the sidecar: {exc}")
+            return None
+        if not self._healthy:
+            _log.info("the sidecar answers again")
+            self._healthy = True
+        return response
+
+    def _log_failure(self, message: str) -> None:
+        if self._healthy:
+            _log.warning("%s; retrying with backoff", message)
+            self._healthy = False

@@ -1,0 +1,11 @@
+"""Shared test set-up: the thread guard is on for every test (DESIGN.md, "the one rule")."""
+
+from __future__ import annotations
+
+import pytest
+
+from allocator import ThreadGuard
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    ThreadGuard.set_default_enabled(True)

@@ -1,0 +1,299 @@
+"""ShrinkCoordinator over a real host-memory pool and a real (small) prefix cache."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from conftest import BLOCKS_PER_PAGE, BUNDLE, Pool
+
+from allocator import ForeignThreadError
+from engine_ext import (
+    BarrierOutcome,
+    BarrierResult,
+    CoordinatorConfig,
+    LimitMailbox,
+    ShrinkCoordinator,
+)
+from engine_ext.protocol import EngineState, RankState, Status
+
+
+def on_thread(name: str, fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``fn`` on a new thread called ``name``; return its value or error."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 -- handed back to the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    return out
+
+
+def make(pool: Pool, **config: Any) -> tuple[LimitMailbox, ShrinkCoordinator]:
+    wakes: list[str] = []
+    mailbox = LimitMailbox(lambda: wakes.append(threading.current_thread().name))
+    coordinator = ShrinkCoordinator(mailbox, pool.blocks, CoordinatorConfig(**config))
+    coordinator.add_reclaimer(pool.cache)
+    mailbox.wakes = wakes  # type: ignore[attr-defined]
+    return mailbox, coordinator
+
+
+def record_evict_threads(pool: Pool) -> list[str]:
+    threads: list[str] = []
+    real = pool.cache.evict
+
+    def evict(blocks: Any) -> int:
+        threads.append(threading.current_thread().name)
+        return real(blocks)
+
+    pool.cache.evict = evict  # type: ignore[method-assign]
+    return threads
+
+
+def test_publish_from_control_thread_defers_and_engine_pass_applies(pool: Pool) -> None:
+    pool.fill(8)
+    mailbox, coord = make(pool)
+    coord.step()
+    evict_threads = record_evict_threads(pool)
+    before = pool.backend.mapped_bytes()
+    assert before == 8 * BUNDLE
+
+    out = on_thread("control-handler", lambda: mailbox.publish(3 * BUNDLE, 1))
+
+    result = out["value"]
+    assert result.accepted and result.status is Status.DEFERRED
+    assert result.state.overage_bytes == 5 * BUNDLE
+    assert mailbox.wakes == ["control-handler"]  # type: ignore[attr-defined]
+    assert pool.backend.mapped_bytes() == before and pool.cache.num_evicted == 0
+    assert evict_threads == []
+
+    state = coord.step()
+    assert state.status is Status.APPLIED
+    assert state.mapped_bytes == pool.backend.mapped_bytes() <= 3 * BUNDLE
+    assert set(evict_threads) == {threading.current_thread().name}
+    assert pool.cache.num_evicted == 5 * BLOCKS_PER_PAGE  # whole pages, nothing more
+    assert mailbox.latest_state == state
+
+
+def test_limit_zero_drains_everything_evictable(pool: Pool) -> None:
+    pool.fill(6)
+    running = pool.run(2)
+    mailbox, coord = make(pool)
+    mailbox.publish(0, 1)
+    state = coord.step()
+    assert state.status is Status.DEFERRED and state.reason == "running_requests"
+    assert state.limit_bytes == 0
+    assert state.overage_bytes == BUNDLE == pool.backend.mapped_bytes()
+    assert all(pool.blocks.is_allocated(b) for b in running.blocks)
+
+    pool.cache.finish(running)
+    state = coord.step()
+    assert state.status is Status.APPLIED
+    assert pool.backend.mapped_bytes() == 0 == state.mapped_bytes
+
+
+def test_limit_published_before_start_applies_before_first_allocation(pool: Pool) -> None:
+    mailbox, coord = make(pool)
+    mailbox.publish(2 * BUNDLE + 1, 7)  # floors to 2 pages
+    assert pool.backend.mapped_bytes() == 0
+    # The engine starts: the first allocation is preceded by a pass.
+    state = coord.step()
+    assert state.revision == 7 and state.status is Status.APPLIED
+    assert pool.pages.target_pages == 2
+    reqs = [pool.cache.start([1000 + i]) for i in range(3 * BLOCKS_PER_PAGE)]
+    assert sum(r is not None for r in reqs) == 2 * BLOCKS_PER_PAGE
+    assert pool.backend.mapped_bytes() == 2 * BUNDLE
+
+
+def test_newest_revision_wins_over_any_number_of_idle_passes(pool: Pool) -> None:
+    pool.fill(9)
+    mailbox, coord = make(pool)
+    assert mailbox.publish(12 * BUNDLE, 1).accepted  # source A (e.g. kvctl)
+    state = coord.step()
+    assert state.status is Status.APPLIED and state.limit_bytes == 12 * BUNDLE
+    assert mailbox.publish(4 * BUNDLE, 2).accepted  # source B (e.g. the API)
+    for _ in range(20):
+        state = coord.step()
+        assert state.revision == 2 and state.limit_bytes == 4 * BUNDLE
+        mapped = pool.backend.mapped_bytes()
+        assert (state.status is Status.APPLIED) == (mapped <= 4 * BUNDLE)
+        assert pool.pages.target_pages == 4
+    assert state.status is Status.APPLIED
+    stale = mailbox.publish(12 * BUNDLE, 1)  # A retries its old revision
+    assert stale.status is Status.STALE and not stale.accepted
+    assert coord.step().limit_bytes == 4 * BUNDLE
+
+
+def test_older_target_never_reapplied_while_running_requests_pin(pool: Pool) -> None:
+    running = [pool.run(BLOCKS_PER_PAGE) for _ in range(6)]
+    pool.fill(3)
+    mailbox, coord = make(pool)
+    mailbox.publish(12 * BUNDLE, 1)
+    mailbox.publish(4 * BUNDLE, 2)  # both before one pass: only B is taken
+    for _ in range(10):
+        state = coord.step()
+        assert state.revision == 2 and state.status is Status.DEFERRED
+        assert state.reason == "running_requests"
+        assert state.overage_bytes == 2 * BUNDLE == pool.backend.mapped_bytes() - 4 * BUNDLE
+    for req in running:
+        pool.cache.finish(req)
+    state = coord.step()
+    assert state.status is Status.APPLIED and pool.backend.mapped_bytes() <= 4 * BUNDLE
+
+
+def test_under_traffic_deferred_until_requests_finish(pool: Pool) -> None:
+    running = [pool.run(BLOCKS_PER_PAGE) for _ in range(5)]
+    pool.fill(4)
+    mailbox, coord = make(pool)
+    mailbox.publish_next(2 * BUNDLE)
+    state = coord.step()
+    assert state.status is Status.DEFERRED and state.reason == "running_requests"
+    assert state.overage_bytes == 3 * BUNDLE
+    assert state.pinned_bytes == 5 * BUNDLE and state.evictable_bytes == 0
+    while running:
+        held = {b for r in running for b in r.blocks}
+        assert all(pool.blocks.is_allocated(b) for b in held)  # nothing freed early
+        measured = pool.backend.mapped_bytes()
+        assert state.mapped_bytes == measured
+        assert state.overage_bytes == max(0, measured - 2 * BUNDLE)
+        assert (state.status is Status.APPLIED) == (measured <= 2 * BUNDLE)
+        pool.cache.finish(running.pop())
+        state = coord.step()
+    assert state.status is Status.APPLIED and state.overage_bytes == 0
+
+
+def test_growth_applies_next_pass_without_eviction(pool: Pool) -> None:
+    pool.fill(6)
+    mailbox, coord = make(pool)
+    mailbox.publish_next(2 * BUNDLE)
+    coord.step()
+    evicted = pool.cache.num_evicted
+    mailbox.publish_next(10 * BUNDLE)
+    state = coord.step()
+    assert state.status is Status.APPLIED and state.limit_bytes == 10 * BUNDLE
+    assert pool.cache.num_evicted == evicted and pool.pages.target_pages == 10
+    pool.fill(7)
+    assert pool.backend.mapped_bytes() == 9 * BUNDLE
+
+
+def test_reclaim_disabled_records_target_evicts_nothing(pool: Pool) -> None:
+    pool.fill(6)
+    mailbox, coord = make(pool, reclaim=False)
+    mailbox.publish_next(2 * BUNDLE)
+    state = coord.step()
+    assert state.status is Status.DEFERRED and state.reason == "reclaim_disabled"
+    assert pool.cache.num_evicted == 0 and pool.pages.target_pages == 2
+    assert state.overage_bytes == 4 * BUNDLE and state.evictable_bytes == 6 * BUNDLE
+
+
+def test_max_pages_per_step_bounds_each_pass(pool: Pool) -> None:
+    pool.fill(8)
+    mailbox, coord = make(pool, max_evict_pages_per_step=2)
+    mailbox.publish_next(1 * BUNDLE)
+    mapped = [pool.backend.mapped_bytes()]
+    reasons = []
+    for _ in range(6):
+        state = coord.step()
+        mapped.append(pool.backend.mapped_bytes())
+        reasons.append(state.reason)
+    assert [m // BUNDLE for m in mapped] == [8, 6, 4, 2, 1, 1, 1]
+    assert reasons[:3] == ["evicting"] * 3 and reasons[3:] == [None] * 3
+
+
+def test_reports_only_on_change(pool: Pool) -> None:
+    pool.fill(4)
+    mailbox, coord = make(pool)
+    reports: list[EngineState] = []
+    coord.set_reporter(reports.append)
+    for _ in range(5):
+        coord.step()
+    assert reports == []  # nothing changed since construction
+    mailbox.publish_next(6 * BUNDLE)
+    for _ in range(5):
+        coord.step()
+    assert [(r.status, r.revision) for r in reports] == [(Status.APPLIED, 1)]
+    pool.run(1)  # mapped grows by one page: reported
+    coord.step()
+    coord.step()
+    assert len(reports) == 2 and reports[-1].mapped_bytes == 5 * BUNDLE
+
+
+class _Barrier:
+    """A rank barrier (the TP/PP layer's role) with a scripted outcome."""
+
+    def __init__(self, outcome: BarrierOutcome, rank1_bytes: int) -> None:
+        self.outcome = outcome
+        self.rank1_bytes = rank1_bytes
+        self.calls = 0
+
+    def sync(self) -> BarrierResult:
+        self.calls += 1
+        return BarrierResult(
+            self.outcome,
+            (RankState(rank=0, mapped_bytes=0), RankState(rank=1, mapped_bytes=self.rank1_bytes)),
+        )
+
+
+def test_rank_barrier_forces_deferred(pool: Pool) -> None:
+    pool.fill(4)
+    mailbox, coord = make(pool)
+    barrier = _Barrier(BarrierOutcome.TIMEOUT, 2 * BUNDLE)
+    coord.set_rank_barrier(barrier)
+    mailbox.publish_next(2 * BUNDLE)
+    state = coord.step()
+    assert state.status is Status.DEFERRED and state.reason == "rank_timeout"
+    assert state.num_ranks == 2 and barrier.calls == 1
+    barrier.outcome = BarrierOutcome.FAILED
+    assert coord.step().reason == "rank_failed"
+    barrier.outcome = BarrierOutcome.CONFIRMED
+    barrier.rank1_bytes = 3 * BUNDLE  # a rank still maps more than the limit
+    state = coord.step()
+    assert state.status is Status.DEFERRED and state.mapped_bytes == 3 * BUNDLE
+    barrier.rank1_bytes = 2 * BUNDLE
+    assert coord.step().status is Status.APPLIED
+
+
+def test_foreign_thread_mutation_fails(pool: Pool) -> None:
+    pool.fill(2)
+    mailbox, coord = make(pool)
+    coord.step()
+    for name, fn in {
+        "alloc": lambda: pool.blocks.alloc(1),
+        "set_target": lambda: pool.pages.set_target(1),
+        "evict": lambda: pool.cache.evict(list(pool.cache.evictable_blocks())[:1]),
+        "step": coord.step,
+    }.items():
+        out = on_thread("intruder", fn)
+        assert isinstance(out.get("error"), ForeignThreadError), name
+    assert pool.backend.mapped_bytes() == 2 * BUNDLE and pool.cache.num_evicted == 0
+
+
+def test_idle_pass_is_cheap_and_changes_nothing(pool: Pool) -> None:
+    pool.fill(3)
+    mailbox, coord = make(pool)
+    first = coord.step()
+    assert all(coord.step() is first for _ in range(100))
+    assert not coord.pending
+    mailbox.publish_next(None)
+    assert coord.pending
+    assert coord.step().passes == first.passes + 1 and not coord.pending
+
+
+@pytest.mark.parametrize("limit", [None, 0, 5 * BUNDLE])
+def test_state_figures_match_the_backend(pool: Pool, limit: int | None) -> None:
+    pool.fill(3)
+    pool.run(2)
+    mailbox, coord = make(pool)
+    mailbox.publish_next(limit)
+    state = coord.step()
+    assert state.mapped_bytes == pool.backend.mapped_bytes()
+    assert state.capacity_bytes == 16 * BUNDLE and state.page_bundle_bytes == BUNDLE
+    assert state.ranks == [RankState(rank=0, mapped_bytes=state.mapped_bytes)]
