@@ -87,6 +87,22 @@ class CudaBackend:
         self.base_address = int(_call(driver.cuMemAddressReserve(
             layout.total_bytes, self.granularity, 0, 0), "cuMemAddressReserve"))
 
+    @staticmethod
+    def unavailable_reason(device: int = 0) -> str | None:
+        """Why a CudaBackend cannot be reserved on ``device`` here, or ``None`` if it can."""
+        try:
+            drv = load_driver()
+        except BackendError as exc:
+            return str(exc)
+        try:
+            _call(drv.cuInit(0), "cuInit")
+            count = int(_call(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
+        except BackendError as exc:
+            return f"no usable CUDA driver: {exc}"
+        if device >= count:
+            return f"CUDA device {device} does not exist ({count} device(s) visible)"
+        return None
+
     @classmethod
     def reserve(cls, layout: PageLayout, *, device: int = 0) -> CudaBackend:
         """Reserve ``layout.total_bytes`` of virtual address space on ``device``."""

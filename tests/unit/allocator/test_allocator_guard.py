@@ -1,0 +1,114 @@
+"""The one rule: a mutation from a thread other than the owner raises and changes nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import allocator
+from allocator import (
+    BlockAllocator,
+    ForeignThreadError,
+    HostBackend,
+    PageAllocator,
+    ThreadGuard,
+)
+
+MakeHost = Callable[..., HostBackend]
+
+
+def in_thread(fn: Callable[[], object]) -> BaseException | None:
+    """Run ``fn`` in a new thread and return what it raised (or None)."""
+    caught: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            caught.append(exc)
+
+    worker = threading.Thread(target=body, name="controller")
+    worker.start()
+    worker.join(timeout=30)
+    return caught[0] if caught else None
+
+
+def test_foreign_thread_mutations_raise_and_change_nothing(make_host: MakeHost) -> None:
+    pages = PageAllocator(make_host(num_pages=4))
+    blocks = BlockAllocator(pages, 2)
+    got = blocks.alloc(3)  # the test thread becomes the owner
+    assert got is not None
+    calls: list[Callable[[], object]] = [
+        lambda: blocks.alloc(1),
+        lambda: blocks.free([got[0]]),
+        lambda: pages.set_target(0),
+        pages.acquire,
+        lambda: pages.release(0),
+    ]
+    for call in calls:
+        err = in_thread(call)
+        assert isinstance(err, ForeignThreadError), err
+        assert "controller" in str(err) and "LimitMailbox" in str(err)
+    assert blocks.num_allocated_blocks == 3 and all(blocks.is_allocated(b) for b in got)
+    assert pages.target_pages is None and pages.num_in_use == 2
+
+
+def test_bind_current_hands_ownership_to_the_engine_thread(make_host: MakeHost) -> None:
+    guard = ThreadGuard("engine", enabled=True)
+    pages = PageAllocator(make_host(num_pages=4), guard=guard)
+    blocks = BlockAllocator(pages, 2)
+    assert blocks.guard is guard
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine") as engine:
+        engine.submit(guard.bind_current).result()
+        with pytest.raises(ForeignThreadError, match="engine"):
+            blocks.alloc(1)  # the test thread built it, but the engine thread owns it now
+        assert engine.submit(blocks.alloc, 1).result() is not None
+    assert blocks.num_allocated_blocks == 1
+
+
+def test_disabled_guard_allows_any_thread(make_host: MakeHost) -> None:
+    guard = ThreadGuard("engine", enabled=False)
+    pages = PageAllocator(make_host(num_pages=4), guard=guard)
+    blocks = BlockAllocator(pages, 2)
+    assert blocks.alloc(1) is not None
+    assert in_thread(lambda: blocks.alloc(1)) is None
+    assert blocks.num_allocated_blocks == 2
+
+
+def test_default_comes_from_the_flag_or_the_environment() -> None:
+    try:
+        assert ThreadGuard("a").enabled  # conftest turned the default on
+        assert not ThreadGuard.load_default_from_env({"KVSIDECAR_THREAD_GUARD": "0"})
+        assert not ThreadGuard("b").enabled
+        assert ThreadGuard("c", enabled=True).enabled
+        assert ThreadGuard.load_default_from_env({"KVSIDECAR_THREAD_GUARD": " On "})
+        assert ThreadGuard("d").enabled
+    finally:
+        ThreadGuard.set_default_enabled(True)
+
+
+def test_public_names_are_pinned_and_sorted() -> None:
+    assert allocator.__all__ == sorted(allocator.__all__)
+    assert set(allocator.__all__) == {
+        "AllocatorConfigError", "AllocatorContractError", "AllocatorError", "Backend",
+        "BackendError", "BlockAllocator", "CudaBackend", "ForeignThreadError", "HostBackend",
+        "PageAllocator", "PageLayout", "PageObserver", "PageState", "ThreadGuard",
+    }
+    for name in ("AllocatorConfigError", "BackendError", "AllocatorContractError"):
+        assert issubclass(getattr(allocator, name), allocator.AllocatorError)
+    assert issubclass(ForeignThreadError, allocator.AllocatorContractError)
+
+
+def test_allocator_imports_without_torch_or_cuda() -> None:
+    code = ("import sys, allocator; bad = [m for m in ('torch', 'cuda', 'engine_ext', 'sidecar')"
+            " if m in sys.modules]; assert not bad, bad")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False,
+                          cwd=str(Path(allocator.__file__).parents[1]))
+    assert done.returncode == 0, done.stderr

@@ -1,0 +1,174 @@
+"""PageAllocator and BlockAllocator on a real HostBackend: targets, reserve, retirement."""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable
+
+import pytest
+
+from allocator import (
+    AllocatorConfigError,
+    AllocatorContractError,
+    BlockAllocator,
+    HostBackend,
+    PageAllocator,
+    PageLayout,
+    PageState,
+)
+
+MakeHost = Callable[..., HostBackend]
+
+
+def measured_pages(backend: HostBackend) -> int:
+    bytes_ = backend.mapped_bytes()
+    assert bytes_ % backend.layout.bundle_bytes == 0
+    return bytes_ // backend.layout.bundle_bytes
+
+
+def stack(make_host: MakeHost, *, pages: int = 8, bpp: int = 4, reserve: int = 0,
+          regions: int = 2) -> tuple[HostBackend, PageAllocator, BlockAllocator]:
+    backend = make_host(num_pages=pages, num_regions=regions)
+    page_alloc = PageAllocator(backend, reserve_pages=reserve)
+    return backend, page_alloc, BlockAllocator(page_alloc, bpp)
+
+
+def test_reserve_is_premapped_and_counted(make_host: MakeHost) -> None:
+    backend, pages, blocks = stack(make_host, reserve=2)
+    assert measured_pages(backend) == 2 == pages.num_mapped == pages.num_free_mapped
+    assert blocks.num_free_blocks == 8 * 4
+    got = blocks.alloc(1)
+    assert got is not None
+    assert measured_pages(backend) == 2  # came out of the reserve: no new mapping
+    blocks.free(got)
+    assert pages.num_free_mapped == 2 and pages.num_in_use == 0
+
+
+def test_blocks_fill_the_fullest_partly_used_page_first(make_host: MakeHost) -> None:
+    _, pages, blocks = stack(make_host, bpp=4)
+    first = blocks.alloc(8)  # pages 0 and 1, full
+    assert first is not None and sorted({blocks.page_of(b) for b in first}) == [0, 1]
+    blocks.free([first[0]])  # page 0 holds 3
+    blocks.free(first[4:6])  # page 1 holds 2
+    one = blocks.alloc(1)
+    assert one is not None and blocks.page_of(one[0]) == 0  # fullest partly used page
+    two = blocks.alloc(3)
+    assert two is not None
+    assert sorted(blocks.page_of(b) for b in two) == [1, 1, 2]  # page 1 first, then a new page
+    assert pages.num_in_use == 3
+    assert blocks.occupancy(1) == 4 and blocks.blocks_on_page(2) == [two[-1]]
+
+
+def test_alloc_is_all_or_nothing(make_host: MakeHost) -> None:
+    backend, pages, blocks = stack(make_host, pages=4, bpp=4)
+    pages.set_target(2)
+    assert blocks.alloc(9) is None
+    assert blocks.num_allocated_blocks == 0 and measured_pages(backend) == 0
+    got = blocks.alloc(8)
+    assert got is not None and len(set(got)) == 8
+    assert blocks.alloc(1) is None
+    assert blocks.alloc(0) == []
+
+
+def test_lower_target_unmaps_free_pages_at_once_and_zero_is_valid(make_host: MakeHost) -> None:
+    backend, pages, blocks = stack(make_host, reserve=3)
+    assert measured_pages(backend) == 3
+    pages.set_target(1)
+    assert measured_pages(backend) == 1
+    pages.set_target(0)
+    assert measured_pages(backend) == 0
+    assert blocks.alloc(1) is None and blocks.num_free_blocks == 0
+    pages.set_target(None)
+    assert measured_pages(backend) == 3  # the reserve comes back
+
+
+def test_in_use_pages_above_target_retire_and_unmap_when_emptied(make_host: MakeHost) -> None:
+    backend, pages, blocks = stack(make_host, bpp=4)
+    got = blocks.alloc(4 + 4 + 1)  # page 0 full, page 1 full, page 2 holds 1
+    assert got is not None
+    blocks.free(got[4:7])  # page 1 now holds 1 block, page 0 four, page 2 one
+    pages.set_target(1)
+    # two pages must retire: the ones with fewest live blocks (1 and 2), not page 0
+    assert {p for p in range(8) if pages.is_retired(p)} == {1, 2}
+    assert blocks.num_retired_blocks == 2
+    assert measured_pages(backend) == 3  # running blocks keep them mapped for now
+    assert blocks.alloc(1) is None  # page 0 is full; retired pages take nothing
+    blocks.free([got[7]])  # page 1 empties -> unmapped, not recycled
+    assert pages.page_state(1) is PageState.UNMAPPED
+    assert measured_pages(backend) == 2 and pages.num_retired == 1
+    blocks.free([got[8]])
+    assert measured_pages(backend) == 1 and pages.num_retired == 0
+    assert blocks.num_free_blocks == 0
+
+
+def test_emptied_page_is_unmapped_while_others_are_retired(make_host: MakeHost) -> None:
+    backend, pages, blocks = stack(make_host, bpp=2)
+    got = blocks.alloc(5)  # pages 0, 1 full; page 2 holds 1
+    assert got is not None
+    pages.set_target(2)  # page 2 (fewest blocks) retires
+    assert pages.is_retired(2)
+    blocks.free(got[0:2])  # page 0 empties: unmapped, and page 2 comes back into service
+    assert pages.page_state(0) is PageState.UNMAPPED
+    assert not pages.is_retired(2) and pages.num_retired == 0
+    assert measured_pages(backend) == 2
+    again = blocks.alloc(1)
+    assert again is not None and blocks.page_of(again[0]) == 2
+
+
+def test_raising_the_target_takes_retired_pages_back(make_host: MakeHost) -> None:
+    _, pages, blocks = stack(make_host, bpp=2)
+    got = blocks.alloc(3)
+    assert got is not None
+    pages.set_target(0)
+    assert pages.num_retired == 2 and blocks.num_retired_blocks == 3
+    pages.set_target(1)
+    assert pages.num_retired == 1 and not pages.is_retired(0)  # the fuller page returns first
+    pages.set_target(None)
+    assert pages.num_retired == 0 and blocks.num_retired_blocks == 0
+    more = blocks.alloc(1)
+    assert more is not None and blocks.page_of(more[0]) == 1
+
+
+def test_bad_calls_raise_and_change_nothing(make_host: MakeHost) -> None:
+    backend, pages, blocks = stack(make_host)
+    got = blocks.alloc(3)
+    assert got is not None
+    snapshot = (blocks.num_allocated_blocks, blocks.num_free_blocks, measured_pages(backend))
+    for bad in ([got[0], got[0]], [got[0], 31], [got[0], 999], [got[0], -1]):
+        with pytest.raises(AllocatorContractError):
+            blocks.free(bad)
+        assert (blocks.num_allocated_blocks, blocks.num_free_blocks,
+                measured_pages(backend)) == snapshot
+        assert all(blocks.is_allocated(b) for b in got)
+    with pytest.raises(AllocatorContractError):
+        blocks.alloc(-1)
+    with pytest.raises(AllocatorContractError):
+        pages.set_target(-1)
+    with pytest.raises(AllocatorContractError, match="not in use"):
+        pages.release(5)
+    assert pages.target_pages is None
+    with pytest.raises(AllocatorContractError, match="already serves"):
+        BlockAllocator(pages, 4)
+
+
+def test_configuration_errors_say_what_works(make_host: MakeHost) -> None:
+    with pytest.raises(AllocatorConfigError, match="capacity of zero"):
+        PageLayout(mmap.PAGESIZE, 0)
+    with pytest.raises(AllocatorConfigError, match="page_bytes >= 8192"):
+        PageLayout(4096, 4).blocks_per_page(8192)
+    assert PageLayout(16384, 4).blocks_per_page(5000) == 3
+    backend = make_host(num_pages=4)
+    with pytest.raises(AllocatorConfigError, match="between 0 and the capacity"):
+        PageAllocator(backend, reserve_pages=5)
+    with pytest.raises(AllocatorConfigError, match="blocks_per_page"):
+        BlockAllocator(PageAllocator(backend), 0)
+
+
+def test_layout_geometry() -> None:
+    layout = PageLayout(8192, 10, 3)
+    assert layout.region_bytes == 81920
+    assert layout.bundle_bytes == 24576
+    assert layout.total_bytes == 245760
+    assert layout.page_offset(2, 4) == 2 * 81920 + 4 * 8192
+    with pytest.raises(IndexError):
+        layout.page_offset(3, 0)
