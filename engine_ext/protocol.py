@@ -130,7 +130,7 @@ class LimitBody(_Strict):
     """Body of ``PUT .../limit`` (sidecar API and engine control socket)."""
 
     limit: LimitSize = Field(description="bytes per GPU: int, '4GiB', or null for unlimited")
-    revision: int | None = Field(default=None, ge=1, le=(1 << 62))
+    revision: int | None = Field(default=None, ge=1, le=(1 << 62), strict=True)
 
 
 class RankState(BaseModel):

@@ -1,0 +1,59 @@
+"""The app factory and its lifespan (which owns the database and the HTTP client)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from ._body_limit import BodyLimitMiddleware
+from ._metrics import Metrics
+from ._problems import install_problem_handlers
+from ._routes import engines, health, instances
+from ._service import InstanceService
+from ._settings import SidecarSettings
+from ._store import Store
+from ._transport import UnixSocketRouter
+
+__all__ = ["create_app"]
+
+_DESCRIPTION = """\
+Desired KV-cache limits per instance, pushed to each engine's control socket.
+Sizes are byte counts or strings with a binary unit (`512M`, `2G`, `1.5GiB`);
+`null` means unlimited. Errors are `application/problem+json`.
+"""
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: SidecarSettings = app.state.settings
+    store = Store(settings.db_path)
+    await store.open()
+    client = httpx.AsyncClient(transport=UnixSocketRouter(), timeout=settings.push_timeout_s)
+    metrics = Metrics()
+    service = InstanceService(store, client, settings, metrics)
+    try:
+        await service.start()
+        app.state.service = service
+        app.state.metrics = metrics
+        yield
+    finally:
+        await service.close()
+        await client.aclose()
+        await store.close()
+
+
+def create_app(settings: SidecarSettings | None = None) -> FastAPI:
+    """A sidecar app; ``settings`` default to the environment (``KVSIDECAR_*``)."""
+    settings = settings if settings is not None else SidecarSettings()
+    app = FastAPI(title="kvsidecar", version="0.1.0", description=_DESCRIPTION,
+                  lifespan=_lifespan)
+    app.state.settings = settings
+    install_problem_handlers(app)
+    app.include_router(instances.router)
+    app.include_router(engines.router)
+    app.include_router(health.router)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    return app

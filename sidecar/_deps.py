@@ -1,0 +1,60 @@
+"""``Annotated`` dependencies shared by the routers."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, Path, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from engine_ext.protocol import ID_PATTERN
+
+from ._errors import UnauthorizedError
+from ._service import InstanceService
+from ._settings import SidecarSettings
+
+__all__ = ["Authorized", "InstanceId", "Service", "Settings", "WaitSeconds"]
+
+MAX_WAIT_S = 300.0
+_bearer = HTTPBearer(auto_error=False, description="KVSIDECAR_TOKEN, when one is set")
+
+
+def _service(request: Request) -> InstanceService:
+    service: InstanceService = request.app.state.service
+    return service
+
+
+def _settings(request: Request) -> SidecarSettings:
+    settings: SidecarSettings = request.app.state.settings
+    return settings
+
+
+Service = Annotated[InstanceService, Depends(_service)]
+Settings = Annotated[SidecarSettings, Depends(_settings)]
+
+
+def _authorize(settings: Settings,
+               creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    if settings.token is None:
+        return
+    if creds is None:
+        raise UnauthorizedError(
+            "this sidecar requires a bearer token: send 'Authorization: Bearer <token>' "
+            "(kvctl --token or KVSIDECAR_TOKEN)")
+    expected = settings.token.get_secret_value().encode()
+    if not secrets.compare_digest(creds.credentials.encode(), expected):
+        raise UnauthorizedError("the bearer token is wrong; use the sidecar's KVSIDECAR_TOKEN")
+
+
+#: Add to every mutating route: a no-op without a configured token.
+Authorized = Depends(_authorize)
+
+InstanceId = Annotated[str, Path(
+    pattern=ID_PATTERN, max_length=63,
+    description="1-63 characters: letters, digits, '.', '_' or '-', starting with a letter "
+                "or digit")]
+
+WaitSeconds = Annotated[float | None, Query(
+    ge=0, le=MAX_WAIT_S,
+    description=f"long-poll up to this many seconds (at most {MAX_WAIT_S:g}) for 'applied'")]

@@ -1,0 +1,104 @@
+"""The sidecar's error hierarchy.
+
+Services raise these; the HTTP layer maps each class to one status code and an
+``application/problem+json`` body in a single table (``_problems.py``)::
+
+    SidecarError
+     ├── SidecarConfigError       bad settings or database path: fatal at start-up
+     ├── StoreError               the database could not be written: transient (503)
+     └── RequestError             the caller's request cannot be honoured (4xx)
+          ├── InvalidInputError       a field is malformed (422)
+          ├── UnknownInstanceError    no such instance (404)
+          ├── RevisionRejectedError   stale or conflicting revision (409)
+          └── UnauthorizedError       missing or wrong bearer token (401)
+
+(An oversized body never reaches a service: ``BodyLimitMiddleware`` answers 413.)
+
+Every message says what to do about it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_ext.protocol import Status
+
+__all__ = [
+    "InvalidInputError",
+    "RequestError",
+    "RevisionRejectedError",
+    "SidecarConfigError",
+    "SidecarError",
+    "StoreError",
+    "UnauthorizedError",
+    "UnknownInstanceError",
+]
+
+
+class SidecarError(Exception):
+    """Base class of every error the sidecar raises on purpose."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+    def extensions(self) -> dict[str, Any]:
+        """Extra members for the problem+json body (machine-readable context)."""
+        return {}
+
+
+class SidecarConfigError(SidecarError):
+    """A setting or the database path is unusable; the service cannot start."""
+
+
+class StoreError(SidecarError):
+    """The database refused a read or write (disk full, locked, read-only)."""
+
+
+class RequestError(SidecarError):
+    """The request cannot be honoured as sent; nothing was changed."""
+
+
+class InvalidInputError(RequestError):
+    """A field of the request is malformed."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+    def extensions(self) -> dict[str, Any]:
+        return {"errors": [{"field": self.field, "message": self.message}]}
+
+
+class UnknownInstanceError(RequestError):
+    """The instance id is not known to the sidecar."""
+
+    def __init__(self, instance_id: str) -> None:
+        super().__init__(
+            f"instance {instance_id!r} is not known: set a limit with "
+            f"PUT /instances/{instance_id}/limit or start its engine so it registers"
+        )
+        self.instance_id = instance_id
+
+
+class RevisionRejectedError(RequestError):
+    """A client-given revision is older than (stale) or equal to (conflict) the current one."""
+
+    def __init__(self, status: Status, detail: str, current_revision: int,
+                 current_limit: int | None) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.current_revision = current_revision
+        self.current_limit = current_limit
+
+    def extensions(self) -> dict[str, Any]:
+        return {
+            "revision_status": self.status.value,
+            "current_revision": self.current_revision,
+            "current_limit_bytes": self.current_limit,
+        }
+
+
+class UnauthorizedError(RequestError):
+    """The bearer token is missing or wrong."""

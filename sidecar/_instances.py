@@ -1,0 +1,89 @@
+"""The in-memory instance table: desired (mirrored from the store) + observed state."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from engine_ext.protocol import EngineState, Status
+
+from ._models import DesiredLimit, EngineInfo, InstanceView
+from ._store import InstanceRow
+
+__all__ = ["InstanceRecord", "derive_status"]
+
+
+@dataclass(slots=True)
+class InstanceRecord:
+    """One instance as the sidecar knows it right now.
+
+    Owned by the service; event-loop thread only. ``row`` mirrors the durable
+    row and only moves to a newer revision (concurrent writers may finish in
+    any order). ``changed`` is replaced on every change and the old event set,
+    so every waiter wakes once per change (a broadcast, no polling).
+    """
+
+    row: InstanceRow
+    observed: EngineState | None = None  # the engine's last report/push answer
+    last_seen: float | None = None  # loop time of the last sign of life
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def notify(self) -> None:
+        event, self.changed = self.changed, asyncio.Event()
+        event.set()
+
+    def set_row(self, row: InstanceRow) -> None:
+        """Take ``row`` unless a later write already arrived (writes finish in any order)."""
+        if row.seq > self.row.seq:
+            self.row = row
+
+    def needs_push(self) -> bool:
+        """The engine is registered and has not acknowledged the desired revision."""
+        if self.row.socket_path is None or self.row.revision == 0:
+            return False
+        return self.observed is None or self.observed.revision < self.row.revision
+
+    def view(self, now: float, heartbeat_timeout_s: float) -> InstanceView:
+        status, reason = derive_status(self, now, heartbeat_timeout_s)
+        obs = self.observed
+        row = self.row
+        engine = None
+        if row.engine is not None and row.registered_at is not None:
+            engine = EngineInfo(engine=row.engine, engine_version=row.engine_version or "",
+                                socket_path=row.socket_path,
+                                device_total_bytes=row.device_total_bytes,
+                                registered_at=row.registered_at)
+        return InstanceView(
+            id=row.id, status=status, reason=reason,
+            desired=DesiredLimit(limit_bytes=row.limit_bytes, revision=row.revision,
+                                 updated_at=row.updated_at),
+            effective_limit_bytes=None if obs is None else obs.limit_bytes,
+            mapped_bytes=0 if obs is None else obs.mapped_bytes,
+            overage_bytes=0 if obs is None or status is not Status.DEFERRED
+            else obs.overage_bytes,
+            last_seen_s_ago=None if self.last_seen is None else round(now - self.last_seen, 3),
+            engine=engine, observed=obs,
+        )
+
+
+def derive_status(rec: InstanceRecord, now: float,
+                  heartbeat_timeout_s: float) -> tuple[Status, str | None]:
+    """The one status of an instance, from desired, observed and last sign of life.
+
+    * never heard from the engine: ``pending`` (``not_registered``);
+    * silent for longer than the heartbeat timeout: ``unreachable``;
+    * the engine has not acknowledged the desired revision: ``pending``;
+    * otherwise what the engine reported (``deferred`` with its reason, or ``applied``).
+    """
+    obs = rec.observed
+    if obs is None and rec.row.registered_at is None:
+        return Status.PENDING, "not_registered"
+    if rec.last_seen is not None and now - rec.last_seen > heartbeat_timeout_s:
+        return Status.UNREACHABLE, "no_heartbeat"
+    if obs is None:
+        return Status.PENDING, "awaiting_report"
+    if obs.revision < rec.row.revision:
+        return Status.PENDING, "push_in_flight"
+    if obs.status in (Status.APPLIED, Status.DEFERRED):
+        return obs.status, obs.reason if obs.status is Status.DEFERRED else None
+    return Status.PENDING, obs.reason

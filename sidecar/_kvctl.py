@@ -1,0 +1,215 @@
+"""``kvctl``: the operator CLI (typer + rich). Exit codes in ``_kvctl_client``."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import typer
+from pydantic import SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from rich.console import Console
+from rich.live import Live
+
+from engine_ext.protocol import SizeError, parse_limit
+
+from ._kvctl_client import (
+    EXIT_DEFERRED,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    CtlError,
+    Reply,
+    SidecarApi,
+    SocketApi,
+)
+from ._kvctl_render import instance_line, instance_table, state_line
+
+__all__ = ["CtlSettings", "app", "main"]
+
+
+class CtlSettings(BaseSettings):
+    """kvctl's defaults from the environment; command-line options win."""
+
+    model_config = SettingsConfigDict(env_prefix="KVSIDECAR_", extra="ignore")
+
+    url: str = "http://127.0.0.1:8570"  # KVSIDECAR_URL
+    token: SecretStr | None = None  # KVSIDECAR_TOKEN
+
+
+@dataclass(slots=True)
+class _Ctx:
+    url: str
+    token: str | None
+    socket: str | None
+
+
+app = typer.Typer(name="kvctl", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False,
+                  help="Set and watch KV-cache limits of LLM engines (kvsidecar).\n\n"
+                       "Exit codes: 0 applied/ok, 1 refused, 2 usage, 3 deferred at the "
+                       "--wait deadline, 4 unreachable.")
+_out = Console(highlight=False, soft_wrap=True)
+_err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="print the raw JSON answer")]
+WaitOpt = Annotated[float | None, typer.Option(
+    "--wait", min=0, max=300, help="wait up to this many seconds for 'applied'")]
+IdArg = Annotated[str, typer.Argument(help="instance id, e.g. llama-a")]
+
+
+@app.callback()
+def _global(
+    ctx: typer.Context,
+    url: Annotated[str | None, typer.Option(help="sidecar URL [KVSIDECAR_URL]")] = None,
+    token: Annotated[str | None, typer.Option(help="bearer token [KVSIDECAR_TOKEN]")] = None,
+    socket: Annotated[str | None, typer.Option(
+        help="talk to this engine control socket directly (limit/status only)")] = None,
+) -> None:
+    settings = CtlSettings()
+    env_token = settings.token.get_secret_value() if settings.token else None
+    ctx.obj = _Ctx(url or settings.url, token or env_token, socket)
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    _err.print(f"kvctl: {message}", markup=False)
+    return typer.Exit(code)
+
+
+def _run(ctx: typer.Context, fn: Any) -> Any:
+    """Run ``fn(api)`` against the sidecar or the socket; CtlError → one line + exit code."""
+    obj: _Ctx = ctx.obj
+    api: SidecarApi | SocketApi = SocketApi(obj.socket) if obj.socket else \
+        SidecarApi(obj.url, obj.token)
+    try:
+        return fn(api)
+    except CtlError as exc:
+        raise _fail(exc.message, exc.code) from None
+    finally:
+        api.close()
+
+
+def _sidecar_only(ctx: typer.Context, command: str) -> None:
+    if ctx.obj.socket:
+        raise _fail(f"'{command}' needs the sidecar; with --socket only 'limit' and 'status' "
+                    "work", EXIT_USAGE)
+
+
+def _exit_for(body: dict[str, Any], waited: bool) -> int:
+    status = body.get("status")
+    if status == "unreachable":
+        return EXIT_UNREACHABLE
+    if waited and status != "applied":
+        return EXIT_DEFERRED
+    return EXIT_OK
+
+
+def _show(ctx: typer.Context, reply: Reply, as_json: bool, waited: bool) -> None:
+    body = reply.body
+    if as_json:
+        _out.print_json(json.dumps(body))
+    elif ctx.obj.socket:
+        _out.print(state_line(body), markup=False)
+    else:
+        _out.print(instance_line(body), markup=False)
+    raise typer.Exit(_exit_for(body, waited))
+
+
+def _size(value: str) -> int | None:
+    try:
+        return parse_limit(value)
+    except SizeError as exc:
+        raise _fail(f"SIZE: {exc}", EXIT_USAGE) from None
+
+
+@app.command()
+def limit(ctx: typer.Context, instance_id: IdArg,
+          size: Annotated[str, typer.Argument(help="512M, 2G, 1.5GiB, a byte count, or none")],
+          wait: WaitOpt = None, as_json: JsonOpt = False) -> None:
+    """Set the KV-cache limit of an instance (bytes per GPU)."""
+    num = _size(size)
+    if ctx.obj.socket:
+        reply = _run(ctx, lambda api: api.set_limit(num, wait))
+    else:
+        reply = _run(ctx, lambda api: api.set_limit(instance_id, num, wait))
+    _show(ctx, reply, as_json, waited=bool(wait))
+
+
+@app.command("limit-percent")
+def limit_percent(ctx: typer.Context, instance_id: IdArg,
+                  percent: Annotated[float, typer.Argument(
+                      min=0, max=100, help="percent of the device memory the engine registered")],
+                  wait: WaitOpt = None, as_json: JsonOpt = False) -> None:
+    """Set the limit as a percentage of the engine's device memory (per GPU)."""
+    _sidecar_only(ctx, "limit-percent")
+
+    def call(api: SidecarApi) -> Reply:
+        view = api.status(instance_id, None).body
+        total = (view.get("engine") or {}).get("device_total_bytes")
+        if not total:
+            raise CtlError(f"instance {instance_id!r} has not registered its device memory; "
+                           "use 'kvctl limit ID SIZE'", EXIT_USAGE)
+        return api.set_limit(instance_id, int(total * percent / 100), wait)
+
+    _show(ctx, _run(ctx, call), as_json, waited=bool(wait))
+
+
+@app.command()
+def status(ctx: typer.Context, instance_id: IdArg, wait: WaitOpt = None,
+           as_json: JsonOpt = False) -> None:
+    """Show one instance (with --wait: wait until it is applied)."""
+    if ctx.obj.socket:
+        reply = _run(ctx, lambda api: api.status(wait))
+    else:
+        reply = _run(ctx, lambda api: api.status(instance_id, wait))
+    _show(ctx, reply, as_json, waited=bool(wait))
+
+
+@app.command()
+def delete(ctx: typer.Context, instance_id: IdArg, wait: WaitOpt = None,
+           as_json: JsonOpt = False) -> None:
+    """Remove the limit (back to unlimited, as a new revision)."""
+    _sidecar_only(ctx, "delete")
+    _show(ctx, _run(ctx, lambda api: api.delete_limit(instance_id, wait)), as_json,
+          waited=bool(wait))
+
+
+@app.command("list")
+def list_(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """List every instance with its status, mapped bytes and limit."""
+    _sidecar_only(ctx, "list")
+    views = _run(ctx, lambda api: api.list()).body["instances"]
+    if as_json:
+        _out.print_json(json.dumps(views))
+    else:
+        _out.print(instance_table(views))
+
+
+@app.command()
+def watch(ctx: typer.Context,
+          interval: Annotated[float, typer.Option(min=0.1, help="refresh period, seconds")] = 1.0,
+          once: Annotated[bool, typer.Option(help="draw the table once and exit")] = False
+          ) -> None:
+    """A live table: mapped vs limit per instance (Ctrl-C to quit)."""
+    _sidecar_only(ctx, "watch")
+
+    def fetch() -> list[dict[str, Any]]:
+        views: list[dict[str, Any]] = _run(ctx, lambda api: api.list()).body["instances"]
+        return views
+
+    if once:
+        _out.print(instance_table(fetch()))
+        return
+    try:
+        with Live(instance_table(fetch()), console=_out, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(instance_table(fetch()), refresh=True)
+    except KeyboardInterrupt:
+        pass
+
+
+def main() -> None:
+    app()

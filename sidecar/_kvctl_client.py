@@ -1,0 +1,153 @@
+"""kvctl's HTTP side: the sidecar API, or one engine's control socket (``--socket``).
+
+Every failure becomes a :class:`CtlError` with one line for a person and the
+exit code kvctl ends with; nothing here prints.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from engine_ext.protocol import LimitBody
+
+__all__ = [
+    "EXIT_DEFERRED",
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "CtlError",
+    "Reply",
+    "SidecarApi",
+    "SocketApi",
+]
+
+EXIT_OK = 0  # applied, or the request was stored / read
+EXIT_ERROR = 1  # the sidecar refused (unknown instance, stale revision, auth...)
+EXIT_USAGE = 2  # bad arguments (bad size, bad id, option not valid here)
+EXIT_DEFERRED = 3  # --wait deadline passed while deferred/pending
+EXIT_UNREACHABLE = 4  # the sidecar/engine cannot be reached, or the instance is unreachable
+
+_CONNECT_TIMEOUT_S = 5.0
+_SOCKET_POLL_S = 0.1  # --socket --wait: the control socket has no long-poll
+
+
+class CtlError(Exception):
+    """A failure to report as ``kvctl: <message>`` and exit with ``code``."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A decoded answer: the JSON body and the HTTP status."""
+
+    body: Any
+    http_status: int
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        problem = resp.json()
+        detail = problem.get("detail") or problem.get("title") or resp.text
+    except ValueError:
+        detail = resp.text.strip() or resp.reason_phrase
+    code = EXIT_USAGE if resp.status_code == 422 else EXIT_ERROR
+    raise CtlError(f"{detail} (HTTP {resp.status_code})", code)
+
+
+class SidecarApi:
+    """The sidecar REST API. One :class:`httpx.Client` per command."""
+
+    def __init__(self, url: str, token: str | None) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.Client(base_url=self.url, headers=headers,
+                                    timeout=httpx.Timeout(_CONNECT_TIMEOUT_S))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, method: str, path: str, *, wait: float | None = None,
+              json_body: Any = None) -> Reply:
+        params = {"wait": wait} if wait else None
+        timeout = httpx.Timeout(_CONNECT_TIMEOUT_S + (wait or 0.0), connect=_CONNECT_TIMEOUT_S)
+        try:
+            resp = self._client.request(method, path, params=params, json=json_body,
+                                        timeout=timeout)
+        except httpx.TransportError as exc:
+            raise CtlError(f"cannot reach the sidecar at {self.url} ({exc.__class__.__name__}: "
+                           f"{exc}); is 'kvsidecar serve' running? (--url)",
+                           EXIT_UNREACHABLE) from None
+        _raise_for(resp)
+        return Reply(resp.json(), resp.status_code)
+
+    def set_limit(self, instance_id: str, limit: int | None, wait: float | None) -> Reply:
+        return self._call("PUT", f"/instances/{instance_id}/limit", wait=wait,
+                          json_body={"limit": limit})
+
+    def delete_limit(self, instance_id: str, wait: float | None) -> Reply:
+        return self._call("DELETE", f"/instances/{instance_id}/limit", wait=wait)
+
+    def status(self, instance_id: str, wait: float | None) -> Reply:
+        return self._call("GET", f"/instances/{instance_id}", wait=wait)
+
+    def list(self) -> Reply:
+        return self._call("GET", "/instances")
+
+
+class SocketApi:
+    """One engine's control socket (no sidecar): ``PUT /limit`` and ``GET /state``."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self._client = httpx.Client(transport=httpx.HTTPTransport(uds=socket_path),
+                                    base_url="http://engine", timeout=_CONNECT_TIMEOUT_S)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, method: str, path: str, json_body: Any = None) -> Reply:
+        try:
+            resp = self._client.request(method, path, json=json_body)
+        except httpx.TransportError as exc:
+            raise CtlError(f"cannot reach the engine control socket {self.socket_path} "
+                           f"({exc.__class__.__name__}: {exc}); is the engine running with "
+                           "KVSIDECAR_ENABLE=1?", EXIT_UNREACHABLE) from None
+        if resp.status_code == 409:  # stale/conflict: the body is the engine state + message
+            raise CtlError(str(resp.json().get("message") or "revision rejected"), EXIT_ERROR)
+        _raise_for(resp)
+        return Reply(resp.json(), resp.status_code)
+
+    def set_limit(self, limit: int | None, wait: float | None) -> Reply:
+        body = LimitBody(limit=limit).model_dump(mode="json")
+        reply = self._call("PUT", "/limit", body)
+        if not wait:
+            return reply
+        return self._poll_applied(int(reply.body.get("revision", 0)), wait)
+
+    def status(self, wait: float | None) -> Reply:
+        reply = self._call("GET", "/state")
+        if not wait:
+            return reply
+        return self._poll_applied(int(reply.body.get("revision", 0)), wait)
+
+    def _poll_applied(self, revision: int, wait: float) -> Reply:
+        deadline = time.monotonic() + wait
+        while True:
+            reply = self._call("GET", "/state")
+            body = reply.body
+            if body.get("status") == "applied" and int(body.get("revision", 0)) >= revision:
+                return reply
+            if time.monotonic() >= deadline:
+                return reply
+            time.sleep(min(_SOCKET_POLL_S, max(0.0, deadline - time.monotonic())))

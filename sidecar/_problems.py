@@ -1,0 +1,92 @@
+"""Errors → ``application/problem+json``: the one handler table of the service."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ._errors import (
+    InvalidInputError,
+    RevisionRejectedError,
+    SidecarError,
+    StoreError,
+    UnauthorizedError,
+    UnknownInstanceError,
+)
+
+__all__ = ["PROBLEM_TABLE", "install_problem_handlers", "problem_response"]
+
+_log = logging.getLogger("kvsidecar.http")
+
+#: Domain error → (HTTP status, title). Most specific first; the first match wins.
+PROBLEM_TABLE: tuple[tuple[type[SidecarError], int, str], ...] = (
+    (InvalidInputError, 422, "Invalid input"),
+    (UnknownInstanceError, 404, "Unknown instance"),
+    (RevisionRejectedError, 409, "Revision rejected"),
+    (UnauthorizedError, 401, "Unauthorized"),
+    (StoreError, 503, "Database unavailable"),
+)
+
+
+def problem_response(status: int, title: str, detail: str,
+                     headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    body = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
+    return JSONResponse(body, status_code=status, headers=headers,
+                        media_type="application/problem+json")
+
+
+async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, SidecarError)
+    for cls, status, title in PROBLEM_TABLE:
+        if isinstance(exc, cls):
+            headers = {"WWW-Authenticate": 'Bearer realm="kvsidecar"'} \
+                if isinstance(exc, UnauthorizedError) else None
+            return problem_response(status, title, exc.detail, headers, **exc.extensions())
+    _log.error("unmapped sidecar error on %s %s: %s", request.method, request.url.path, exc)
+    return problem_response(500, "Internal error", exc.detail)
+
+
+def _field_name(loc: tuple[int | str, ...]) -> str:
+    where, *rest = loc if loc else ("body",)
+    if where == "body":
+        return ".".join(str(p) for p in rest) or "body"
+    return f"{where}.{'.'.join(str(p) for p in rest)}" if rest else str(where)
+
+
+def _clean(msg: str) -> str:
+    return msg.removeprefix("Value error, ")
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = [{"field": _field_name(tuple(err.get("loc", ()))), "message": _clean(err["msg"])}
+              for err in exc.errors()]
+    detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+    return problem_response(422, "Invalid input", detail, errors=errors)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 404:
+        detail = f"no such endpoint: {request.method} {request.url.path}; see /docs"
+    return problem_response(exc.status_code, detail.split(":")[0], detail,
+                            dict(exc.headers) if exc.headers else None)
+
+
+async def _last_resort(request: Request, exc: Exception) -> JSONResponse:
+    _log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return problem_response(500, "Internal error",
+                            "the sidecar hit an unexpected error; see its log and report it")
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(SidecarError, _domain_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _last_resort)

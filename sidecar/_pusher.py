@@ -1,0 +1,125 @@
+"""Pushes desired limits to engine control sockets, one worker task per instance.
+
+Ordering: each instance has one worker and the worker always sends the
+*current* desired revision, read right before each attempt; a newer desired
+therefore supersedes a failing older one, and revisions reach the engine in
+increasing order. Failures back off exponentially (initial → max), and a wake
+(new desired, re-registration) cuts the wait short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+from pydantic import ValidationError
+
+from engine_ext.protocol import EngineState, LimitBody
+
+from ._instances import InstanceRecord
+from ._metrics import Metrics
+from ._settings import SidecarSettings
+from ._transport import SOCKET_EXTENSION
+
+__all__ = ["PushManager", "ReplyHandler"]
+
+_log = logging.getLogger("kvsidecar.push")
+
+#: Called with (instance id, engine state, rejected: 409 stale/conflict); returns whether
+#: the engine now holds the desired revision (False: retry with backoff).
+ReplyHandler = Callable[[str, EngineState, bool], Awaitable[bool]]
+
+
+class _Worker:
+    """One instance's push loop state."""
+
+    __slots__ = ("task", "wake")
+
+    def __init__(self) -> None:
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+
+class PushManager:
+    """Owns the per-instance push workers. Event-loop thread only."""
+
+    def __init__(self, client: httpx.AsyncClient, settings: SidecarSettings, metrics: Metrics,
+                 lookup: Callable[[str], InstanceRecord | None], on_reply: ReplyHandler) -> None:
+        self._client = client
+        self._settings = settings
+        self._metrics = metrics
+        self._lookup = lookup
+        self._on_reply = on_reply
+        self._workers: dict[str, _Worker] = {}
+        self._closed = False
+
+    def wake(self, instance_id: str) -> None:
+        """Make the instance's worker (started on first use) check for work now."""
+        if self._closed:
+            return
+        worker = self._workers.get(instance_id)
+        if worker is None:
+            worker = self._workers[instance_id] = _Worker()
+            worker.task = asyncio.get_running_loop().create_task(
+                self._run(instance_id, worker), name=f"kvsidecar-push-{instance_id}")
+        worker.wake.set()
+
+    async def close(self) -> None:
+        self._closed = True
+        tasks = [w.task for w in self._workers.values() if w.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._workers.clear()
+
+    async def _run(self, instance_id: str, worker: _Worker) -> None:
+        delay = self._settings.push_backoff_initial_s
+        while True:
+            await worker.wake.wait()
+            worker.wake.clear()
+            while (rec := self._lookup(instance_id)) is not None and rec.needs_push():
+                if await self._push_once(instance_id, rec):
+                    delay = self._settings.push_backoff_initial_s
+                    continue
+                try:  # back off, unless a newer desired or a re-registration wakes us
+                    await asyncio.wait_for(worker.wake.wait(), delay)
+                    worker.wake.clear()
+                except TimeoutError:
+                    pass
+                delay = min(delay * 2, self._settings.push_backoff_max_s)
+
+    async def _push_once(self, instance_id: str, rec: InstanceRecord) -> bool:
+        row = rec.row
+        assert row.socket_path is not None
+        body = LimitBody(limit=row.limit_bytes, revision=row.revision)
+        start = time.perf_counter()
+        try:
+            resp = await self._client.put(
+                "http://engine/limit", content=body.model_dump_json(),
+                headers={"content-type": "application/json"},
+                extensions={SOCKET_EXTENSION: row.socket_path},
+                timeout=self._settings.push_timeout_s)
+        except httpx.HTTPError as exc:
+            self._fail(instance_id, type(exc).__name__, f"{row.socket_path}: {exc!r}")
+            return False
+        self._metrics.push_seconds.observe(time.perf_counter() - start)
+        if resp.status_code not in (200, 202, 409):
+            self._fail(instance_id, f"http_{resp.status_code}", resp.text[:200])
+            return False
+        try:
+            state = EngineState.model_validate_json(resp.content)
+        except ValidationError as exc:
+            self._fail(instance_id, "bad_reply", str(exc)[:200])
+            return False
+        if await self._on_reply(instance_id, state, resp.status_code == 409):
+            return True
+        self._fail(instance_id, "rejected", state.message or state.status.value)
+        return False
+
+    def _fail(self, instance_id: str, reason: str, detail: str) -> None:
+        self._metrics.push_failures.labels(instance_id, reason).inc()
+        _log.warning("push to %s failed (%s): %s; retrying with backoff",
+                     instance_id, reason, detail)

@@ -1,0 +1,1 @@
+"""One router per resource: instances (operators), engines (engine-facing), health."""

@@ -1,0 +1,99 @@
+"""Operator endpoints: ``/instances`` and ``/instances/{id}/limit``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from engine_ext.protocol import LimitBody, Status
+
+from .._deps import Authorized, InstanceId, Service, WaitSeconds
+from .._models import InstanceList, InstanceView, Problem
+from .._service import InstanceService
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/instances", tags=["instances"])
+
+_PROBLEMS: dict[int | str, dict[str, Any]] = {
+    code: {"model": Problem, "content": {"application/problem+json": {}}}
+    for code in (401, 404, 409, 413, 422, 503)
+}
+
+
+@router.get("", response_model=InstanceList, summary="Every known instance")
+async def list_instances(service: Service) -> InstanceList:
+    return InstanceList(instances=service.list())
+
+
+@router.get("/{instance_id}", response_model=InstanceView, responses=_PROBLEMS,
+            summary="One instance; ?wait=S long-polls until it is applied")
+async def get_instance(instance_id: InstanceId, service: Service, request: Request,
+                       wait: WaitSeconds = None) -> InstanceView:
+    if not wait:
+        return service.get(instance_id)
+    service.get(instance_id)  # 404 before waiting
+    return await _wait_or_disconnect(
+        request, service, instance_id, lambda v: v.status is Status.APPLIED, wait)
+
+
+@router.put("/{instance_id}/limit", response_model=InstanceView, dependencies=[Authorized],
+            responses={202: {"model": InstanceView,
+                             "description": "?wait deadline passed before 'applied'"},
+                       **_PROBLEMS},
+            summary="Set the desired limit (stored durably before the answer)")
+async def put_limit(instance_id: InstanceId, body: LimitBody, service: Service,
+                    request: Request, response: Response,
+                    wait: WaitSeconds = None) -> InstanceView:
+    view = await service.set_limit(instance_id, body.limit, body.revision)
+    return await _finish(request, response, service, view, wait)
+
+
+@router.delete("/{instance_id}/limit", response_model=InstanceView, dependencies=[Authorized],
+               responses={202: {"model": InstanceView}, **_PROBLEMS},
+               summary="Back to unlimited, as a new revision")
+async def delete_limit(instance_id: InstanceId, service: Service, request: Request,
+                       response: Response, wait: WaitSeconds = None) -> InstanceView:
+    view = await service.clear_limit(instance_id)
+    return await _finish(request, response, service, view, wait)
+
+
+async def _finish(request: Request, response: Response, service: InstanceService,
+                  view: InstanceView, wait: float | None) -> InstanceView:
+    """Without ``wait``: 200 (stored). With it: 200 once applied, 202 at the deadline."""
+    if wait is None:
+        return view
+    revision = view.desired.revision
+    view = await _wait_or_disconnect(
+        request, service, view.id,
+        lambda v: v.status is Status.APPLIED and (v.observed is not None
+                                                  and v.observed.revision >= revision),
+        wait)
+    if view.status is not Status.APPLIED:
+        response.status_code = 202
+    return view
+
+
+async def _wait_or_disconnect(request: Request, service: InstanceService, instance_id: str,
+                              until: Any, wait: float) -> InstanceView:
+    """Long-poll, but stop as soon as the client hangs up (no waiting for nobody)."""
+    waiter = asyncio.ensure_future(service.wait(instance_id, until, wait))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((waiter, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not waiter.done():
+            waiter.cancel()
+    if waiter.cancelled():
+        return service.get(instance_id)  # the answer goes nowhere; keep the types honest
+    return waiter.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,203 @@
+"""The instance service: every rule about desired limits, registrations and reports.
+
+Raises domain errors only (``_errors``); the HTTP layer maps them to problem+json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import httpx
+
+from engine_ext.protocol import EngineState, RegisterBody, RegisterReply, Status
+
+from ._errors import InvalidInputError, UnknownInstanceError
+from ._instances import InstanceRecord
+from ._metrics import Metrics
+from ._models import InstanceView
+from ._pusher import PushManager
+from ._settings import SidecarSettings
+from ._store import InstanceRow, Registration, Store
+
+__all__ = ["InstanceService"]
+
+_log = logging.getLogger("kvsidecar.service")
+_MAX_SOCKET_PATH_BYTES = 107  # sockaddr_un.sun_path, minus the terminating NUL
+
+
+class InstanceService:
+    """Owns the instance table, the store and the push workers.
+
+    Event-loop thread only. The store is the truth for desired limits; the
+    table mirrors it plus what engines report. Every change notifies the
+    instance's waiters.
+    """
+
+    def __init__(self, store: Store, client: httpx.AsyncClient, settings: SidecarSettings,
+                 metrics: Metrics) -> None:
+        self._store = store
+        self._settings = settings
+        self._records: dict[str, InstanceRecord] = {}
+        self._pusher = PushManager(client, settings, metrics, self._records.get, self._on_reply)
+        metrics.add_instances(self.list)
+
+    @property
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def start(self) -> None:
+        """Load the durable rows; push to every registered engine that may have missed one."""
+        now = self._now
+        for row in await self._store.load_all():
+            rec = self._records[row.id] = InstanceRecord(row)
+            if row.registered_at is not None:
+                rec.last_seen = now  # the heartbeat clock starts at start-up
+            if rec.needs_push():
+                self._pusher.wake(row.id)
+
+    async def close(self) -> None:
+        await self._pusher.close()
+
+    async def check_ready(self) -> None:
+        await self._store.check_writable()
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def list(self) -> list[InstanceView]:
+        now = self._now
+        timeout = self._settings.heartbeat_timeout_s
+        return [self._records[iid].view(now, timeout) for iid in sorted(self._records)]
+
+    def get(self, instance_id: str) -> InstanceView:
+        return self._record(instance_id).view(self._now, self._settings.heartbeat_timeout_s)
+
+    async def wait(self, instance_id: str, until: Callable[[InstanceView], bool],
+                   timeout_s: float) -> InstanceView:
+        """Wait (at most ``timeout_s``, capped) until ``until(view)``; return the view then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(timeout_s, self._settings.max_wait_s)
+        while True:
+            rec = self._record(instance_id)
+            view = rec.view(loop.time(), self._settings.heartbeat_timeout_s)
+            remaining = deadline - loop.time()
+            if until(view) or remaining <= 0:
+                return view
+            try:
+                await asyncio.wait_for(rec.changed.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    # --- operator writes -----------------------------------------------------------------
+
+    async def set_limit(self, instance_id: str, limit: int | None,
+                        revision: int | None) -> InstanceView:
+        """Store a desired limit (durably, before returning) and start pushing it."""
+        row, decision = await self._store.set_desired(instance_id, limit, revision)
+        if decision.changed:
+            self._take_row(row)
+        return self.get(instance_id)
+
+    async def clear_limit(self, instance_id: str) -> InstanceView:
+        """Back to unlimited, as a new revision. Unknown ids are a 404 (nothing to clear)."""
+        self._record(instance_id)
+        return await self.set_limit(instance_id, None, None)
+
+    # --- engine-facing -------------------------------------------------------------------
+
+    async def register(self, instance_id: str, body: RegisterBody) -> RegisterReply:
+        """Record the engine; adopt its revision if newer; answer with the desired limit."""
+        _check_socket_path(body.socket_path)
+        if body.device_total_bytes is not None and body.device_total_bytes < 0:
+            raise InvalidInputError("device_total_bytes", "must be a byte count >= 0")
+        reg = Registration(body.engine, body.engine_version, body.socket_path,
+                           body.device_total_bytes)
+        row = await self._store.register(instance_id, reg)
+        rec = self._take_row(row, wake=False)
+        rec.observed = body.state  # a (re)started engine: its state replaces the old one
+        rec.last_seen = self._now
+        await self._adopt_if_newer(rec, body.state)
+        rec.notify()
+        return RegisterReply(limit=rec.row.limit_bytes, revision=rec.row.revision)
+
+    async def report(self, instance_id: str, state: EngineState) -> RegisterReply:
+        """A status report (and heartbeat); answers with the desired limit."""
+        if state.status in (Status.STALE, Status.CONFLICT):
+            raise InvalidInputError("status", "a report carries pending, deferred, applied "
+                                    "or unreachable; stale/conflict are replies only")
+        rec = self._records.get(instance_id)
+        if rec is None or rec.row.registered_at is None:
+            # e.g. the sidecar's database was replaced: a 404 makes the engine register again
+            raise UnknownInstanceError(instance_id)
+        await self._observe(rec, state)
+        return RegisterReply(limit=rec.row.limit_bytes, revision=rec.row.revision)
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _record(self, instance_id: str) -> InstanceRecord:
+        rec = self._records.get(instance_id)
+        if rec is None:
+            raise UnknownInstanceError(instance_id)
+        return rec
+
+    def _take_row(self, row: InstanceRow, *, wake: bool = True) -> InstanceRecord:
+        rec = self._records.get(row.id)
+        if rec is None:
+            rec = self._records[row.id] = InstanceRecord(row)
+        else:
+            rec.set_row(row)
+        rec.notify()
+        if wake and rec.needs_push():
+            self._pusher.wake(row.id)
+        return rec
+
+    async def _adopt_if_newer(self, rec: InstanceRecord, state: EngineState) -> None:
+        """The newest revision wins whatever its source (e.g. ``kvctl --socket``)."""
+        if state.revision > rec.row.revision:
+            row = await self._store.adopt(rec.row.id, state.limit_bytes, state.revision)
+            if row is not None:
+                _log.info("instance %s: adopted revision %d from the engine",
+                          rec.row.id, state.revision)
+                rec.set_row(row)
+
+    async def _observe(self, rec: InstanceRecord, state: EngineState) -> None:
+        await self._adopt_if_newer(rec, state)
+        if rec.observed is None or state.revision >= rec.observed.revision:
+            rec.observed = state
+        rec.last_seen = self._now
+        rec.notify()
+        if rec.needs_push():
+            self._pusher.wake(rec.row.id)
+
+    async def _on_reply(self, instance_id: str, state: EngineState, rejected: bool) -> bool:
+        """A push answer. Returns whether the engine now holds the pushed (or a newer) revision."""
+        rec = self._records.get(instance_id)
+        if rec is None:
+            return True
+        pushed = rec.row.revision
+        if not rejected:
+            await self._observe(rec, state)
+            return state.revision >= pushed
+        rec.last_seen = self._now
+        if state.status is Status.CONFLICT and state.revision <= pushed:
+            # The engine took this revision number with another limit (set on its socket
+            # directly). The sidecar's intent wins the tie: re-issue it as a new revision.
+            _log.warning("instance %s: engine holds revision %d with another limit; "
+                         "re-issuing the desired limit as revision %d",
+                         instance_id, pushed, pushed + 1)
+            await self.set_limit(instance_id, rec.row.limit_bytes, pushed + 1)
+            return True
+        await self._adopt_if_newer(rec, state)
+        return rec.row.revision != pushed
+
+
+def _check_socket_path(path: str | None) -> None:
+    if path is None:
+        return
+    if not path.startswith("/") or "\x00" in path:
+        raise InvalidInputError("socket_path", "must be an absolute path to a unix socket")
+    if len(path.encode()) > _MAX_SOCKET_PATH_BYTES:
+        raise InvalidInputError(
+            "socket_path", f"is longer than {_MAX_SOCKET_PATH_BYTES} bytes, the unix socket "
+            "limit; use a shorter KVSIDECAR_RUNTIME_DIR")

@@ -1,0 +1,54 @@
+"""Settings of the sidecar service (``kvsidecar serve``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["SidecarSettings", "default_db_path"]
+
+
+def default_db_path() -> Path:
+    """``$XDG_STATE_HOME/kvsidecar/sidecar.db`` (``~/.local/state/kvsidecar/sidecar.db``)."""
+    state_home = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state_home) / "kvsidecar" / "sidecar.db"
+
+
+class SidecarSettings(BaseSettings):
+    """Everything the service reads from its environment (``KVSIDECAR_*``).
+
+    Read once, in the app factory or the CLI, and passed down; nothing else
+    reads the environment.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVSIDECAR_", extra="ignore", frozen=True)
+
+    host: str = "127.0.0.1"  # loopback by default: expose on purpose, with a token
+    port: int = Field(default=8570, ge=0, le=65535)
+    db_path: Path = Field(default_factory=default_db_path)
+    token: SecretStr | None = None  # bearer token for every mutating endpoint
+    heartbeat_timeout_s: float = Field(default=15.0, gt=0)  # no report for this long: unreachable
+    max_body_bytes: int = Field(default=64 * 1024, ge=256)  # larger bodies get 413
+    max_wait_s: float = Field(default=300.0, gt=0, le=300.0)  # cap for ?wait=
+    push_timeout_s: float = Field(default=5.0, gt=0)  # one push to an engine control socket
+    push_backoff_initial_s: float = Field(default=0.05, gt=0)  # first retry delay
+    push_backoff_max_s: float = Field(default=5.0, gt=0)  # retry delay cap
+    log_level: str = "info"
+
+    @field_validator("token")
+    @classmethod
+    def _token_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            return None  # an empty KVSIDECAR_TOKEN means "no token", not "the empty token"
+        return value
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> SidecarSettings:
+        if self.push_backoff_initial_s > self.push_backoff_max_s:
+            raise ValueError(
+                "KVSIDECAR_PUSH_BACKOFF_INITIAL_S must not exceed KVSIDECAR_PUSH_BACKOFF_MAX_S"
+            )
+        return self

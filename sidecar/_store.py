@@ -1,0 +1,229 @@
+"""Durable desired state: one SQLite database, one writer thread.
+
+Every statement runs on a single dedicated thread (a one-worker executor), so
+there is exactly one connection and one writer; the event loop never blocks on
+the disk. WAL with ``synchronous=FULL``: a write has reached the disk when its
+coroutine returns, which is before the HTTP response is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TypeVar
+
+from ._errors import SidecarConfigError, StoreError
+from ._revisions import Decision, decide
+
+__all__ = ["InstanceRow", "Registration", "Store"]
+
+_T = TypeVar("_T")
+
+_SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS instances (
+    id TEXT PRIMARY KEY,
+    limit_bytes INTEGER,               -- NULL = unlimited
+    revision INTEGER NOT NULL,         -- 0 = no limit set yet
+    updated_at REAL NOT NULL,          -- unix seconds of the last desired change
+    engine TEXT,                       -- registration (NULL until the engine registers)
+    engine_version TEXT,
+    socket_path TEXT,
+    device_total_bytes INTEGER,
+    registered_at REAL
+) STRICT;
+CREATE TABLE IF NOT EXISTS ready_probe (k INTEGER PRIMARY KEY, at REAL NOT NULL) STRICT;
+"""
+_COLUMNS = ("id, limit_bytes, revision, updated_at, engine, engine_version, socket_path, "
+            "device_total_bytes, registered_at")
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """What an engine told the sidecar when it registered."""
+
+    engine: str
+    engine_version: str
+    socket_path: str | None
+    device_total_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRow:
+    """One row of ``instances``: the durable part of an instance."""
+
+    id: str
+    limit_bytes: int | None  # desired limit, None = unlimited
+    revision: int  # desired revision, 0 = none set
+    updated_at: float
+    engine: str | None = None
+    engine_version: str | None = None
+    socket_path: str | None = None
+    device_total_bytes: int | None = None
+    registered_at: float | None = None
+    seq: int = 0  # writer-thread write order (not stored): the newest write wins in memory
+
+    def as_tuple(self) -> tuple[object, ...]:
+        return (self.id, self.limit_bytes, self.revision, self.updated_at, self.engine,
+                self.engine_version, self.socket_path, self.device_total_bytes,
+                self.registered_at)
+
+
+class Store:
+    """Owns the SQLite connection and the writer thread.
+
+    Call from the event loop only; every method hops to the writer thread.
+    Methods that validate (revisions) do so inside the same transaction as
+    the write, so concurrent requests cannot interleave a read and a write.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsidecar-db")
+        self._conn: sqlite3.Connection | None = None
+        self._seq = 0  # writes so far; writer thread only
+
+    async def open(self) -> None:
+        await self._run(self._open_sync)
+
+    async def close(self) -> None:
+        try:
+            await self._run(self._close_sync)
+        finally:
+            self._executor.shutdown(wait=True)
+
+    async def load_all(self) -> list[InstanceRow]:
+        return await self._run(self._load_all_sync)
+
+    async def set_desired(self, instance_id: str, limit: int | None,
+                          revision: int | None) -> tuple[InstanceRow, Decision]:
+        """Validate ``revision`` against the stored one and write; raises to change nothing."""
+        return await self._run(lambda: self._set_desired_sync(instance_id, limit, revision))
+
+    async def adopt(self, instance_id: str, limit: int | None,
+                    revision: int) -> InstanceRow | None:
+        """Take an engine's newer revision as the desired one; None if not newer."""
+        return await self._run(lambda: self._adopt_sync(instance_id, limit, revision))
+
+    async def register(self, instance_id: str, reg: Registration) -> InstanceRow:
+        """Record (or refresh) an engine's registration; the desired limit is kept."""
+        return await self._run(lambda: self._register_sync(instance_id, reg))
+
+    async def check_writable(self) -> None:
+        """Raise :class:`StoreError` unless a write transaction can commit now."""
+        await self._run(self._check_writable_sync)
+
+    async def _run(self, fn: Callable[[], _T]) -> _T:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, fn)
+        except sqlite3.Error as exc:
+            raise StoreError(
+                f"the database {self.path} refused the operation ({exc}); check that the "
+                "disk has space and the file is writable, then retry"
+            ) from exc
+
+    # --- writer thread only below ---------------------------------------------------------
+
+    def _db(self) -> sqlite3.Connection:
+        assert self._conn is not None, "Store.open() was not awaited"
+        return self._conn
+
+    def _open_sync(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=5.0)
+        except (OSError, sqlite3.Error) as exc:
+            raise SidecarConfigError(
+                f"cannot open the database {self.path}: {exc}; set KVSIDECAR_DB_PATH "
+                "(or --db) to a writable file"
+            ) from exc
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (0, _SCHEMA_VERSION):
+            raise SidecarConfigError(
+                f"the database {self.path} has schema version {version}; this sidecar "
+                f"reads version {_SCHEMA_VERSION}: use a newer kvsidecar or another --db"
+            )
+        conn.executescript(_SCHEMA)
+        conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+        self._conn = conn
+
+    def _close_sync(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _load_all_sync(self) -> list[InstanceRow]:
+        rows = self._db().execute(f"SELECT {_COLUMNS} FROM instances ORDER BY id").fetchall()
+        return [InstanceRow(*row) for row in rows]
+
+    def _get(self, instance_id: str) -> InstanceRow | None:
+        row = self._db().execute(
+            f"SELECT {_COLUMNS} FROM instances WHERE id = ?", (instance_id,)
+        ).fetchone()
+        return None if row is None else InstanceRow(*row)
+
+    def _put(self, row: InstanceRow) -> InstanceRow:
+        self._db().execute(
+            f"INSERT OR REPLACE INTO instances ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)",
+            row.as_tuple(),
+        )
+        self._seq += 1
+        return replace(row, seq=self._seq)
+
+    def _transaction(self, body: Callable[[], _T]) -> _T:
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            result = body()
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return result
+
+    def _set_desired_sync(self, instance_id: str, limit: int | None,
+                          revision: int | None) -> tuple[InstanceRow, Decision]:
+        def body() -> tuple[InstanceRow, Decision]:
+            current = self._get(instance_id) or InstanceRow(instance_id, None, 0, time.time())
+            decision = decide(current.limit_bytes, current.revision, limit, revision)
+            if not decision.changed:
+                return current, decision
+            row = replace(current, limit_bytes=limit, revision=decision.revision,
+                          updated_at=time.time())
+            return self._put(row), decision
+
+        return self._transaction(body)
+
+    def _adopt_sync(self, instance_id: str, limit: int | None,
+                    revision: int) -> InstanceRow | None:
+        def body() -> InstanceRow | None:
+            current = self._get(instance_id) or InstanceRow(instance_id, None, 0, time.time())
+            if revision <= current.revision:
+                return None
+            row = replace(current, limit_bytes=limit, revision=revision, updated_at=time.time())
+            return self._put(row)
+
+        return self._transaction(body)
+
+    def _register_sync(self, instance_id: str, reg: Registration) -> InstanceRow:
+        def body() -> InstanceRow:
+            current = self._get(instance_id) or InstanceRow(instance_id, None, 0, time.time())
+            row = replace(current, engine=reg.engine, engine_version=reg.engine_version,
+                          socket_path=reg.socket_path,
+                          device_total_bytes=reg.device_total_bytes,
+                          registered_at=time.time())
+            return self._put(row)
+
+        return self._transaction(body)
+
+    def _check_writable_sync(self) -> None:
+        self._transaction(lambda: self._db().execute(
+            "INSERT OR REPLACE INTO ready_probe (k, at) VALUES (1, ?)", (time.time(),)))

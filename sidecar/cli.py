@@ -1,0 +1,65 @@
+"""``kvsidecar``: run the sidecar service (``serve``) or the CPU demo (``demo``)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(name="kvsidecar", no_args_is_help=True, add_completion=False,
+                  help="Elastic KV-cache memory for LLM engines: the control-plane service.")
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="bind address [KVSIDECAR_HOST, 127.0.0.1]")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port [KVSIDECAR_PORT, 8570]")] = None,
+    db: Annotated[Path | None, typer.Option(
+        help="SQLite file [KVSIDECAR_DB_PATH, ~/.local/state/kvsidecar/sidecar.db]")] = None,
+) -> None:
+    """Run the sidecar HTTP service until SIGINT/SIGTERM."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from ._app import create_app
+    from ._settings import SidecarSettings
+
+    overrides: dict[str, Any] = {k: v for k, v in
+                                 {"host": host, "port": port, "db_path": db}.items()
+                                 if v is not None}
+    try:
+        settings = SidecarSettings(**overrides)
+    except ValidationError as exc:
+        typer.echo(f"kvsidecar: bad setting: {exc.errors()[0]['loc']}: "
+                   f"{exc.errors()[0]['msg']}", err=True)
+        raise typer.Exit(2) from None
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.host not in ("127.0.0.1", "::1", "localhost") and settings.token is None:
+        logging.getLogger("kvsidecar").warning(
+            "binding %s without KVSIDECAR_TOKEN: anyone who can reach it can set limits",
+            settings.host)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level=settings.log_level, access_log=False)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def demo(ctx: typer.Context) -> None:
+    """Run the CPU colocation demo (two engines, one budget)."""
+    if importlib.util.find_spec("sidecar.demo") is None:
+        typer.echo("kvsidecar: demo not built yet", err=True)
+        raise typer.Exit(1)
+    module = importlib.import_module("sidecar.demo")
+    module.run_demo(*ctx.args)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The sidecar API over real HTTP (uvicorn on loopback, SQLite on disk)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_sidecar_support import ThreadedSidecar, db_rows
+
+from sidecar import SidecarSettings
+
+GiB = 1 << 30
+MAX_BODY = 1024
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "sidecar.db"
+
+
+@pytest.fixture
+def sidecar(db: Path) -> Iterator[ThreadedSidecar]:
+    settings = SidecarSettings(db_path=db, max_body_bytes=MAX_BODY, max_wait_s=5)
+    with ThreadedSidecar(settings) as server:
+        yield server
+
+
+@pytest.fixture
+def client(sidecar: ThreadedSidecar) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=sidecar.url, timeout=30) as c:
+        yield c
+
+
+def test_put_get_delete_round_trip(client: httpx.Client, db: Path) -> None:
+    r = client.put("/instances/llama-a/limit", json={"limit": "1.5GiB"})
+    assert r.status_code == 200, r.text
+    view = r.json()
+    assert view["desired"] == {**view["desired"], "limit_bytes": 3 * GiB // 2, "revision": 1}
+    assert (view["status"], view["reason"]) == ("pending", "not_registered")
+    assert db_rows(db)[0][:3] == ("llama-a", 3 * GiB // 2, 1)
+    assert client.get("/instances/llama-a").json()["desired"] == view["desired"]
+    assert [v["id"] for v in client.get("/instances").json()["instances"]] == ["llama-a"]
+    r = client.delete("/instances/llama-a/limit")
+    assert r.status_code == 200
+    assert (r.json()["desired"]["limit_bytes"], r.json()["desired"]["revision"]) == (None, 2)
+    assert db_rows(db)[0][:3] == ("llama-a", None, 2)
+
+
+def test_unknown_instance_is_404_problem(client: httpx.Client) -> None:
+    for r in (client.get("/instances/nobody"), client.delete("/instances/nobody/limit")):
+        assert r.status_code == 404
+        assert r.headers["content-type"] == "application/problem+json"
+        assert "'nobody' is not known" in r.json()["detail"]
+
+
+def test_same_revision_same_limit_is_an_idempotent_repeat(client: httpx.Client,
+                                                          db: Path) -> None:
+    assert client.put("/instances/a/limit", json={"limit": "2G", "revision": 5}).status_code == 200
+    before = db_rows(db)
+    r = client.put("/instances/a/limit", json={"limit": 2 * GiB, "revision": 5})
+    assert r.status_code == 200 and r.json()["desired"]["revision"] == 5
+    assert db_rows(db) == before  # nothing rewritten, not even the timestamp
+
+
+def test_wait_on_an_unregistered_instance_answers_202_at_the_deadline(
+        client: httpx.Client) -> None:
+    r = client.put("/instances/a/limit", params={"wait": 0.2}, json={"limit": "1G"})
+    assert r.status_code == 202
+    assert r.json()["status"] == "pending"
+
+
+_BAD_ID = "x" * 64
+# (case, method, path, raw body or json, headers, status, words in the detail)
+BAD_INPUTS: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
+    ("unit", "PUT", "/instances/a/limit", {"limit": "12X"}, {}, 422, "limit: cannot read size"),
+    ("neg-str", "PUT", "/instances/a/limit", {"limit": "-5G"}, {}, 422, "cannot read size"),
+    ("neg-int", "PUT", "/instances/a/limit", {"limit": -5}, {}, 422, "cannot be negative"),
+    ("nan", "PUT", "/instances/a/limit", b'{"limit": NaN}', {}, 422, "finite"),
+    ("inf", "PUT", "/instances/a/limit", b'{"limit": 1e999}', {}, 422, "finite"),
+    ("huge", "PUT", "/instances/a/limit", {"limit": "99999999T"}, {}, 422, "larger than 1 EiB"),
+    ("huge-int", "PUT", "/instances/a/limit", {"limit": 10**30}, {}, 422, "larger than 1 EiB"),
+    ("fraction", "PUT", "/instances/a/limit", {"limit": 1.5}, {}, 422, "whole"),
+    ("bool", "PUT", "/instances/a/limit", {"limit": True}, {}, 422, "boolean"),
+    ("list", "PUT", "/instances/a/limit", {"limit": [1]}, {}, 422, "got list"),
+    ("rev-str", "PUT", "/instances/a/limit", {"limit": 1, "revision": "9"}, {}, 422,
+     "revision: Input should be a valid integer"),
+    ("rev-bool", "PUT", "/instances/a/limit", {"limit": 1, "revision": True}, {}, 422,
+     "revision"),
+    ("rev-zero", "PUT", "/instances/a/limit", {"limit": 1, "revision": 0}, {}, 422,
+     "greater than or equal to 1"),
+    ("unknown-field", "PUT", "/instances/a/limit", {"limit": 1, "lmit": 2}, {}, 422,
+     "lmit: Extra inputs are not permitted"),
+    ("missing", "PUT", "/instances/a/limit", {}, {}, 422, "limit: Field required"),
+    ("not-json", "PUT", "/instances/a/limit", b'{"limit": ', {}, 422, "JSON"),
+    ("not-object", "PUT", "/instances/a/limit", b'"4G"', {}, 422, "valid dictionary"),
+    ("oversized", "PUT", "/instances/a/limit",
+     b'{"limit": "1G", "pad": "' + b"x" * MAX_BODY + b'"}', {}, 413, "larger than 1024 bytes"),
+    ("bad-id", "PUT", "/instances/bad%20id!/limit", {"limit": 1}, {}, 422, "instance_id"),
+    ("long-id", "PUT", f"/instances/{_BAD_ID}/limit", {"limit": 1}, {}, 422, "instance_id"),
+    ("dash-id", "PUT", "/instances/-a/limit", {"limit": 1}, {}, 422, "instance_id"),
+    ("stale", "PUT", "/instances/a/limit", {"limit": "1G", "revision": 4}, {}, 409,
+     "older than the current revision 5"),
+    ("conflict", "PUT", "/instances/a/limit", {"limit": "3G", "revision": 5}, {}, 409,
+     "revision 5 already set limit"),
+    ("wait-neg", "PUT", "/instances/a/limit?wait=-1", {"limit": 1}, {}, 422, "query.wait"),
+    ("wait-huge", "PUT", "/instances/a/limit?wait=301", {"limit": 1}, {}, 422, "query.wait"),
+    ("wait-nan", "GET", "/instances/a?wait=nan", None, {}, 422, "query.wait"),
+    ("report-unknown", "POST", "/instances/b/report", {"status": "applied"}, {}, 404,
+     "'b' is not known"),
+    ("report-stale", "POST", "/instances/a/report", {"status": "stale"}, {}, 422,
+     "stale/conflict are replies only"),
+    ("register-relative", "POST", "/instances/a/register",
+     {"engine": "vllm", "engine_version": "0.33.0", "socket_path": "run/x.sock",
+      "state": {"status": "applied"}}, {}, 422, "socket_path: must be an absolute path"),
+    ("register-types", "POST", "/instances/a/register",
+     {"engine": "vllm", "engine_version": "0.33.0", "device_total_bytes": "lots",
+      "state": {"status": "applied"}}, {}, 422, "device_total_bytes"),
+    ("no-route", "POST", "/instances/a/limit", {"limit": 1}, {}, 405, "Method Not Allowed"),
+]
+
+
+def _send(client: httpx.Client, method: str, path: str, body: Any,
+          headers: dict[str, str]) -> httpx.Response:
+    if isinstance(body, bytes):
+        headers = {"content-type": "application/json", **headers}
+        return client.request(method, path, content=body, headers=headers)
+    return client.request(method, path, json=body, headers=headers)
+
+
+@pytest.mark.parametrize(("case", "method", "path", "body", "headers", "status", "words"),
+                         BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_a_clear_4xx_and_changes_nothing(
+        client: httpx.Client, db: Path, case: str, method: str, path: str, body: Any,
+        headers: dict[str, str], status: int, words: str) -> None:
+    assert client.put("/instances/a/limit", json={"limit": "2G", "revision": 5}).status_code == 200
+    before_api, before_db = client.get("/instances").content, db_rows(db)
+    r = _send(client, method, path, body, headers)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    assert words in r.json()["detail"], r.json()
+    assert client.get("/instances").content == before_api
+    assert db_rows(db) == before_db
+
+
+def test_a_rejected_revision_says_what_holds(client: httpx.Client) -> None:
+    client.put("/instances/a/limit", json={"limit": "2G", "revision": 5})
+    problem = client.put("/instances/a/limit", json={"limit": "1G", "revision": 5}).json()
+    assert (problem["revision_status"], problem["current_revision"], problem["current_limit_bytes"]) == \
+        ("conflict", 5, 2 * GiB)
+
+
+def test_token_guards_every_mutating_endpoint(db: Path) -> None:
+    settings = SidecarSettings(db_path=db, token="s3cret")
+    register = {"engine": "vllm", "engine_version": "0.33.0", "state": {"status": "applied"}}
+    calls = [("PUT", "/instances/a/limit", {"limit": "1G"}),
+             ("DELETE", "/instances/a/limit", None),
+             ("POST", "/instances/a/register", register),
+             ("POST", "/instances/a/report", {"status": "applied"})]
+    with ThreadedSidecar(settings) as server, httpx.Client(base_url=server.url) as c:
+        ok = c.put("/instances/a/limit", json={"limit": "2G"},
+                   headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        before_api, before_db = c.get("/instances").content, db_rows(db)
+        for method, path, body in calls:
+            for headers in ({}, {"Authorization": "Bearer wrong"},
+                            {"Authorization": "Basic czNjcmV0"}):
+                r = c.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (method, path, headers, r.text)
+                assert r.headers["www-authenticate"].startswith("Bearer")
+                assert "token" in r.json()["detail"]
+        assert c.get("/instances").content == before_api  # reads need no token
+        assert db_rows(db) == before_db
+
+
+def test_100_concurrent_puts_lose_nothing(sidecar: ThreadedSidecar, db: Path) -> None:
+    async def put_all(bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=sidecar.url, limits=limits, timeout=60) as c:
+            return await asyncio.gather(*(c.put("/instances/a/limit", json=b) for b in bodies))
+
+    # Sidecar-assigned revisions: every PUT gets its own, none is lost.
+    replies = asyncio.run(put_all([{"limit": i << 20} for i in range(1, 101)]))
+    assert {r.status_code for r in replies} == {200}
+    revisions = {r.json()["desired"]["revision"]: r.json()["desired"]["limit_bytes"]
+                 for r in replies}
+    assert sorted(revisions) == list(range(1, 101))
+    final = httpx.get(f"{sidecar.url}/instances/a").json()["desired"]
+    assert (final["revision"], final["limit_bytes"]) == (100, revisions[100])
+    assert db_rows(db)[0][1:3] == (revisions[100], 100)
+
+    # Client revisions in random order: the highest wins; older ones arriving later are stale.
+    order = list(range(101, 201))
+    random.Random(5).shuffle(order)
+    replies = asyncio.run(put_all([{"limit": r << 20, "revision": r} for r in order]))
+    codes = {r.status_code for r in replies}
+    assert codes <= {200, 409} and 200 in codes
+    accepted = [rev for rev, r in zip(order, replies, strict=True) if r.status_code == 200]
+    assert 200 in accepted
+    for rev, r in zip(order, replies, strict=True):
+        if r.status_code == 409:
+            assert r.json()["revision_status"] == "stale"
+            assert r.json()["current_revision"] > rev
+    final = httpx.get(f"{sidecar.url}/instances/a").json()["desired"]
+    assert (final["revision"], final["limit_bytes"]) == (200, 200 << 20)
+    assert db_rows(db)[0][1:3] == (200 << 20, 200)
+
+
+def test_health_readiness_and_metrics(client: httpx.Client) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json() == {"status": "ready"}
+    client.put("/instances/llama-a/limit", json={"limit": "4G"})
+    text = client.get("/metrics").text
+    assert 'kvsidecar_desired_limit_bytes{instance="llama-a"} 4.294967296e+09' in text
+    assert 'kvsidecar_instance_status{instance="llama-a",status="pending"} 1.0' in text
+    assert 'kvsidecar_instance_status{instance="llama-a",status="applied"} 0.0' in text
+    assert "kvsidecar_push_seconds_bucket" in text

@@ -1,0 +1,174 @@
+"""Helpers for the sidecar e2e tests (no tests here): real servers on loopback / unix sockets.
+
+* :class:`ThreadedSidecar` runs the real app under uvicorn in a thread, on a free port;
+* :class:`SidecarProcess` runs ``kvsidecar serve`` as a child process (for ``kill -9``);
+* :class:`SocketEngine` is the real engine control socket (:class:`engine_ext.ControlServer`)
+  and mailbox, with the engine thread's pass played by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from engine_ext import ControlServer, LimitMailbox, PublishResult
+from engine_ext.protocol import EngineState, RegisterBody, Status
+from sidecar import SidecarSettings, create_app
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ThreadedSidecar:
+    """The real app under uvicorn, in a daemon thread, on 127.0.0.1 and a free port."""
+
+    def __init__(self, settings: SidecarSettings) -> None:
+        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=0,
+                                log_level="warning", access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = ""
+
+    def __enter__(self) -> ThreadedSidecar:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the sidecar did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class SidecarProcess:
+    """``python -m sidecar.cli serve`` as a child process on a fixed port."""
+
+    def __init__(self, db: Path, env: dict[str, str] | None = None) -> None:
+        self.db = db
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> SidecarProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sidecar.cli", "serve", "--port", str(self.port),
+             "--db", str(self.db)], env=self.env, cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(self.proc.stderr.read().decode() if self.proc.stderr else "")
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvsidecar serve did not answer /healthz")
+            time.sleep(0.05)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def db_rows(db: Path) -> list[tuple[Any, ...]]:
+    """Every row of the instances table, read straight from the file (read-only)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT * FROM instances ORDER BY id").fetchall()
+    finally:
+        conn.close()
+
+
+class _RecordingMailbox(LimitMailbox):
+    """The real mailbox, plus a record of every publish (what the sidecar pushed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pushes: list[tuple[int | None, int]] = []
+        self.pushed = threading.Event()
+
+    def publish(self, limit_bytes: int | None, revision: int) -> PublishResult:
+        result = super().publish(limit_bytes, revision)
+        self.pushes.append((limit_bytes, revision))
+        self.pushed.set()
+        return result
+
+
+class SocketEngine:
+    """The real engine control socket and mailbox; :meth:`engine_pass` plays the engine thread.
+
+    ``mapped_bytes`` is what the fake engine maps; a pass takes the newest target
+    and reports ``applied`` when mapped fits under it, else ``deferred``.
+    """
+
+    def __init__(self, socket_path: Path, mapped_bytes: int, device_total_bytes: int) -> None:
+        self.socket_path = socket_path
+        self.mailbox = _RecordingMailbox()
+        self.mapped_bytes = mapped_bytes
+        self.device_total_bytes = device_total_bytes
+        self.server = ControlServer(str(socket_path), self.mailbox)
+        self.mailbox.set_state(EngineState(status=Status.APPLIED, mapped_bytes=mapped_bytes,
+                                           capacity_bytes=device_total_bytes))
+
+    def __enter__(self) -> SocketEngine:
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop()
+
+    def register_body(self) -> dict[str, Any]:
+        return json.loads(RegisterBody(
+            engine="test", engine_version="0", socket_path=str(self.socket_path),
+            device_total_bytes=self.device_total_bytes,
+            state=self.mailbox.latest_state).model_dump_json())
+
+    def engine_pass(self, *, mapped_bytes: int | None = None) -> EngineState:
+        """Take the newest target, 'evict' down to ``mapped_bytes``, return the new state."""
+        if mapped_bytes is not None:
+            self.mapped_bytes = mapped_bytes
+        self.mailbox.take()
+        target = self.mailbox.desired
+        over = 0 if target.limit_bytes is None else max(0, self.mapped_bytes - target.limit_bytes)
+        state = EngineState(
+            status=Status.DEFERRED if over else Status.APPLIED, revision=target.revision,
+            limit_bytes=target.limit_bytes, mapped_bytes=self.mapped_bytes,
+            overage_bytes=over, reason="evicting" if over else None,
+            capacity_bytes=self.device_total_bytes)
+        self.mailbox.set_state(state)
+        return state
