@@ -50,12 +50,17 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         )
         thread.start()
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hangs up mid-reply is routine; never print tracebacks to stderr.
+        _log.debug("control socket request failed", exc_info=True)
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
     timeout = _CLIENT_TIMEOUT_S
     server_version = "kvsidecar-engine"
+    _body_read = False  # the current request's body was consumed
 
     def address_string(self) -> str:
         return "unix"
@@ -129,9 +134,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # the body is not read: the connection cannot be reused
             self._problem(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                f"the body has {length} bytes; a limit body must be under {MAX_BODY_BYTES}",
+                f"the body has {length} bytes; a limit body may have at most "
+                f"{MAX_BODY_BYTES} bytes (64 KiB)",
             )
             return None
+        self._body_read = True
         return self.rfile.read(length)
 
     def _problem(self, code: HTTPStatus, detail: str) -> None:
@@ -141,6 +148,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_json(
         self, code: HTTPStatus, body: Any, *, content_type: str = "application/json"
     ) -> None:
+        if self.command != "GET" and not self._body_read:
+            self.close_connection = True  # an unread body would be parsed as the next request
         data = json.dumps(body).encode()
         self.send_response(code)
         self.send_header("Content-Type", content_type)
@@ -149,6 +158,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
+        self._body_read = False
 
 
 def _state_json(state: EngineState) -> dict[str, Any]:

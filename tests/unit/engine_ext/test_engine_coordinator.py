@@ -263,7 +263,7 @@ def test_rank_barrier_forces_deferred(pool: Pool) -> None:
 
 def test_foreign_thread_mutation_fails(pool: Pool) -> None:
     pool.fill(2)
-    mailbox, coord = make(pool)
+    _mailbox, coord = make(pool)
     coord.step()
     for name, fn in {
         "alloc": lambda: pool.blocks.alloc(1),

@@ -1,0 +1,165 @@
+"""The control socket over a real unix socket, with a real pool behind the mailbox."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import BUNDLE, Pool
+
+from engine_ext import (
+    ControlServer,
+    CoordinatorConfig,
+    EngineExtConfigError,
+    LimitMailbox,
+    ShrinkCoordinator,
+)
+from engine_ext.protocol import Status
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=10)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(self.unix_path)
+
+
+def call(path: str, method: str, url: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
+    conn = UnixHTTPConnection(path)
+    try:
+        conn.request(method, url, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        data = resp.read()
+        return resp.status, json.loads(data), resp.getheader("Content-Type", "")
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def served(pool: Pool, tmp_path: Path) -> Iterator[tuple[str, LimitMailbox, ShrinkCoordinator]]:
+    pool.fill(6)
+    mailbox = LimitMailbox()
+    coord = ShrinkCoordinator(mailbox, pool.blocks, CoordinatorConfig())
+    coord.add_reclaimer(pool.cache)
+    coord.step()  # the test thread is the engine thread
+    rundir = tmp_path / "run"
+    rundir.mkdir(mode=0o700)
+    server = ControlServer(str(rundir / "control.sock"), mailbox)
+    server.start()
+    try:
+        yield server.socket_path, mailbox, coord
+    finally:
+        server.stop()
+    assert not os.path.exists(server.socket_path)
+
+
+def test_socket_is_private(served: tuple[str, LimitMailbox, ShrinkCoordinator]) -> None:
+    path, _, _ = served
+    mode = os.stat(path).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    assert call(path, "GET", "/healthz")[:2] == (200, {"status": "ok"})
+
+
+def test_put_limit_defers_then_engine_applies(
+    served: tuple[str, LimitMailbox, ShrinkCoordinator], pool: Pool
+) -> None:
+    path, _mailbox, coord = served
+    code, body, _ = call(path, "PUT", "/limit", json.dumps({"limit": "256KiB"}).encode())
+    # The handler thread only published: the guard would have raised (500) on any
+    # allocator call, and nothing was evicted or unmapped.
+    assert code == 200 and body["status"] == "deferred" and body["revision"] == 1
+    assert body["reason"] == "engine_pass" and body["overage_bytes"] == 4 * BUNDLE
+    assert pool.cache.num_evicted == 0 and pool.backend.mapped_bytes() == 6 * BUNDLE
+    state = coord.step()
+    assert state.status is Status.APPLIED and pool.backend.mapped_bytes() == 2 * BUNDLE
+    code, body, _ = call(path, "GET", "/state")
+    assert code == 200 and body["status"] == "applied" and body["mapped_bytes"] == 2 * BUNDLE
+    code, body, _ = call(path, "PUT", "/limit", b'{"limit": 262144, "revision": 1}')
+    assert code == 200 and body["status"] == "applied"  # idempotent retry
+
+
+def test_stale_and_conflict_are_409(served: tuple[str, LimitMailbox, ShrinkCoordinator]) -> None:
+    path, mailbox, _ = served
+    assert call(path, "PUT", "/limit", b'{"limit": "1G", "revision": 10}')[0] == 200
+    code, body, _ = call(path, "PUT", "/limit", b'{"limit": "1G", "revision": 9}')
+    assert code == 409 and body["status"] == "stale" and "10" in body["message"]
+    code, body, _ = call(path, "PUT", "/limit", b'{"limit": "2G", "revision": 10}')
+    assert code == 409 and body["status"] == "conflict"
+    assert mailbox.desired.limit_bytes == 1 << 30 and mailbox.desired.revision == 10
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "body", "code", "needle"),
+    [
+        ("PUT", "/limit", b'{"limit": "12 parsecs"}', 422, "limit"),
+        ("PUT", "/limit", b'{"limit": -5}', 422, "limit"),
+        ("PUT", "/limit", b'{"limit": 5, "revision": 0}', 422, "revision"),
+        ("PUT", "/limit", b'{"limit": 5, "colour": 1}', 422, "colour"),
+        ("PUT", "/limit", b'{"revision": 3}', 422, "limit"),
+        ("PUT", "/limit", b"not json", 422, "body"),
+        ("PUT", "/limit", b" " * (64 * 1024 + 1), 413, "64"),
+        ("PUT", "/nope", b"{}", 404, "/nope"),
+        ("GET", "/metrics", None, 404, "/metrics"),
+        ("GET", "/limit", None, 405, "PUT /limit"),
+        ("POST", "/limit", b"{}", 405, "PUT /limit"),
+    ],
+)
+def test_bad_requests_are_4xx_and_change_nothing(
+    served: tuple[str, LimitMailbox, ShrinkCoordinator],
+    method: str, url: str, body: bytes | None, code: int, needle: str,
+) -> None:
+    path, mailbox, _ = served
+    before = (mailbox.desired, mailbox.latest_state)
+    got, problem, ctype = call(path, method, url, body)
+    assert got == code and ctype == "application/problem+json"
+    assert problem["status"] == code and needle in problem["detail"]
+    assert (mailbox.desired, mailbox.latest_state) == before and not mailbox.has_untaken
+
+
+def test_missing_content_length_is_411(served: tuple[str, LimitMailbox, ShrinkCoordinator]) -> None:
+    path, mailbox, _ = served
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(path)
+    with sock:
+        sock.sendall(b"PUT /limit HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 411") and mailbox.revision == 0
+
+
+def test_second_server_on_live_socket_is_refused(
+    served: tuple[str, LimitMailbox, ShrinkCoordinator],
+) -> None:
+    path, mailbox, _ = served
+    with pytest.raises(EngineExtConfigError, match="INSTANCE_ID"):
+        ControlServer(path, mailbox).start()
+
+
+def test_leftover_socket_from_a_crash_is_replaced(tmp_path: Path) -> None:
+    path = str(tmp_path / "control.sock")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)
+    dead.close()  # the file stays, nobody listens
+    server = ControlServer(path, LimitMailbox())
+    server.start()
+    try:
+        assert call(path, "GET", "/healthz")[0] == 200
+    finally:
+        server.stop()
+
+
+def test_too_long_socket_path_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(EngineExtConfigError, match="KVSIDECAR_RUNTIME_DIR"):
+        ControlServer(str(tmp_path / ("x" * 120)), LimitMailbox())

@@ -1,0 +1,98 @@
+"""ElasticInstance: runtime dir, socket life cycle, in-process API, signal cleanup."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import BUNDLE, Pool
+
+from engine_ext import ElasticInstance, EngineBinding, EngineExtConfigError, load_engine_settings
+from engine_ext.protocol import Status
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def make(pool: Pool, tmp_path: Path, **kw: object) -> ElasticInstance:
+    settings = load_engine_settings(instance_id="inst-1", runtime_dir=tmp_path / "rt", **kw)
+    return ElasticInstance(settings, EngineBinding("vllm", "0.33.0", pool.blocks, (pool.cache,)))
+
+
+def test_start_makes_private_dir_and_close_removes_it(pool: Pool, tmp_path: Path) -> None:
+    inst = make(pool, tmp_path)
+    inst.start()
+    try:
+        assert stat.S_IMODE(os.stat(inst.runtime_dir).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(inst.socket_path).st_mode) == 0o600
+        assert inst.runtime_dir == tmp_path / "rt" / "inst-1"
+    finally:
+        inst.close()
+    assert not inst.runtime_dir.exists()
+    inst.close()  # idempotent
+
+
+def test_set_limit_from_any_thread_only_publishes(pool: Pool, tmp_path: Path) -> None:
+    pool.fill(5)
+    inst = make(pool, tmp_path)
+    inst.start()
+    try:
+        inst.step()
+        results = []
+        t = threading.Thread(target=lambda: results.append(inst.set_limit(BUNDLE)), name="api")
+        t.start()
+        t.join()
+        assert results[0].status is Status.DEFERRED and pool.cache.num_evicted == 0
+        assert inst.step().status is Status.APPLIED
+        assert pool.backend.mapped_bytes() == BUNDLE
+    finally:
+        inst.close()
+
+
+def test_runtime_dir_that_is_a_file_is_a_config_error(pool: Pool, tmp_path: Path) -> None:
+    (tmp_path / "rt").write_text("not a dir")
+    inst = make(pool, tmp_path)
+    with pytest.raises(EngineExtConfigError, match="KVSIDECAR_RUNTIME_DIR"):
+        inst.start()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    from allocator import BlockAllocator, HostBackend, PageAllocator, PageLayout
+    from engine_ext import ElasticInstance, EngineBinding, load_engine_settings
+    backend = HostBackend.reserve(PageLayout(page_bytes=65536, num_pages=4))
+    blocks = BlockAllocator(PageAllocator(backend), 4)
+    settings = load_engine_settings(instance_id="sig", runtime_dir=sys.argv[1])
+    inst = ElasticInstance(settings, EngineBinding("vllm", "0.33.0", blocks))
+    inst.start()
+    inst.install_signal_cleanup()
+    print(inst.socket_path, flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_removes_socket_and_dir(tmp_path: Path, signum: int) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(tmp_path)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        assert child.stdout is not None
+        socket_path = Path(child.stdout.readline().strip())
+        assert socket_path.is_socket()
+        child.send_signal(signum)
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+    assert child.returncode in (-signum, 1)  # SIGINT: KeyboardInterrupt exits 1
+    assert not socket_path.exists() and not socket_path.parent.exists()

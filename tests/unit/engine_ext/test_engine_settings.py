@@ -1,0 +1,86 @@
+"""EngineSettings: KVSIDECAR_* variables, read only when asked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import engine_ext
+from engine_ext import EngineExtConfigError, EngineSettings, load_engine_settings
+
+
+def test_reads_prefixed_env_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSIDECAR_ENABLE", "1")
+    monkeypatch.setenv("KVSIDECAR_INSTANCE_ID", "llama-a")
+    monkeypatch.setenv("KVSIDECAR_SIDECAR_URL", "http://127.0.0.1:8420/")
+    monkeypatch.setenv("KVSIDECAR_TOKEN", "t0k")
+    monkeypatch.setenv("KVSIDECAR_LIMIT", "1.5GiB")
+    monkeypatch.setenv("KVSIDECAR_RECLAIM", "false")
+    monkeypatch.setenv("KVSIDECAR_HEARTBEAT_S", "0.5")
+    s = load_engine_settings()
+    assert s.enable and s.instance_id == "llama-a" and not s.reclaim
+    assert s.sidecar_url == "http://127.0.0.1:8420"
+    assert s.token is not None and s.token.get_secret_value() == "t0k" and "t0k" not in repr(s)
+    assert s.limit == 3 << 29 and s.heartbeat_s == 0.5
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("XDG_RUNTIME_DIR", "KVSIDECAR_RUNTIME_DIR", "KVSIDECAR_LIMIT"):
+        monkeypatch.delenv(name, raising=False)
+    s = load_engine_settings()
+    assert not s.enable and s.sidecar_url is None and s.limit is None and s.reclaim
+    assert str(s.resolved_runtime_dir()).startswith("/tmp/kvsidecar-")
+    assert s.resolved_instance_id("vllm").startswith("vllm-")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert s.resolved_runtime_dir() == tmp_path / "kvsidecar"
+    assert load_engine_settings(limit="none").limit is None
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "needle"),
+    [
+        ("KVSIDECAR_LIMIT", "4 parsecs", "KVSIDECAR_LIMIT"),
+        ("KVSIDECAR_INSTANCE_ID", "bad id!", "KVSIDECAR_INSTANCE_ID"),
+        ("KVSIDECAR_SIDECAR_URL", "localhost:8420", "http"),
+        ("KVSIDECAR_HEARTBEAT_S", "0", "KVSIDECAR_HEARTBEAT_S"),
+        ("KVSIDECAR_RESERVE_PAGES", "-1", "KVSIDECAR_RESERVE_PAGES"),
+    ],
+)
+def test_bad_values_are_config_errors(
+    monkeypatch: pytest.MonkeyPatch, env: str, value: str, needle: str
+) -> None:
+    monkeypatch.setenv(env, value)
+    with pytest.raises(EngineExtConfigError, match=needle):
+        load_engine_settings()
+
+
+def test_exports_are_pinned_and_sorted() -> None:
+    assert engine_ext.__all__ == [
+        "MAX_BODY_BYTES",
+        "BarrierOutcome",
+        "BarrierResult",
+        "BlockView",
+        "ControlServer",
+        "CoordinatorConfig",
+        "DeferReason",
+        "ElasticInstance",
+        "EngineBinding",
+        "EngineExtConfigError",
+        "EngineExtContractError",
+        "EngineExtError",
+        "EngineSettings",
+        "LimitMailbox",
+        "PublishResult",
+        "RankBarrier",
+        "Reclaimer",
+        "ShrinkCoordinator",
+        "SidecarClient",
+        "Target",
+        "VictimPage",
+        "count_reclaimable_pages",
+        "load_engine_settings",
+        "select_victim_pages",
+    ]
+    assert all(hasattr(engine_ext, name) for name in engine_ext.__all__)
+    assert EngineSettings.model_config["env_prefix"] == "KVSIDECAR_"

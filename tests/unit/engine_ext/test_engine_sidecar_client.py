@@ -1,0 +1,207 @@
+"""SidecarClient and ElasticInstance start-up against a small real HTTP server on loopback.
+
+The stand-in speaks the engine-facing half of the sidecar API
+(``/instances/{id}/register`` and ``/report``) with the wire models of
+``engine_ext.protocol``; the real sidecar is exercised by the e2e tests.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import BLOCKS_PER_PAGE, BUNDLE, Pool
+
+from engine_ext import ElasticInstance, EngineBinding, load_engine_settings
+from engine_ext.protocol import EngineState, RegisterBody, RegisterReply, Status
+
+
+class StandIn:
+    """Records what the engine sends; answers like the sidecar would."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.retained = RegisterReply()
+        self.registers: list[RegisterBody] = []
+        self.reports: list[EngineState] = []
+        self.auth: list[str | None] = []
+        self.forget = False  # answer 404 to reports until the next register
+        self.gate = threading.Event()
+        self.gate.set()  # cleared: report handlers block until set
+        self.changed = threading.Condition()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                data = self.rfile.read(int(self.headers["Content-Length"]))
+                outer.auth.append(self.headers.get("Authorization"))
+                if self.path == "/instances/eng-1/register":
+                    body = RegisterBody.model_validate_json(data)
+                    outer.forget = False
+                    reply = outer.retained.model_dump_json().encode()
+                    code = 200
+                    with outer.changed:
+                        outer.registers.append(body)
+                        outer.changed.notify_all()
+                elif self.path == "/instances/eng-1/report":
+                    outer.gate.wait(10)
+                    code, reply = (404, b'{"detail": "unknown"}') if outer.forget else (200, b"{}")
+                    with outer.changed:
+                        if not outer.forget:
+                            outer.reports.append(EngineState.model_validate_json(data))
+                        outer.changed.notify_all()
+                else:
+                    code, reply = 404, b"{}"
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever,
+                                       kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def wait(self, what: str, count: int) -> list[Any]:
+        with self.changed:
+            assert self.changed.wait_for(lambda: len(getattr(self, what)) >= count, timeout=10)
+            return list(getattr(self, what))
+
+    def wait_report(self, revision: int, mapped_bytes: int) -> None:
+        """Wait until a report carries this revision and mapped figure."""
+        with self.changed:
+            assert self.changed.wait_for(
+                lambda: any(r.revision == revision and r.mapped_bytes == mapped_bytes
+                            for r in self.reports), timeout=10)
+
+    def close(self) -> None:
+        self.gate.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def standin() -> Iterator[StandIn]:
+    s = StandIn()
+    yield s
+    s.close()
+
+
+def make_instance(pool: Pool, tmp_path: Path, url: str, wake: threading.Event | None = None,
+                  **settings: Any) -> ElasticInstance:
+    settings.setdefault("register_timeout_s", 5)
+    config = load_engine_settings(
+        instance_id="eng-1", sidecar_url=url, runtime_dir=tmp_path, **settings
+    )
+    binding = EngineBinding("vllm", "0.33.0", pool.blocks, (pool.cache,),
+                            wake=None if wake is None else wake.set)
+    return ElasticInstance(config, binding)
+
+
+def test_retained_limit_applied_before_first_allocation(
+    pool: Pool, tmp_path: Path, standin: StandIn
+) -> None:
+    standin.retained = RegisterReply(limit=2 * BUNDLE, revision=3)
+    inst = make_instance(pool, tmp_path, standin.url, token="s3cret")
+    try:
+        inst.start()
+        body = standin.registers[0]
+        assert body.engine == "vllm" and body.socket_path == inst.socket_path
+        assert standin.auth[0] == "Bearer s3cret"
+        assert pool.backend.mapped_bytes() == 0
+        # the engine's first allocation: a pass, then blocks
+        state = inst.step()
+        assert state.revision == 3 and state.status is Status.APPLIED
+        got = [pool.cache.start([i]) for i in range(4 * BLOCKS_PER_PAGE)]
+        assert sum(r is not None for r in got) == 2 * BLOCKS_PER_PAGE
+        assert pool.backend.mapped_bytes() == 2 * BUNDLE
+        inst.step()
+        standin.wait_report(3, 2 * BUNDLE)
+    finally:
+        inst.close()
+    assert not Path(inst.socket_path).exists() and not inst.runtime_dir.exists()
+
+
+def test_reports_latest_state_and_never_blocks_the_engine(
+    pool: Pool, tmp_path: Path, standin: StandIn
+) -> None:
+    inst = make_instance(pool, tmp_path, standin.url, heartbeat_s=30)
+    try:
+        inst.start()
+        standin.gate.clear()  # the sidecar hangs on reports
+        pool.fill(3)
+        inst.set_limit(8 * BUNDLE)
+        inst.step()  # reports (enqueue) while the sidecar is stuck: must return
+        inst.set_limit(1 * BUNDLE)
+        state = inst.step()
+        assert state.status is Status.APPLIED and state.revision == 2
+        standin.gate.set()
+        standin.wait_report(2, BUNDLE)
+        assert standin.reports[-1].revision == 2  # latest wins: nothing older after it
+    finally:
+        inst.close()
+
+
+def test_heartbeats_and_reregisters_after_404(
+    pool: Pool, tmp_path: Path, standin: StandIn
+) -> None:
+    inst = make_instance(pool, tmp_path, standin.url, heartbeat_s=0.05)
+    try:
+        inst.start()
+        standin.wait("reports", 3)  # heartbeats with nothing changed
+        standin.forget = True  # the sidecar lost its state
+        standin.wait("registers", 2)
+        n = len(standin.reports)
+        standin.wait("reports", n + 1)
+    finally:
+        inst.close()
+
+
+def test_sidecar_down_at_start_registers_in_background(pool: Pool, tmp_path: Path) -> None:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    woken = threading.Event()
+    inst = make_instance(pool, tmp_path, f"http://127.0.0.1:{port}", woken,
+                         register_timeout_s=0.2, limit="512K")
+    try:
+        inst.start()  # gives up after 0.2 s; the engine starts with the configured limit
+        assert inst.sidecar is not None and not inst.sidecar.registered
+        assert inst.mailbox.desired.limit_bytes == 512 * 1024
+        woken.clear()
+        late = StandIn(port)
+        try:
+            late.retained = RegisterReply(limit=BUNDLE, revision=9)
+            assert woken.wait(10)  # the client published the retained limit: engine woken
+            assert inst.mailbox.revision == 9 and len(late.registers) == 1
+            assert inst.step().limit_bytes == BUNDLE
+        finally:
+            late.close()
+    finally:
+        inst.close()
+
+
+def test_no_sidecar_uses_configured_limit(pool: Pool, tmp_path: Path) -> None:
+    config = load_engine_settings(instance_id="solo", runtime_dir=tmp_path, limit="256KiB")
+    inst = ElasticInstance(config, EngineBinding("sglang", "0.5.23", pool.blocks, (pool.cache,)))
+    try:
+        inst.start()
+        assert inst.sidecar is None
+        state = inst.step()
+        assert state.limit_bytes == 256 * 1024 == 2 * BUNDLE and state.revision == 1
+        pool.fill(2)
+        assert pool.cache.start([10_000]) is None  # the third page is refused
+        assert inst.step().status is Status.APPLIED
+    finally:
+        inst.close()
