@@ -1,0 +1,138 @@
+"""kvctl against a real sidecar (uvicorn on loopback) and a real engine control socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from test_sidecar_support import ROOT, SocketEngine, ThreadedSidecar
+from typer.testing import CliRunner
+
+from sidecar import SidecarSettings
+from sidecar.kvctl import app
+
+GiB = 1 << 30
+runner = CliRunner()
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[ThreadedSidecar]:
+    with ThreadedSidecar(SidecarSettings(db_path=tmp_path / "s.db", token="tok",
+                                         max_wait_s=30)) as server:
+        yield server
+
+
+@pytest.fixture
+def engine(tmp_path: Path, sidecar: ThreadedSidecar) -> Iterator[SocketEngine]:
+    with SocketEngine(tmp_path / "e.sock", mapped_bytes=6 * GiB,
+                      device_total_bytes=80 * GiB) as eng:
+        r = httpx.post(f"{sidecar.url}/instances/llama-a/register", json=eng.register_body(),
+                       headers={"Authorization": "Bearer tok"})
+        assert r.status_code == 200
+        yield eng
+
+
+def kvctl(sidecar: ThreadedSidecar, *args: str, token: str = "tok") -> tuple[int, str]:
+    result = runner.invoke(app, ["--url", sidecar.url, "--token", token, *args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result.exit_code, result.output
+
+
+def report(sidecar: ThreadedSidecar, engine: SocketEngine, mapped_bytes: int) -> None:
+    state = engine.engine_pass(mapped_bytes=mapped_bytes)
+    httpx.post(f"{sidecar.url}/instances/llama-a/report", content=state.model_dump_json(),
+               headers={"Authorization": "Bearer tok", "content-type": "application/json"})
+
+
+def test_limit_status_list_delete(sidecar: ThreadedSidecar, engine: SocketEngine) -> None:
+    code, out = kvctl(sidecar, "limit", "llama-a", "4G")
+    assert code == 0 and "limit 4GiB rev 1" in out
+    code, out = kvctl(sidecar, "status", "llama-a", "--json")
+    assert code == 0 and json.loads(out)["desired"]["limit_bytes"] == 4 * GiB
+    code, out = kvctl(sidecar, "list", "--json")
+    assert [v["id"] for v in json.loads(out)] == ["llama-a"]
+    code, out = kvctl(sidecar, "list")
+    assert code == 0 and "llama-a" in out and "4GiB" in out
+    code, out = kvctl(sidecar, "delete", "llama-a", "--json")
+    assert code == 0 and json.loads(out)["desired"] == {
+        **json.loads(out)["desired"], "limit_bytes": None, "revision": 2}
+
+
+def test_limit_percent_uses_the_registered_device_memory(sidecar: ThreadedSidecar,
+                                                         engine: SocketEngine) -> None:
+    code, out = kvctl(sidecar, "limit-percent", "llama-a", "12.5", "--json")
+    assert code == 0 and json.loads(out)["desired"]["limit_bytes"] == 10 * GiB
+    code, out = kvctl(sidecar, "limit-percent", "llama-a", "150")
+    assert code == 2
+    httpx.put(f"{sidecar.url}/instances/other/limit", json={"limit": 1},
+              headers={"Authorization": "Bearer tok"})
+    code, out = kvctl(sidecar, "limit-percent", "other", "10")
+    assert code == 2 and "has not registered its device memory" in out
+
+
+def test_wait_exit_codes(sidecar: ThreadedSidecar, engine: SocketEngine) -> None:
+    code, out = kvctl(sidecar, "limit", "llama-a", "4G", "--wait", "0.3")
+    assert code == 3 and ("deferred" in out or "pending" in out)  # 6 GiB still mapped
+    done: dict[str, tuple[int, str]] = {}
+    waiter = threading.Thread(
+        target=lambda: done.update(r=kvctl(sidecar, "status", "llama-a", "--wait", "30")))
+    waiter.start()
+    report(sidecar, engine, mapped_bytes=3 * GiB)
+    waiter.join(30)
+    assert done["r"][0] == 0 and "applied" in done["r"][1]
+
+
+def test_errors_are_one_line_with_exit_codes(sidecar: ThreadedSidecar) -> None:
+    code, out = kvctl(sidecar, "limit", "llama-a", "12X")
+    assert code == 2 and "cannot read size" in out
+    code, out = kvctl(sidecar, "limit", "bad id!", "1G")
+    assert code == 2 and "instance_id" in out
+    code, out = kvctl(sidecar, "status", "nobody")
+    assert code == 1 and "'nobody' is not known" in out
+    code, out = kvctl(sidecar, "limit", "llama-a", "1G", token="wrong")
+    assert code == 1 and "token is wrong" in out
+    result = runner.invoke(app, ["--url", "http://127.0.0.1:9", "list"])
+    assert result.exit_code == 4 and "cannot reach the sidecar" in result.output
+    assert "Traceback" not in out
+
+
+def test_watch_once_draws_bars(sidecar: ThreadedSidecar, engine: SocketEngine) -> None:
+    kvctl(sidecar, "limit", "llama-a", "4G")
+    report(sidecar, engine, mapped_bytes=6 * GiB)
+    code, out = kvctl(sidecar, "watch", "--once")
+    assert code == 0
+    row = next(line for line in out.splitlines() if "llama-a" in line)
+    assert "deferred" in row and "6GiB" in row and "4GiB" in row and "█" in row
+
+
+def test_socket_mode_talks_to_the_engine_directly(tmp_path: Path) -> None:
+    with SocketEngine(tmp_path / "direct.sock", mapped_bytes=2 * GiB,
+                      device_total_bytes=8 * GiB) as engine:
+        sock = str(engine.socket_path)
+        result = runner.invoke(app, ["--socket", sock, "limit", "any", "1G", "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["status"] == "deferred"
+        assert engine.mailbox.desired.limit_bytes == GiB
+        engine.engine_pass(mapped_bytes=GiB)
+        result = runner.invoke(app, ["--socket", sock, "status", "any", "--wait", "5"])
+        assert result.exit_code == 0 and "engine: applied" in result.output
+        result = runner.invoke(app, ["--socket", sock, "list"])
+        assert result.exit_code == 2 and "needs the sidecar" in result.output
+    result = runner.invoke(app, ["--socket", sock, "status", "any"])
+    assert result.exit_code == 4 and "cannot reach the engine control socket" in result.output
+
+
+def test_real_process_exit_codes_and_no_traceback() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVSIDECAR_URL": "http://127.0.0.1:9"}
+    for args, code in ((["limit", "a", "-1G"], 2), (["list"], 4), (["limit"], 2)):
+        proc = subprocess.run([sys.executable, "-m", "sidecar.kvctl", *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == code, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr

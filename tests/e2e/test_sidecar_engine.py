@@ -1,0 +1,156 @@
+"""Sidecar ↔ engine over real HTTP and the real engine control socket (engine_ext.ControlServer)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_sidecar_support import SocketEngine, ThreadedSidecar
+
+from sidecar import SidecarSettings
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[ThreadedSidecar]:
+    settings = SidecarSettings(db_path=tmp_path / "s.db", push_backoff_initial_s=0.02,
+                               push_backoff_max_s=0.2, max_wait_s=30)
+    with ThreadedSidecar(settings) as server:
+        yield server
+
+
+@pytest.fixture
+def client(sidecar: ThreadedSidecar) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=sidecar.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[SocketEngine]:
+    with SocketEngine(tmp_path / "e.sock", mapped_bytes=6 * GiB,
+                      device_total_bytes=80 * GiB) as eng:
+        yield eng
+
+
+def _report(client: httpx.Client, iid: str, engine: SocketEngine, **kw: Any) -> httpx.Response:
+    state = engine.engine_pass(**kw)
+    r = client.post(f"/instances/{iid}/report", content=state.model_dump_json(),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _wait_for(pred: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_put_deferred_then_report_applied(client: httpx.Client, engine: SocketEngine) -> None:
+    reply = client.post("/instances/llama-a/register", json=engine.register_body()).json()
+    assert reply == {"limit": None, "revision": 0}
+    assert client.get("/instances/llama-a").json()["status"] == "applied"
+
+    r = client.put("/instances/llama-a/limit", json={"limit": "4G"})
+    assert r.status_code == 200 and r.json()["desired"]["revision"] == 1
+    assert engine.mailbox.pushed.wait(10), "the sidecar did not push to the control socket"
+    assert engine.mailbox.pushes == [(4 * GiB, 1)]
+    # The push reply is the engine's word: deferred until an engine pass ran.
+    _wait_for(lambda: client.get("/instances/llama-a").json()["status"] != "pending")
+    view = client.get("/instances/llama-a").json()
+    assert (view["status"], view["reason"]) == ("deferred", "engine_pass")
+
+    _report(client, "llama-a", engine)  # still 6 GiB mapped: evicting
+    view = client.get("/instances/llama-a").json()
+    assert (view["status"], view["reason"], view["overage_bytes"]) == \
+        ("deferred", "evicting", 2 * GiB)
+
+    _report(client, "llama-a", engine, mapped_bytes=3 * GiB)
+    view = client.get("/instances/llama-a").json()
+    assert (view["status"], view["mapped_bytes"], view["effective_limit_bytes"]) == \
+        ("applied", 3 * GiB, 4 * GiB)
+
+
+def test_wait_returns_as_soon_as_applied(client: httpx.Client, engine: SocketEngine) -> None:
+    client.post("/instances/llama-a/register", json=engine.register_body())
+    answer: dict[str, Any] = {}
+
+    def put() -> None:
+        start = time.monotonic()
+        r = client.put("/instances/llama-a/limit", params={"wait": 30}, json={"limit": "4G"})
+        answer.update(code=r.status_code, body=r.json(), elapsed=time.monotonic() - start)
+
+    waiter = threading.Thread(target=put)
+    waiter.start()
+    assert engine.mailbox.pushed.wait(10)
+    _report(client, "llama-a", engine)  # deferred: the PUT keeps waiting
+    assert waiter.is_alive()
+    applied_at = time.monotonic()
+    _report(client, "llama-a", engine, mapped_bytes=4 * GiB)
+    waiter.join(30)
+    assert answer["code"] == 200 and answer["body"]["status"] == "applied"
+    assert time.monotonic() - applied_at < 5  # woken by the report, not by the 30 s deadline
+    # kvctl status --wait uses GET ?wait: already applied, so it answers at once.
+    r = client.get("/instances/llama-a", params={"wait": 30})
+    assert r.json()["status"] == "applied"
+
+
+def test_wait_deadline_while_deferred_is_202(client: httpx.Client, engine: SocketEngine) -> None:
+    client.post("/instances/llama-a/register", json=engine.register_body())
+    r = client.put("/instances/llama-a/limit", params={"wait": 0.3}, json={"limit": "1G"})
+    assert r.status_code == 202
+    assert r.json()["status"] in ("pending", "deferred")
+
+
+def test_registration_returns_the_retained_limit(client: httpx.Client,
+                                                 engine: SocketEngine) -> None:
+    client.put("/instances/llama-a/limit", json={"limit": "2G"})
+    client.put("/instances/llama-a/limit", json={"limit": "3G"})
+    reply = client.post("/instances/llama-a/register", json=engine.register_body()).json()
+    assert reply == {"limit": 3 * GiB, "revision": 2}
+
+
+def test_a_newer_engine_revision_is_adopted(client: httpx.Client, engine: SocketEngine) -> None:
+    engine.mailbox.publish(5 * GiB, 7)  # set on the socket directly (kvctl --socket)
+    engine.engine_pass()
+    client.put("/instances/llama-a/limit", json={"limit": "2G"})  # revision 1 here
+    reply = client.post("/instances/llama-a/register", json=engine.register_body()).json()
+    assert reply == {"limit": 5 * GiB, "revision": 7}
+    r = client.put("/instances/llama-a/limit", json={"limit": "4G"})
+    assert r.json()["desired"]["revision"] == 8  # the sidecar stays ahead
+    _wait_for(lambda: (4 * GiB, 8) in engine.mailbox.pushes)
+
+
+def test_pushes_retry_and_never_reorder(client: httpx.Client, sidecar: ThreadedSidecar,
+                                        tmp_path: Path) -> None:
+    engine = SocketEngine(tmp_path / "late.sock", mapped_bytes=GiB, device_total_bytes=8 * GiB)
+    client.post("/instances/late/register", json=engine.register_body())  # socket not served yet
+    for size in ("3G", "2G", "1G"):
+        client.put("/instances/late/limit", json={"limit": size})
+    _wait_for(lambda: "kvsidecar_push_failures_total{" in client.get("/metrics").text)
+    with engine:  # the engine comes up: the retry delivers the newest revision only
+        assert engine.mailbox.pushed.wait(10)
+        _wait_for(lambda: client.get("/instances/late").json()["status"] == "deferred")
+    revisions = [rev for _, rev in engine.mailbox.pushes]
+    assert revisions == sorted(revisions) and revisions[-1] == 3
+    assert engine.mailbox.pushes[-1] == (GiB, 3)
+
+
+def test_missing_heartbeats_make_it_unreachable(tmp_path: Path, engine: SocketEngine) -> None:
+    settings = SidecarSettings(db_path=tmp_path / "hb.db", heartbeat_timeout_s=0.3)
+    with ThreadedSidecar(settings) as server, httpx.Client(base_url=server.url) as c:
+        c.post("/instances/llama-a/register", json=engine.register_body())
+        assert c.get("/instances/llama-a").json()["status"] == "applied"
+        time.sleep(0.4)  # the point is time passing without a report
+        view = c.get("/instances/llama-a").json()
+        assert (view["status"], view["reason"]) == ("unreachable", "no_heartbeat")
+        assert 'status="unreachable"} 1.0' in c.get("/metrics").text
+        _report(c, "llama-a", engine)  # a report is a heartbeat
+        assert c.get("/instances/llama-a").json()["status"] == "applied"
