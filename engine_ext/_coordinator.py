@@ -78,6 +78,7 @@ class ShrinkCoordinator:
         self._reclaimable_pages = 0  # from the last scan
         self._scanned_at = float("-inf")
         self._reported: tuple[Status, int, int] | None = None
+        self._settled = True  # status is not deferred: an idle pass has nothing to do
         self._state = self._compute(_Pass(), None)
         mailbox.set_state(self._state)
 
@@ -112,7 +113,7 @@ class ShrinkCoordinator:
         """One pass: take the newest target once, shrink toward it, update the status."""
         self._guard.check()
         target = self._mailbox.take()
-        if target is None and self._state.status is not Status.DEFERRED:
+        if target is None and self._settled:
             if self._pages.num_mapped == self._seen_num_mapped:
                 return self._state  # nothing waits, nothing moved: the common case
             return self._update(_Pass(), None)
@@ -157,6 +158,7 @@ class ShrinkCoordinator:
     def _update(self, done: _Pass, barrier: BarrierResult | None) -> EngineState:
         state = self._compute(done, barrier)
         self._state = state
+        self._settled = state.status is not Status.DEFERRED
         self._mailbox.set_state(state)
         key = (state.status, state.revision, state.mapped_bytes)
         if key != self._reported:

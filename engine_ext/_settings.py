@@ -68,7 +68,7 @@ class EngineSettings(BaseSettings):
     def resolved_runtime_dir(self) -> Path:
         """Where per-instance runtime directories (sockets) live."""
         if self.runtime_dir is not None:
-            return self.runtime_dir
+            return self.runtime_dir.absolute()
         xdg = os.environ.get("XDG_RUNTIME_DIR")
         if xdg:
             return Path(xdg) / "kvsidecar"

@@ -164,14 +164,15 @@ class SidecarClient:
                 if self._unsent is None:
                     self._unsent = state
             return True
+        self._adopt(response)  # the reply carries the desired limit: a pull fallback for pushes
         return True
 
     def _adopt(self, response: httpx.Response) -> None:
-        """Publish the retained limit of a register reply, if it is newer than ours."""
+        """Publish the desired limit of a register/report reply, if it is newer than ours."""
         try:
             reply = RegisterReply.model_validate_json(response.content)
         except ValidationError as exc:
-            _log.warning("the sidecar's register reply is not a RegisterReply (%s); ignored", exc)
+            _log.warning("the sidecar's reply is not a RegisterReply (%s); ignored", exc)
             return
         if reply.revision > self._mailbox.revision:
             result = self._mailbox.publish(reply.limit, reply.revision)

@@ -52,7 +52,8 @@ class StandIn:
                         outer.changed.notify_all()
                 elif self.path == "/instances/eng-1/report":
                     outer.gate.wait(10)
-                    code, reply = (404, b'{"detail": "unknown"}') if outer.forget else (200, b"{}")
+                    code, reply = (404, b'{"detail": "unknown"}') if outer.forget else (
+                        200, outer.retained.model_dump_json().encode())
                     with outer.changed:
                         if not outer.forget:
                             outer.reports.append(EngineState.model_validate_json(data))
@@ -155,10 +156,14 @@ def test_reports_latest_state_and_never_blocks_the_engine(
 def test_heartbeats_and_reregisters_after_404(
     pool: Pool, tmp_path: Path, standin: StandIn
 ) -> None:
-    inst = make_instance(pool, tmp_path, standin.url, heartbeat_s=0.05)
+    woken = threading.Event()
+    inst = make_instance(pool, tmp_path, standin.url, woken, heartbeat_s=0.05)
     try:
         inst.start()
         standin.wait("reports", 3)  # heartbeats with nothing changed
+        assert not woken.is_set() and inst.mailbox.revision == 0
+        standin.retained = RegisterReply(limit=BUNDLE, revision=4)  # a push that got lost
+        assert woken.wait(10) and inst.mailbox.desired.revision == 4  # adopted from a reply
         standin.forget = True  # the sidecar lost its state
         standin.wait("registers", 2)
         n = len(standin.reports)
