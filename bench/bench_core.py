@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from allocator import BlockAllocator, HostBackend, PageAllocator, PageLayout  # noqa: E402
-from engine_ext import CoordinatorConfig, LimitMailbox, ShrinkCoordinator  # noqa: E402
-from engine_ext.protocol import Status  # noqa: E402
+from allocator import BlockAllocator, HostBackend, PageAllocator, PageLayout
+from engine_ext import CoordinatorConfig, LimitMailbox, ShrinkCoordinator
+from engine_ext.protocol import Status
 
 PAGE_BYTES = 64 * 1024
 NUM_PAGES = 512
