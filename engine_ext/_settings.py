@@ -10,6 +10,8 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from allocator import ThreadGuard
+
 from ._errors import EngineExtConfigError
 from .protocol import ID_PATTERN, parse_limit
 
@@ -37,7 +39,7 @@ class EngineSettings(BaseSettings):
     limit: Annotated[int | None, BeforeValidator(_limit)] = None  # start-up limit, e.g. "4G"
     reclaim: bool = True  # False: record limits but never evict (baseline)
     thread_guard: bool = False  # raise on allocator mutation from a foreign thread
-    reserve_pages: int = Field(default=0, ge=0)  # pre-mapped free pages kept for bursts
+    reserve_pages: int = Field(default=0, ge=0)  # pre-mapped free pages (adapters pass it on)
     max_evict_pages_per_step: int | None = Field(default=None, ge=1)  # None: whole overage
     heartbeat_s: float = Field(default=5.0, gt=0, le=3600)
     register_timeout_s: float = Field(default=10.0, ge=0, le=600)
@@ -60,6 +62,15 @@ class EngineSettings(BaseSettings):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"{value!r} is not an http(s) URL, e.g. http://127.0.0.1:8420")
         return value.rstrip("/")
+
+    def apply_thread_guard(self) -> None:
+        """Turn the thread guard on for allocators built after this, if the setting asks.
+
+        Adapters call it before building the allocator. It never turns the
+        guard off (tests switch it on for the whole process).
+        """
+        if self.thread_guard:
+            ThreadGuard.set_default_enabled(True)
 
     def resolved_instance_id(self, engine: str) -> str:
         """The instance id, defaulting to ``<engine>-<pid>``."""

@@ -84,3 +84,14 @@ def test_exports_are_pinned_and_sorted() -> None:
     ]
     assert all(hasattr(engine_ext, name) for name in engine_ext.__all__)
     assert EngineSettings.model_config["env_prefix"] == "KVSIDECAR_"
+
+
+def test_thread_guard_setting_turns_the_default_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from allocator import ThreadGuard
+
+    monkeypatch.setattr(ThreadGuard, "_default_enabled", False)
+    load_engine_settings().apply_thread_guard()
+    assert not ThreadGuard("x").enabled
+    monkeypatch.setenv("KVSIDECAR_THREAD_GUARD", "1")
+    load_engine_settings().apply_thread_guard()
+    assert ThreadGuard("y").enabled
