@@ -35,7 +35,6 @@ CPU_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
 }
 
 
@@ -111,12 +110,16 @@ def launch_vllm_server(
     env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
     log_path: str | Path | None = None,
+    kv_cache_bytes: int = 64 << 20,
     timeout_s: float = 180.0,
 ) -> VllmServer:
     """Start ``vllm serve MODEL_DIR`` with the stub executor and wait until healthy.
 
     ``env`` is added to this process's environment (e.g. ``KVSIDECAR_ENABLE=1``,
     ``KVSIDECAR_INSTANCE_ID``); ``extra_args`` go after the defaults, so they win.
+    ``kv_cache_bytes`` is the KV capacity (virtual with the plugin on: only used
+    pages are mapped; all of it mapped at the first step with the plugin off).
+    The log goes to ``log_path`` (default: a fresh temporary directory).
     """
     port = port or free_port()
     log = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="kvs-vllm-")) / "serve.log"
@@ -129,7 +132,7 @@ def launch_vllm_server(
         "--distributed-executor-backend", "engine_ext.vllm.cpu_harness.StubExecutor",
         "--load-format", "dummy", "--dtype", "float16", "--block-size", "16",
         "--max-model-len", "4096", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--kv-cache-memory-bytes", str(16 << 20), "--disable-log-stats",
+        "--kv-cache-memory-bytes", str(kv_cache_bytes), "--disable-log-stats",
         *extra_args,
     ]  # fmt: skip
     with log.open("wb") as out:

@@ -77,7 +77,10 @@ class StubWorker:
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(self.num_layers)}
 
     def determine_available_memory(self) -> int:
-        return self.vllm_config.cache_config.kv_cache_memory_bytes or DEFAULT_KV_BYTES
+        """The KV budget, rounded down to whole pages (so blocks fill whole pages)."""
+        budget = self.vllm_config.cache_config.kv_cache_memory_bytes or DEFAULT_KV_BYTES
+        bundle_bytes = self.page_bytes * 2 * self.num_layers
+        return budget // bundle_bytes * bundle_bytes
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]  # layer-outermost: each layer/K-V region is contiguous

@@ -1,8 +1,45 @@
-"""The ``vllm.general_plugins`` entry point (declared in pyproject.toml)."""
+"""The ``vllm.general_plugins`` entry point (declared in pyproject.toml).
+
+vLLM calls :func:`register` once per process (API server, EngineCore,
+workers). Off unless ``KVSIDECAR_ENABLE=1``. When on, it checks the vLLM
+version against the patch table (refusing to start outside it), applies the
+patches, and records the settings; threads and sockets start later, in the
+EngineCore process (see ``_runtime``). Module import is cheap and has no side
+effects: vLLM logs and *skips* a plugin whose import fails.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
+__all__ = ["register"]
+
+_log = logging.getLogger("engine_ext.vllm.plugin")
+
 
 def register() -> None:
-    """Placeholder: filled in below."""
-    return None
+    """Enable kvsidecar in this vLLM process if ``KVSIDECAR_ENABLE=1``; idempotent."""
+    from engine_ext import load_engine_settings
+
+    engine = load_engine_settings()
+    if not engine.enable:
+        return
+    import vllm
+
+    from allocator import ThreadGuard
+    from engine_ext.vllm._instance_id import export_default_instance_id
+    from engine_ext.vllm._patches import apply_patches
+    from engine_ext.vllm._runtime import configure
+    from engine_ext.vllm._settings import VllmSettings
+
+    changed = apply_patches(vllm.__version__)
+    if engine.thread_guard:
+        ThreadGuard.set_default_enabled(True)
+    if engine.instance_id is None:
+        export_default_instance_id(sys.argv, os.environ)
+        engine = load_engine_settings()
+    configure(engine, VllmSettings())
+    if changed:
+        _log.info("kvsidecar enabled for vLLM %s (patched %s)", vllm.__version__, ", ".join(changed))

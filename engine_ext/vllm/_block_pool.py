@@ -1,0 +1,264 @@
+"""``ElasticBlockPool``: vLLM's ``BlockPool`` over the core's ``BlockAllocator``.
+
+vLLM's pool keeps every block in one free queue (truly free + evictable) over
+memory that is all mapped. Here block ids come from a ``BlockAllocator``
+(block ``b`` lives on page ``b // blocks_per_page``; vLLM's null block 0 stays
+allocated for good), so a page is mapped when its first block is handed out
+and unmapped when its last block is given back. Each block id is in exactly
+one of three states:
+
+* **free**: not allocated in the ``BlockAllocator``; ``ref_cnt`` 0, no hash;
+* **in use**: allocated, ``ref_cnt`` > 0 (held by requests);
+* **evictable**: allocated, ``ref_cnt`` 0, hashed, in ``free_block_queue``
+  (which therefore holds only evictable blocks, in vLLM's LRU order).
+
+Prefix caching is vLLM's own code (hashes, ``get_cached_block``, ``touch``,
+``cache_full_blocks``, KV events): this class only changes where blocks come
+from and where they go. ``get_num_free_blocks`` = what the allocator can still
+hand out under the target + evictable blocks (reused in place, LRU first, as
+vLLM does). With reclamation on, a block freed onto a *retired* page (in use
+above the target) is evicted at once, so the page can be unmapped when its
+last block goes.
+
+Threads: every method runs on the EngineCore busy-loop thread; the
+``ThreadGuard`` (on with ``KVSIDECAR_THREAD_GUARD=1``) raises otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
+from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+if TYPE_CHECKING:
+    from allocator import BlockAllocator, ThreadGuard
+
+__all__ = ["ElasticBlockPool", "PoolBacking", "PoolHooks"]
+
+_log = logging.getLogger("engine_ext.vllm.block_pool")
+
+
+class PoolHooks(Protocol):
+    """What the pool tells the adapter runtime (busy-loop thread)."""
+
+    def before_alloc(self) -> None:
+        """Top of every allocation check: apply a newly published target."""
+
+    def after_change(self) -> None:
+        """Blocks were freed or evicted: the runtime may need an idle pass."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolBacking:
+    """Everything the pool needs besides vLLM's constructor arguments."""
+
+    blocks: BlockAllocator  # block ids <-> pages (its PageAllocator maps the KV memory)
+    guard: ThreadGuard  # bound to the busy-loop thread
+    hooks: PoolHooks
+    reclaim: bool  # False: never evict on our own (the "without reclaim" baseline)
+    max_cached_tokens: int  # -1 unlimited, 0 evict on free, N keep at most N tokens
+
+
+class ElasticBlockPool(BlockPool):
+    """A ``BlockPool`` whose blocks are backed by pages mapped on demand. Busy-loop thread only."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: KVCacheMetricsCollector | None = None,
+        num_hash_lookahead_tokens: int = 0,
+        medium: str = MEDIUM_GPU,
+    ) -> None:
+        super().__init__(
+            num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events,
+            metrics_collector, num_hash_lookahead_tokens, medium,
+        )  # fmt: skip
+        from engine_ext.vllm._runtime import backing_for_pool
+
+        backing = backing_for_pool(self, num_gpu_blocks)
+        self._backing = backing
+        self._blocks = backing.blocks
+        self._guard = backing.guard
+        self._hooks = backing.hooks
+        self._block_size_tokens = hash_block_size
+        bound = backing.max_cached_tokens
+        self._max_cached_blocks = None if bound < 0 else bound // hash_block_size
+        # Evictable blocks only (none yet): unlink what BlockPool linked.
+        for block in self.blocks:
+            block.prev_free_block = block.next_free_block = None
+        self.free_block_queue = FreeKVCacheBlockQueue([])
+        null = self._blocks.alloc(1)
+        if null != [0]:
+            raise RuntimeError(
+                f"the block allocator handed out {null} first, not vLLM's null block 0: "
+                "build the pool over a fresh allocator with KVSIDECAR_RESERVE_PAGES=0"
+            )
+
+    # -- counts ---------------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        self._hooks.before_alloc()
+        return self._blocks.num_free_blocks + self.free_block_queue.num_free_blocks
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def is_evictable(self, block_id: int) -> bool:
+        block = self.blocks[block_id]
+        return (
+            block.ref_cnt == 0 and not block.is_null and block.block_hash is not None
+            and self._blocks.is_allocated(block_id)
+        )  # fmt: skip
+
+    def evictable_block_ids(self) -> list[int]:
+        return [block.block_id for block in self.free_block_queue.get_all_free_blocks()]
+
+    # -- allocation -----------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        self._guard.check()
+        num_fresh = min(num_blocks, self._blocks.num_free_blocks)
+        if num_blocks - num_fresh > self.free_block_queue.num_free_blocks:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        ids = self._blocks.alloc(num_fresh)
+        assert ids is not None, "num_free_blocks promised these blocks"
+        ret = [self.blocks[i] for i in ids]
+        reused = self.free_block_queue.popleft_n(num_blocks - num_fresh) if num_fresh < num_blocks else []
+        for block in reused:
+            self._maybe_evict_cached_block(block)  # drops the hash, emits BlockRemoved
+        ret.extend(reused)
+        if self._reuse_watchers:
+            self._notify_reuse(ret)
+        collector = self.metrics_collector
+        for block in ret:
+            assert block.ref_cnt == 0 and block.block_hash is None
+            block.ref_cnt = 1
+            if collector:
+                collector.on_block_allocated(block)
+        return ret
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self._guard.check()
+        super().touch(blocks)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        self._guard.check()
+        to_free: list[int] = []
+        to_cache: list[KVCacheBlock] = []
+        others: dict[BlockPool, list[KVCacheBlock]] = {}
+        evict_now = self._max_cached_blocks == 0
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            if block.pool is not None and block.pool is not self:
+                others.setdefault(block.pool, []).append(block)
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt:
+                continue
+            if block.block_hash is None:
+                to_free.append(block.block_id)
+            elif not self.enable_caching or evict_now or self._on_retired_page(block):
+                self._maybe_evict_cached_block(block)
+                to_free.append(block.block_id)
+            else:
+                to_cache.append(block)
+        self.free_block_queue.append_n(to_cache)
+        if to_free:
+            self._blocks.free(to_free)
+        for pool, group in others.items():
+            pool.free_blocks(group)
+        self._enforce_cache_bound()
+        self._hooks.after_change()
+
+    # -- eviction (the reclaimer and the cache bound) ---------------------------------
+    def evict(self, block_ids: Sequence[int]) -> int:
+        """Evict these evictable blocks: drop their hashes and free them to the allocator."""
+        self._guard.check()
+        freed: list[int] = []
+        for block_id in block_ids:
+            if not self.is_evictable(block_id):
+                continue  # referenced again (or gone): never evict a block a request holds
+            block = self.blocks[block_id]
+            self.free_block_queue.remove(block)
+            self._maybe_evict_cached_block(block)
+            freed.append(block_id)
+        if freed:
+            self._blocks.free(freed)
+        return len(freed)
+
+    def evict_on_retired_pages(self) -> int:
+        """Evict evictable blocks that sit on retired pages (after a lower target)."""
+        if not self._backing.reclaim or not self._blocks.num_retired_blocks:
+            return 0
+        victims = [b.block_id for b in self.free_block_queue.get_all_free_blocks()
+                   if self._on_retired_page(b)]  # fmt: skip
+        return self.evict(victims)
+
+    def reset_prefix_cache(self) -> bool:
+        self._guard.check()
+        num_in_use = self._blocks.num_allocated_blocks - 1 - self.free_block_queue.num_free_blocks
+        if num_in_use:
+            _log.warning("Failed to reset prefix cache: %d blocks are still in use", num_in_use)
+            return False
+        evictable = self.evictable_block_ids()
+        for block_id in evictable:
+            self.blocks[block_id].prev_free_block = self.blocks[block_id].next_free_block = None
+        self.free_block_queue = FreeKVCacheBlockQueue([])
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
+        if self._reuse_watchers:
+            self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
+        for block in self.blocks:
+            block.reset_hash()
+        if self.metrics_collector:
+            self.metrics_collector.reset()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        if evictable:
+            self._blocks.free(evictable)
+        _log.info("Reset the prefix cache: %d cached blocks freed", len(evictable))
+        self._hooks.after_change()
+        return True
+
+    def _enforce_cache_bound(self) -> None:
+        cap = self._max_cached_blocks
+        if cap is None or cap == 0:
+            return
+        excess = self.free_block_queue.num_free_blocks - cap
+        if excess <= 0:
+            return
+        from engine_ext import select_victim_pages
+
+        bpp = self._blocks.blocks_per_page
+        victims = select_victim_pages(
+            self.evictable_block_ids(), self._blocks, -(-excess // bpp), self.is_evictable
+        )
+        for _page, page_blocks in victims:
+            excess -= self.evict(page_blocks)
+            if excess <= 0:
+                return
+        if excess > 0:  # no whole page left: fall back to vLLM's LRU order
+            self.evict(self._lru_ids(excess))
+
+    def _lru_ids(self, count: int) -> list[int]:
+        out: list[int] = []
+        block = self.free_block_queue.fake_free_list_head.next_free_block
+        tail = self.free_block_queue.fake_free_list_tail
+        while block is not None and block is not tail and len(out) < count:
+            out.append(block.block_id)
+            block = block.next_free_block
+        return out
+
+    def _on_retired_page(self, block: KVCacheBlock) -> bool:
+        return self._backing.reclaim and self._blocks.pages.is_retired(
+            block.block_id // self._blocks.blocks_per_page
+        )

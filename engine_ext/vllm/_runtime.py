@@ -1,0 +1,196 @@
+"""The adapter's per-process runtime: builds the pool's backing, wires the core, idles.
+
+One :class:`VllmRuntime` per EngineCore process. ``plugin.register()`` only
+*configures* it (settings); nothing starts there, because threads do not
+survive a fork. The rest happens in the EngineCore process:
+
+1. vLLM builds the scheduler -> ``ElasticBlockPool.__init__`` ->
+   :func:`backing_for_pool`: claims the worker's KV reservation, builds the
+   ``PageAllocator``/``BlockAllocator`` with a ``ThreadGuard`` bound to this
+   (the busy-loop) thread, and the core's ``ElasticInstance`` with the pool
+   as its reclaimer;
+2. ``EngineCoreProc.run_busy_loop`` (patched) -> :meth:`VllmRuntime.attach_engine`:
+   starts the control socket, registers with the sidecar, and runs a first
+   pass so a retained limit applies before the first request;
+3. from then on: :meth:`before_alloc` applies a new target at the top of each
+   allocation; a publish from any thread calls :meth:`wake`, which registers a
+   one-shot callback on ``EngineCore._idle_state_callbacks`` and puts a
+   ``WAKEUP`` on the input queue, so an idle engine applies the limit within
+   one busy-loop pass (ENGINES.md 1.7).
+
+Threads: :meth:`wake` from any thread; everything else on the busy-loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from engine_ext.protocol import EngineState, Status
+from engine_ext.vllm._block_pool import PoolBacking
+from engine_ext.vllm._kv_memory import claim_kv_memory
+
+if TYPE_CHECKING:
+    from engine_ext import ElasticInstance, EngineSettings
+    from engine_ext.vllm._block_pool import ElasticBlockPool
+    from engine_ext.vllm._settings import VllmSettings
+
+__all__ = ["PoolReclaimer", "VllmRuntime", "backing_for_pool", "configure", "current_runtime"]
+
+_log = logging.getLogger("engine_ext.vllm.runtime")
+
+
+class PoolReclaimer:
+    """The core's ``Reclaimer`` view of the pool's evictable blocks (busy-loop thread)."""
+
+    name = "vllm-prefix-cache"
+
+    def __init__(self, pool: ElasticBlockPool) -> None:
+        self._pool = pool
+
+    def evictable_blocks(self) -> Iterable[int]:
+        return self._pool.evictable_block_ids()
+
+    def is_evictable(self, block: int) -> bool:
+        return self._pool.is_evictable(block)
+
+    def evict(self, blocks: Sequence[int]) -> int:
+        return self._pool.evict(blocks)
+
+
+class VllmRuntime:
+    """Owns the ``ElasticInstance`` of this EngineCore process and the idle hook."""
+
+    def __init__(self, engine: EngineSettings, vllm: VllmSettings) -> None:
+        self.engine_settings = engine
+        self.vllm_settings = vllm
+        self.instance: ElasticInstance | None = None
+        self.pool: ElasticBlockPool | None = None
+        self._engine_core: Any = None  # EngineCoreProc, set by attach_engine
+        self._armed = False
+        self._arm_lock = threading.Lock()
+        self._last_mapped = -1
+
+    # -- construction (EngineCore main thread) -------------------------------------
+    def build_backing(self, pool: ElasticBlockPool, num_gpu_blocks: int) -> PoolBacking:
+        import vllm
+
+        from allocator import BlockAllocator, PageAllocator, ThreadGuard
+        from engine_ext import ElasticInstance, EngineBinding
+
+        memory = claim_kv_memory()
+        if memory is None:
+            raise RuntimeError(
+                "kvsidecar: the KV cache is not on a kvsidecar reservation. On CPU run vLLM with "
+                "--distributed-executor-backend engine_ext.vllm.cpu_harness.StubExecutor; the GPU "
+                "worker hook (CudaBackend) is not wired in this version. Or unset KVSIDECAR_ENABLE."
+            )
+        if memory.num_blocks != num_gpu_blocks or num_gpu_blocks % memory.blocks_per_page:
+            raise RuntimeError(
+                f"kvsidecar: vLLM plans {num_gpu_blocks} KV blocks but the reservation holds "
+                f"{memory.num_blocks} in pages of {memory.blocks_per_page}; the block count must "
+                "be a whole number of pages (size the KV memory in whole pages)"
+            )
+        guard = ThreadGuard("vllm-block-pool", enabled=self.engine_settings.thread_guard or None)
+        guard.bind_current()
+        pages = PageAllocator(memory.backend, reserve_pages=self.engine_settings.reserve_pages,
+                              guard=guard)  # fmt: skip
+        blocks = BlockAllocator(pages, memory.blocks_per_page, guard=guard)
+        self.pool = pool
+        binding = EngineBinding(
+            engine="vllm", engine_version=vllm.__version__, blocks=blocks,
+            reclaimers=(PoolReclaimer(pool),), wake=self.wake,
+        )  # fmt: skip
+        self.instance = ElasticInstance(self.engine_settings, binding)
+        return PoolBacking(
+            blocks=blocks, guard=guard, hooks=self, reclaim=self.engine_settings.reclaim,
+            max_cached_tokens=self.vllm_settings.max_cached_tokens,
+        )  # fmt: skip
+
+    def attach_engine(self, engine_core: Any) -> None:
+        """Busy-loop thread, before the loop starts: socket, registration, first pass."""
+        if self.instance is None or self._engine_core is engine_core:
+            return
+        self._engine_core = engine_core
+        self.instance.start()
+        _log.info("kvsidecar: instance %s, control socket %s", self.instance.instance_id,
+                  self.instance.socket_path)  # fmt: skip
+        self._pass()
+
+    # -- PoolHooks (busy-loop thread) ------------------------------------------------
+    def before_alloc(self) -> None:
+        instance = self.instance
+        if instance is not None and instance.mailbox.has_untaken:
+            self._pass()
+
+    def after_change(self) -> None:
+        instance = self.instance
+        if instance is None:
+            return
+        mapped = instance.binding.blocks.pages.num_mapped
+        if instance.coordinator.pending or mapped != self._last_mapped:
+            self._arm(wakeup=False)
+
+    # -- idle application ------------------------------------------------------------
+    def wake(self) -> None:
+        """Any thread: make an idle engine run one pass now."""
+        self._arm(wakeup=True)
+
+    def _arm(self, *, wakeup: bool) -> None:
+        engine = self._engine_core
+        if engine is None:
+            return  # not serving yet: attach_engine runs the first pass
+        with self._arm_lock:
+            if not self._armed:
+                self._armed = True
+                engine._idle_state_callbacks.append(self._on_idle)
+        if wakeup:
+            from vllm.v1.engine import EngineCoreRequestType
+
+            engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    def _on_idle(self, engine_core: Any) -> None:
+        with self._arm_lock:
+            self._armed = False
+        state = self._pass()
+        if state.status is Status.DEFERRED and state.reason == "evicting":
+            self._arm(wakeup=True)  # capped pass: continue on the next loop iteration
+
+    def _pass(self) -> EngineState:
+        instance = self.instance
+        assert instance is not None and self.pool is not None
+        state = instance.step()
+        if self.pool.evict_on_retired_pages():
+            state = instance.step()
+        self._last_mapped = instance.binding.blocks.pages.num_mapped
+        return state
+
+
+_configured: tuple[EngineSettings, VllmSettings] | None = None
+_runtime: VllmRuntime | None = None
+
+
+def configure(engine: EngineSettings, vllm: VllmSettings) -> None:
+    """``plugin.register()``: remember the settings for this process (no threads, no I/O)."""
+    global _configured
+    _configured = (engine, vllm)
+
+
+def current_runtime() -> VllmRuntime | None:
+    """The runtime of this process, once a pool was built."""
+    return _runtime
+
+
+def backing_for_pool(pool: ElasticBlockPool, num_gpu_blocks: int) -> PoolBacking:
+    """Called by ``ElasticBlockPool.__init__`` (EngineCore main thread)."""
+    global _runtime
+    if _configured is None:
+        from engine_ext import load_engine_settings
+        from engine_ext.vllm._settings import VllmSettings
+
+        configure(load_engine_settings(), VllmSettings())
+    assert _configured is not None
+    _runtime = VllmRuntime(*_configured)
+    return _runtime.build_backing(pool, num_gpu_blocks)
