@@ -26,10 +26,10 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                if not value.isdigit() or int(value) > self.max_body_bytes:
-                    await self._reject(send)
-                    return
+            if name == b"content-length" and (
+                    not value.isdigit() or int(value) > self.max_body_bytes):
+                await self._reject(send)
+                return
         chunks: list[bytes] = []
         size = 0
         more = True

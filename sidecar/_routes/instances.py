@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel
 
 from engine_ext.protocol import LimitBody, Status
 
@@ -23,20 +24,26 @@ _PROBLEMS: dict[int | str, dict[str, Any]] = {
 }
 
 
+def _json(model: BaseModel, status_code: int = 200) -> Response:
+    """Serialize once (``response_model`` stays for the schema; FastAPI would validate again)."""
+    return Response(model.model_dump_json(), status_code=status_code,
+                    media_type="application/json")
+
+
 @router.get("", response_model=InstanceList, summary="Every known instance")
-async def list_instances(service: Service) -> InstanceList:
-    return InstanceList(instances=service.list())
+async def list_instances(service: Service) -> Response:
+    return _json(InstanceList(instances=service.list()))
 
 
 @router.get("/{instance_id}", response_model=InstanceView, responses=_PROBLEMS,
             summary="One instance; ?wait=S long-polls until it is applied")
 async def get_instance(instance_id: InstanceId, service: Service, request: Request,
-                       wait: WaitSeconds = None) -> InstanceView:
-    if not wait:
-        return service.get(instance_id)
-    service.get(instance_id)  # 404 before waiting
-    return await _wait_or_disconnect(
-        request, service, instance_id, lambda v: v.status is Status.APPLIED, wait)
+                       wait: WaitSeconds = None) -> Response:
+    view = service.get(instance_id)  # 404 before any waiting
+    if wait:
+        view = await _wait_or_disconnect(
+            request, service, instance_id, lambda v: v.status is Status.APPLIED, wait)
+    return _json(view)
 
 
 @router.put("/{instance_id}/limit", response_model=InstanceView, dependencies=[Authorized],
@@ -45,35 +52,32 @@ async def get_instance(instance_id: InstanceId, service: Service, request: Reque
                        **_PROBLEMS},
             summary="Set the desired limit (stored durably before the answer)")
 async def put_limit(instance_id: InstanceId, body: LimitBody, service: Service,
-                    request: Request, response: Response,
-                    wait: WaitSeconds = None) -> InstanceView:
+                    request: Request, wait: WaitSeconds = None) -> Response:
     view = await service.set_limit(instance_id, body.limit, body.revision)
-    return await _finish(request, response, service, view, wait)
+    return await _finish(request, service, view, wait)
 
 
 @router.delete("/{instance_id}/limit", response_model=InstanceView, dependencies=[Authorized],
                responses={202: {"model": InstanceView}, **_PROBLEMS},
                summary="Back to unlimited, as a new revision")
 async def delete_limit(instance_id: InstanceId, service: Service, request: Request,
-                       response: Response, wait: WaitSeconds = None) -> InstanceView:
+                       wait: WaitSeconds = None) -> Response:
     view = await service.clear_limit(instance_id)
-    return await _finish(request, response, service, view, wait)
+    return await _finish(request, service, view, wait)
 
 
-async def _finish(request: Request, response: Response, service: InstanceService,
-                  view: InstanceView, wait: float | None) -> InstanceView:
+async def _finish(request: Request, service: InstanceService, view: InstanceView,
+                  wait: float | None) -> Response:
     """Without ``wait``: 200 (stored). With it: 200 once applied, 202 at the deadline."""
     if wait is None:
-        return view
+        return _json(view)
     revision = view.desired.revision
     view = await _wait_or_disconnect(
         request, service, view.id,
         lambda v: v.status is Status.APPLIED and (v.observed is not None
                                                   and v.observed.revision >= revision),
         wait)
-    if view.status is not Status.APPLIED:
-        response.status_code = 202
-    return view
+    return _json(view, 200 if view.status is Status.APPLIED else 202)
 
 
 async def _wait_or_disconnect(request: Request, service: InstanceService, instance_id: str,

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import uvicorn
@@ -39,7 +39,7 @@ class ThreadedSidecar:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = ""
 
-    def __enter__(self) -> ThreadedSidecar:
+    def __enter__(self) -> Self:
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:
@@ -145,7 +145,7 @@ class SocketEngine:
         self.mailbox.set_state(EngineState(status=Status.APPLIED, mapped_bytes=mapped_bytes,
                                            capacity_bytes=device_total_bytes))
 
-    def __enter__(self) -> SocketEngine:
+    def __enter__(self) -> Self:
         self.server.start()
         return self
 
