@@ -1,0 +1,162 @@
+"""Sidecar pieces without HTTP: revision rules, the SQLite store, status, settings, exports."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+import sidecar
+from engine_ext.protocol import EngineState, Status
+from sidecar import RevisionRejectedError, SidecarConfigError, SidecarSettings, default_db_path
+from sidecar._instances import InstanceRecord, derive_status
+from sidecar._kvctl_render import bar
+from sidecar._revisions import Decision, decide
+from sidecar._store import InstanceRow, Registration, Store
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize(("cur_limit", "cur_rev", "limit", "rev", "expected"), [
+    (None, 0, GiB, None, Decision(1, True)),  # none given: the next one
+    (GiB, 7, None, None, Decision(8, True)),
+    (GiB, 7, 2 * GiB, 9, Decision(9, True)),  # newer: accepted, gaps allowed
+    (GiB, 7, GiB, 7, Decision(7, False)),  # same revision, same limit: idempotent
+    (None, 7, None, 7, Decision(7, False)),
+])
+def test_decide_accepts(cur_limit: int | None, cur_rev: int, limit: int | None,
+                        rev: int | None, expected: Decision) -> None:
+    assert decide(cur_limit, cur_rev, limit, rev) == expected
+
+
+@pytest.mark.parametrize(("limit", "rev", "status"), [
+    (2 * GiB, 7, Status.CONFLICT), (None, 7, Status.CONFLICT), (GiB, 6, Status.STALE),
+    (GiB, 1, Status.STALE),
+])
+def test_decide_rejects(limit: int | None, rev: int, status: Status) -> None:
+    with pytest.raises(RevisionRejectedError) as info:
+        decide(GiB, 7, limit, rev)
+    assert info.value.status is status and info.value.current_revision == 7
+    assert "send a revision above 7" in info.value.detail
+
+
+def _rows(db: Path) -> list[tuple[object, ...]]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT * FROM instances ORDER BY id").fetchall()
+
+
+def test_store_durable_wal_and_unchanged_on_rejection(tmp_path: Path) -> None:
+    db = tmp_path / "deep" / "s.db"
+
+    async def scenario() -> None:
+        store = Store(db)
+        await store.open()
+        row, decision = await store.set_desired("a", GiB, None)
+        assert (row.limit_bytes, row.revision, decision.changed) == (GiB, 1, True)
+        before = _rows(db)
+        with pytest.raises(RevisionRejectedError):
+            await store.set_desired("a", 2 * GiB, 1)
+        assert _rows(db) == before
+        assert await store.adopt("a", 5 * GiB, 1) is None  # not newer: ignored
+        adopted = await store.adopt("a", 5 * GiB, 4)
+        assert adopted is not None and (adopted.limit_bytes, adopted.revision) == (5 * GiB, 4)
+        reg = await store.register("a", Registration("vllm", "0.33.0", "/run/a.sock", 8 * GiB))
+        assert (reg.revision, reg.socket_path, reg.device_total_bytes) == (4, "/run/a.sock",
+                                                                          8 * GiB)
+        assert reg.seq > adopted.seq > row.seq  # write order, for the in-memory mirror
+        await store.check_writable()
+        await store.close()
+
+    asyncio.run(scenario())
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert _rows(db)[0][:3] == ("a", 5 * GiB, 4)
+
+    async def reopen() -> list[InstanceRow]:
+        store = Store(db)
+        await store.open()
+        try:
+            return await store.load_all()
+        finally:
+            await store.close()
+
+    (loaded,) = asyncio.run(reopen())
+    assert (loaded.limit_bytes, loaded.revision, loaded.engine) == (5 * GiB, 4, "vllm")
+
+
+def test_store_refuses_a_newer_schema_and_an_unwritable_path(tmp_path: Path) -> None:
+    db = tmp_path / "future.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("PRAGMA user_version=99")
+
+    async def open_(path: Path) -> None:
+        store = Store(path)
+        try:
+            await store.open()
+        finally:
+            await store.close()
+
+    with pytest.raises(SidecarConfigError, match="schema version 99"):
+        asyncio.run(open_(db))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SidecarConfigError, match="KVSIDECAR_DB_PATH"):
+        asyncio.run(open_(tmp_path / "file" / "s.db"))
+
+
+def _record(observed: EngineState | None, *, revision: int = 1, registered: bool = True,
+            last_seen: float | None = 100.0) -> InstanceRecord:
+    row = InstanceRow("a", GiB, revision, 0.0, registered_at=1.0 if registered else None,
+                      socket_path="/run/a.sock" if registered else None)
+    return InstanceRecord(row, observed=observed, last_seen=last_seen)
+
+
+def test_derive_status() -> None:
+    applied = EngineState(status=Status.APPLIED, revision=1, limit_bytes=GiB)
+    deferred = EngineState(status=Status.DEFERRED, revision=1, reason="evicting")
+    cases = [
+        (_record(None, registered=False, last_seen=None), (Status.PENDING, "not_registered")),
+        (_record(None), (Status.PENDING, "awaiting_report")),
+        (_record(applied, revision=2), (Status.PENDING, "push_in_flight")),
+        (_record(applied), (Status.APPLIED, None)),
+        (_record(deferred), (Status.DEFERRED, "evicting")),
+        (_record(applied, last_seen=80.0), (Status.UNREACHABLE, "no_heartbeat")),
+        (_record(None, last_seen=80.0), (Status.UNREACHABLE, "no_heartbeat")),
+    ]
+    for rec, expected in cases:
+        assert derive_status(rec, now=100.0, heartbeat_timeout_s=15.0) == expected
+
+
+def test_needs_push() -> None:
+    assert _record(None).needs_push()
+    assert not _record(None, registered=False).needs_push()  # no socket to push to
+    assert not _record(EngineState(status=Status.APPLIED, revision=1)).needs_push()
+    assert _record(EngineState(status=Status.APPLIED, revision=1), revision=2).needs_push()
+
+
+def test_settings_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert default_db_path() == tmp_path / "kvsidecar" / "sidecar.db"
+    monkeypatch.setenv("KVSIDECAR_PORT", "9000")
+    monkeypatch.setenv("KVSIDECAR_TOKEN", "  ")
+    settings = SidecarSettings()
+    assert (settings.host, settings.port, settings.token) == ("127.0.0.1", 9000, None)
+    assert settings.db_path == tmp_path / "kvsidecar" / "sidecar.db"
+    monkeypatch.setenv("KVSIDECAR_PUSH_BACKOFF_INITIAL_S", "10")
+    with pytest.raises(ValueError, match="BACKOFF"):
+        SidecarSettings()
+
+
+def test_bar_scales_to_the_limit_and_marks_overage() -> None:
+    assert bar(GiB, 2 * GiB, 0).plain.count("█") == 12
+    over = bar(3 * GiB, 2 * GiB, 0)
+    assert over.plain.count("█") == 24 and over.style == "red"
+    assert bar(GiB, 2 * GiB, 0).style == "green"
+    assert bar(GiB, None, 4 * GiB).plain.count("█") == 6  # unlimited: against capacity
+
+
+def test_exports_are_sorted_and_resolve() -> None:
+    assert sidecar.__all__ == sorted(sidecar.__all__)
+    for name in sidecar.__all__:
+        assert getattr(sidecar, name) is not None
