@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from engine_ext.protocol import EngineState, LimitBody
 
+from ._errors import SidecarError
 from ._instances import InstanceRecord
 from ._metrics import Metrics
 from ._settings import SidecarSettings
@@ -81,7 +82,7 @@ class PushManager:
             await worker.wake.wait()
             worker.wake.clear()
             while (rec := self._lookup(instance_id)) is not None and rec.needs_push():
-                if await self._push_once(instance_id, rec):
+                if await self._attempt(instance_id, rec):
                     delay = self._settings.push_backoff_initial_s
                     continue
                 try:  # back off, unless a newer desired or a re-registration wakes us
@@ -90,6 +91,18 @@ class PushManager:
                 except TimeoutError:
                     pass
                 delay = min(delay * 2, self._settings.push_backoff_max_s)
+
+    async def _attempt(self, instance_id: str, rec: InstanceRecord) -> bool:
+        try:
+            return await self._push_once(instance_id, rec)
+        except asyncio.CancelledError:
+            raise
+        except SidecarError as exc:  # e.g. the store refused an adoption: retry later
+            self._fail(instance_id, type(exc).__name__, exc.detail)
+        except Exception:  # noqa: BLE001  (last resort: a bug must not end the pushes)
+            _log.exception("push to %s failed unexpectedly; retrying with backoff", instance_id)
+            self._metrics.push_failures.labels(instance_id, "internal").inc()
+        return False
 
     async def _push_once(self, instance_id: str, rec: InstanceRecord) -> bool:
         row = rec.row

@@ -183,10 +183,10 @@ class InstanceService:
         if state.status is Status.CONFLICT and state.revision <= pushed:
             # The engine took this revision number with another limit (set on its socket
             # directly). The sidecar's intent wins the tie: re-issue it as a new revision.
-            _log.warning("instance %s: engine holds revision %d with another limit; "
-                         "re-issuing the desired limit as revision %d",
-                         instance_id, pushed, pushed + 1)
-            await self.set_limit(instance_id, rec.row.limit_bytes, pushed + 1)
+            _log.warning("instance %s: the engine holds revision %d with another limit; "
+                         "re-issuing the desired limit as the next revision",
+                         instance_id, pushed)
+            await self.set_limit(instance_id, rec.row.limit_bytes, None)
             return True
         await self._adopt_if_newer(rec, state)
         return rec.row.revision != pushed

@@ -154,3 +154,14 @@ def test_missing_heartbeats_make_it_unreachable(tmp_path: Path, engine: SocketEn
         assert 'status="unreachable"} 1.0' in c.get("/metrics").text
         _report(c, "llama-a", engine)  # a report is a heartbeat
         assert c.get("/instances/llama-a").json()["status"] == "applied"
+
+
+def test_a_conflicting_engine_revision_is_overtaken(client: httpx.Client,
+                                                    engine: SocketEngine) -> None:
+    client.post("/instances/llama-a/register", json=engine.register_body())  # revision 0
+    engine.mailbox.publish(5 * GiB, 1)  # someone used the socket; the sidecar has not heard
+    client.put("/instances/llama-a/limit", json={"limit": "2G"})  # revision 1 here too
+    _wait_for(lambda: engine.mailbox.desired.revision == 2)
+    assert (engine.mailbox.desired.limit_bytes, engine.mailbox.pushes[-2:]) == \
+        (2 * GiB, [(2 * GiB, 1), (2 * GiB, 2)])  # rejected as a conflict, then re-issued
+    assert client.get("/instances/llama-a").json()["desired"]["revision"] == 2
