@@ -111,16 +111,20 @@ class BlockAllocator:
         acquires pages from the :class:`PageAllocator`.
         """
         self.guard.check()
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if type(n) is not int or n < 0:
             raise AllocatorContractError(f"alloc(n) needs an int >= 0; got {n!r}")
-        if n > self.num_free_blocks:
+        if n > self._partial_free and n > self.num_free_blocks:
             return None
         out: list[int] = []
         need = n
         try:
+            buckets = self._buckets
             while need and self._partial_free:
-                page = self._fullest_partial()
-                need -= self._take(page, need, out)
+                top = self._top  # the fullest partly used page sits in the highest bucket
+                while not buckets[top]:
+                    top -= 1
+                self._top = top
+                need -= self._take(buckets[top][-1], need, out)
             while need:
                 fresh = self.pages.acquire()
                 if fresh is None:  # cannot happen after the headroom check
@@ -141,33 +145,27 @@ class BlockAllocator:
         nothing if one is wrong.
         """
         self.guard.check()
-        batch = blocks if isinstance(blocks, list) else list(blocks)
-        allocated = self._allocated
+        batch = blocks if type(blocks) is list else list(blocks)
+        allocated, limit = self._allocated, self.num_blocks
         for block in batch:
-            if isinstance(block, bool) or not isinstance(block, int) \
-                    or not 0 <= block < self.num_blocks:
+            if type(block) is not int or not 0 <= block < limit:
                 raise AllocatorContractError(
-                    f"free(): {block!r} is not a block id in 0..{self.num_blocks - 1}")
+                    f"free(): {block!r} is not a block id in 0..{limit - 1}")
             if not allocated[block]:
                 raise AllocatorContractError(f"free(): block {block} is not allocated "
                                              "(double free?)")
         if len(batch) > 1 and len(set(batch)) != len(batch):
             raise AllocatorContractError("free(): the same block appears twice in one call")
         self.num_allocated_blocks -= len(batch)
-        self._free_checked(batch)
+        if len(batch) == 1:
+            self._free_one(batch[0])
+        else:
+            self._free_checked(batch)
 
     # ------------------------------------------------------------------ internals
     def _check_block(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:
             raise AllocatorContractError(f"block {block} is outside 0..{self.num_blocks - 1}")
-
-    def _fullest_partial(self) -> int:
-        buckets = self._buckets
-        top = self._top
-        while not buckets[top]:
-            top -= 1
-        self._top = top
-        return buckets[top][-1]
 
     def _take(self, page: int, need: int, out: list[int]) -> int:
         """Allocate up to ``need`` blocks from ``page`` (in use, not retired) into ``out``."""
@@ -177,46 +175,105 @@ class BlockAllocator:
         slots = self._slots[page]
         first = page * bpp
         allocated = self._allocated
-        for _ in range(count):
-            block = first + slots.pop()
-            allocated[block] = 1
-            out.append(block)
+        for slot in slots[-count:]:
+            allocated[first + slot] = 1
+            out.append(first + slot)
+        del slots[-count:]
         new = old + count
         self._occupancy[page] = new
-        if old:
-            self._bucket_remove(page, old)
-        if new < bpp:
-            self._bucket_add(page, new)
         self._partial_free -= count
+        buckets, pos = self._buckets, self._pos
+        if old:  # leave bucket[old] (swap-remove)
+            bucket = buckets[old]
+            last = bucket.pop()
+            if last != page:
+                bucket[pos[page]] = last
+                pos[last] = pos[page]
+        if new < bpp:  # join bucket[new]
+            bucket = buckets[new]
+            pos[page] = len(bucket)
+            bucket.append(page)
+            self._top = max(self._top, new)
         return count
 
     def _free_checked(self, batch: list[int]) -> None:
-        """Free blocks already known to be allocated and distinct."""
+        """Free blocks already known to be allocated and distinct.
+
+        Bucket moves happen once per touched page, after its blocks are back.
+        """
         bpp = self.blocks_per_page
-        allocated, occupancy, retired = self._allocated, self._occupancy, self._retired
+        allocated, occupancy, slots = self._allocated, self._occupancy, self._slots
+        before: dict[int, int] = {}  # touched page -> occupancy before this call
         for block in batch:
-            page, slot = divmod(block, bpp)
+            page = block // bpp
             allocated[block] = 0
-            self._slots[page].append(slot)
+            slots[page].append(block - page * bpp)
             old = occupancy[page]
-            new = old - 1
-            occupancy[page] = new
+            if page not in before:
+                before[page] = old
+            occupancy[page] = old - 1
+        # Account for every touched page before any page goes back: releasing a page can
+        # take a retired page back into service (on_retired), which reads this state.
+        retired = self._retired
+        emptied_retired: list[int] = []
+        emptied: list[int] = []
+        for page, old in before.items():
+            new = occupancy[page]
             if retired[page]:
-                self.num_retired_blocks -= 1
+                self.num_retired_blocks -= old - new
                 if new == 0:
-                    self._slots[page] = []
-                    self._retired[page] = 0
-                    self.pages.release(page)
+                    slots[page] = []
+                    retired[page] = 0
+                    emptied_retired.append(page)
                 continue
             if old < bpp:
                 self._bucket_remove(page, old)
-            self._partial_free += 1
+            self._partial_free += old - new
             if new:
                 self._bucket_add(page, new)
             else:
                 self._partial_free -= bpp
+                slots[page] = []
+                emptied.append(page)
+        # Retired pages first, so no emptied page is taken back into service.
+        for page in emptied_retired:
+            self.pages.release(page)
+        for page in emptied:
+            self.pages.release(page)
+
+    def _free_one(self, block: int) -> None:
+        """Free one block known to be allocated (the common decode-step case)."""
+        bpp = self.blocks_per_page
+        page = block // bpp
+        self._allocated[block] = 0
+        self._slots[page].append(block - page * bpp)
+        old = self._occupancy[page]
+        new = old - 1
+        self._occupancy[page] = new
+        if self._retired[page]:
+            self.num_retired_blocks -= 1
+            if new == 0:
                 self._slots[page] = []
+                self._retired[page] = 0
                 self.pages.release(page)
+            return
+        self._partial_free += 1
+        buckets, pos = self._buckets, self._pos
+        if old < bpp:
+            bucket = buckets[old]
+            last = bucket.pop()
+            if last != page:
+                bucket[pos[page]] = last
+                pos[last] = pos[page]
+        if new:
+            bucket = buckets[new]
+            pos[page] = len(bucket)
+            bucket.append(page)
+            self._top = max(self._top, new)
+        else:
+            self._partial_free -= bpp
+            self._slots[page] = []
+            self.pages.release(page)
 
     def _bucket_add(self, page: int, occ: int) -> None:
         bucket = self._buckets[occ]

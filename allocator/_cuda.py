@@ -37,6 +37,15 @@ def load_driver() -> Any:
             "`pip install 'kvsidecar[cuda]'` on a machine with an NVIDIA driver") from exc
 
 
+def init_driver(driver: Any) -> None:
+    """``cuInit``; a missing libcuda (cuda-python raises RuntimeError) becomes BackendError."""
+    try:
+        result = driver.cuInit(0)
+    except (RuntimeError, OSError) as exc:
+        raise BackendError(f"cannot load the NVIDIA driver library: {exc}") from exc
+    _call(result, "cuInit")
+
+
 class _CudaArray:
     """Exposes a device range through ``__cuda_array_interface__`` (for torch.as_tensor)."""
 
@@ -66,7 +75,7 @@ class CudaBackend:
         self._released = False
         self._handles: list[list[Any] | None] = [None] * layout.num_pages
         self._num_handles = 0
-        _call(driver.cuInit(0), "cuInit")
+        init_driver(driver)
         self._dev = _call(driver.cuDeviceGet(device), "cuDeviceGet")
         self._ctx = _call(driver.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
         _call(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
@@ -95,7 +104,7 @@ class CudaBackend:
         except BackendError as exc:
             return str(exc)
         try:
-            _call(drv.cuInit(0), "cuInit")
+            init_driver(drv)
             count = int(_call(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
         except BackendError as exc:
             return f"no usable CUDA driver: {exc}"

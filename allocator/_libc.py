@@ -1,8 +1,8 @@
 """The few libc calls the host backend needs, through ctypes.
 
-Python's :mod:`mmap` module cannot place a mapping at a fixed address, and
-:func:`os.posix_fallocate` cannot punch holes, so ``mmap``, ``munmap`` and
-``fallocate`` are called directly. Every failure becomes a
+Python's :mod:`mmap` module cannot map ``PROT_NONE`` nor change protection,
+and :func:`os.posix_fallocate` cannot punch holes, so ``mmap``, ``mprotect``,
+``munmap`` and ``fallocate`` are called directly. Every failure becomes a
 :class:`~allocator.BackendError` carrying ``errno``.
 """
 
@@ -18,9 +18,6 @@ PROT_NONE = 0x0
 PROT_READ = 0x1
 PROT_WRITE = 0x2
 MAP_SHARED = 0x01
-MAP_PRIVATE = 0x02
-MAP_FIXED = 0x10
-MAP_ANONYMOUS = 0x20
 MAP_NORESERVE = 0x4000
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -37,6 +34,9 @@ _mmap.argtypes = (
 _munmap = _libc.munmap
 _munmap.restype = ctypes.c_int
 _munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_mprotect = _libc.mprotect
+_mprotect.restype = ctypes.c_int
+_mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _fallocate = _libc.fallocate64
 _fallocate.restype = ctypes.c_int
 _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
@@ -47,27 +47,24 @@ def _fail(call: str, detail: str) -> BackendError:
     return BackendError(f"{call}({detail}) failed: {os.strerror(err)} (errno {err})", errno=err)
 
 
-def reserve(length: int) -> int:
-    """Reserve ``length`` bytes of address space, inaccessible and without memory."""
-    addr = _mmap(None, length, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+def reserve_file(fd: int, length: int) -> int:
+    """Map all of ``fd`` shared but inaccessible (``PROT_NONE``): a reservation with no memory."""
+    addr = _mmap(None, length, PROT_NONE, MAP_SHARED | MAP_NORESERVE, fd, 0)
     if addr is None or addr == _MAP_FAILED:
-        raise _fail("mmap", f"reserve {length} bytes PROT_NONE")
+        raise _fail("mmap", f"reserve {length} bytes of fd {fd} PROT_NONE")
     return int(addr)
 
 
-def map_file(addr: int, length: int, fd: int, offset: int) -> None:
-    """Map ``length`` bytes of ``fd`` at ``offset`` read/write and shared, exactly at ``addr``."""
-    got = _mmap(addr, length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, offset)
-    if got != addr:
-        raise _fail("mmap", f"{addr:#x}, {length} bytes, fd {fd} at offset {offset}")
+def open_range(addr: int, length: int) -> None:
+    """Make a reserved range readable and writable (``mprotect`` RW)."""
+    if _mprotect(addr, length, PROT_READ | PROT_WRITE) != 0:
+        raise _fail("mprotect", f"{addr:#x}, {length} bytes, read/write")
 
 
-def map_none(addr: int, length: int) -> None:
-    """Replace whatever is mapped at ``addr`` with an inaccessible placeholder."""
-    flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE
-    got = _mmap(addr, length, PROT_NONE, flags, -1, 0)
-    if got != addr:
-        raise _fail("mmap", f"{addr:#x}, {length} bytes PROT_NONE")
+def close_range(addr: int, length: int) -> None:
+    """Make a range inaccessible again (``mprotect`` PROT_NONE)."""
+    if _mprotect(addr, length, PROT_NONE) != 0:
+        raise _fail("mprotect", f"{addr:#x}, {length} bytes, PROT_NONE")
 
 
 def unreserve(addr: int, length: int) -> None:
