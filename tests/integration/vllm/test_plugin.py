@@ -1,0 +1,87 @@
+"""The plugin entry point and the patch table, against the installed vLLM 0.33."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
+
+import vllm  # noqa: E402
+from vllm.v1.core import block_pool, kv_cache_coordinator  # noqa: E402
+from vllm.v1.engine import core  # noqa: E402
+
+from engine_ext.vllm import _runtime, plugin  # noqa: E402
+from engine_ext.vllm._block_pool import ElasticBlockPool  # noqa: E402
+from engine_ext.vllm._instance_id import default_instance_id  # noqa: E402
+from engine_ext.vllm._patches import (  # noqa: E402
+    PATCHES,
+    UnsupportedVllmVersion,
+    apply_patches,
+    is_patched,
+    supported_range,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def restore_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Record the patched symbols so monkeypatch puts the originals back."""
+    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", kv_cache_coordinator.BlockPool)
+    monkeypatch.setattr(core.EngineCoreProc, "run_busy_loop", core.EngineCoreProc.run_busy_loop)
+    monkeypatch.setattr(_runtime, "_configured", None)
+
+
+def test_installed_vllm_is_in_the_supported_range() -> None:
+    assert vllm.__version__ in supported_range()
+    assert str(supported_range()) == "<0.34,>=0.33.0"
+
+
+@pytest.mark.usefixtures("restore_vllm")
+def test_unsupported_version_refuses_and_patches_nothing() -> None:
+    with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM <0.34,>=0.33.0 but vLLM 0.34.1"):
+        apply_patches("0.34.1")
+    assert kv_cache_coordinator.BlockPool is block_pool.BlockPool
+    assert not any(is_patched(p.target) for p in PATCHES)
+
+
+@pytest.mark.usefixtures("restore_vllm")
+def test_patching_is_explicit_and_idempotent() -> None:
+    original_loop = core.EngineCoreProc.run_busy_loop
+    assert apply_patches(vllm.__version__) == [p.target for p in PATCHES]
+    assert kv_cache_coordinator.BlockPool is ElasticBlockPool
+    assert core.EngineCoreProc.run_busy_loop.__wrapped__ is original_loop  # type: ignore[attr-defined]
+    assert apply_patches(vllm.__version__) == []  # second time: nothing changes
+    assert core.EngineCoreProc.run_busy_loop.__wrapped__ is original_loop  # type: ignore[attr-defined]
+
+
+@pytest.mark.usefixtures("restore_vllm")
+def test_register_is_a_no_op_unless_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSIDECAR_ENABLE", raising=False)
+    plugin.register()
+    assert kv_cache_coordinator.BlockPool is block_pool.BlockPool
+    monkeypatch.setenv("KVSIDECAR_ENABLE", "1")
+    monkeypatch.setenv("KVSIDECAR_INSTANCE_ID", "plugin-test")
+    plugin.register()
+    assert kv_cache_coordinator.BlockPool is ElasticBlockPool
+
+
+@pytest.mark.usefixtures("restore_vllm")
+def test_bad_setting_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSIDECAR_ENABLE", "1")
+    monkeypatch.setenv("KVSIDECAR_INSTANCE_ID", "not valid!")
+    with pytest.raises(Exception, match="KVSIDECAR_INSTANCE_ID"):
+        plugin.register()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["vllm", "serve", "/models/Qwen3-4B", "--port", "8001"], "Qwen3-4B-8001"),
+        (["vllm", "serve", "m", "--served-model-name", "llama a", "--port=9"], "llama-a-9"),
+        (["vllm", "serve", "org/model"], "model-8000"),
+        (["python", "-m", "something"], None),
+    ],
+)
+def test_default_instance_id_from_the_command_line(argv: list[str], expected: str | None) -> None:
+    assert default_instance_id(argv) == expected
