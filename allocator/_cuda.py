@@ -74,6 +74,7 @@ class CudaBackend:
         self._drv = driver
         self._released = False
         self._handles: list[list[Any] | None] = [None] * layout.num_pages
+        self._mapped = bytearray(layout.num_pages)  # 1 where _handles[page] is set
         self._num_handles = 0
         init_driver(driver)
         self._dev = _call(driver.cuDeviceGet(device), "cuDeviceGet")
@@ -127,6 +128,8 @@ class CudaBackend:
             if handles is not None:
                 self._drop(page, handles)
         self._handles = [None] * self.layout.num_pages
+        self._mapped = bytearray(self.layout.num_pages)
+        self._num_handles = 0
         _call(drv.cuMemAddressFree(self.base_address, self.layout.total_bytes), "cuMemAddressFree")
         _call(drv.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
 
@@ -148,12 +151,13 @@ class CudaBackend:
     def map_many(self, pages: Sequence[int]) -> None:
         """Map several pages; access rights are set once per run of consecutive pages."""
         self._check_live()
-        ordered = check_pages(pages, self.layout.num_pages, self._flags(), False)
+        ordered = check_pages(pages, self.layout.num_pages, self._mapped, False)
         done: list[int] = []
         try:
             for first, count in runs(ordered):
                 for page in range(first, first + count):
                     self._handles[page] = self._create_and_map(page)
+                    self._mapped[page] = 1
                     self._num_handles += self.layout.num_regions
                     done.append(page)
                 length = count * self.layout.page_bytes
@@ -169,12 +173,12 @@ class CudaBackend:
     def unmap_many(self, pages: Sequence[int]) -> None:
         """Unmap several pages."""
         self._check_live()
-        for page in check_pages(pages, self.layout.num_pages, self._flags(), True):
+        for page in check_pages(pages, self.layout.num_pages, self._mapped, True):
             self._unmap_one(page)
 
     def is_mapped(self, page: int) -> bool:
         """Whether ``page`` has allocations mapped."""
-        return self._handles[page] is not None
+        return bool(self._mapped[page])
 
     def mapped_bytes(self) -> int:
         """Device bytes held by this backend's handles (see the module docstring)."""
@@ -205,9 +209,6 @@ class CudaBackend:
         if self._released:
             raise AllocatorContractError("this CudaBackend was released; reserve a new one")
 
-    def _flags(self) -> bytearray:
-        return bytearray(h is not None for h in self._handles)
-
     def _create_and_map(self, page: int) -> list[Any]:
         drv, size = self._drv, self.layout.page_bytes
         handles: list[Any] = []
@@ -231,6 +232,7 @@ class CudaBackend:
         if handles is None:
             return
         self._handles[page] = None
+        self._mapped[page] = 0
         self._num_handles -= len(handles)
         self._drop(page, handles)
 
