@@ -1,0 +1,36 @@
+"""Keep SGLang's idle leak check truthful while a limit takes capacity away.
+
+When fully idle, SGLang checks ``available + evictable + protected +
+session_held == total`` and, with ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE``
+(on by default), raises on a mismatch. ``total`` is a copy of
+``max_total_num_tokens`` taken when the scheduler was built, in the
+invariant checker and in the (frozen) pool-stats observer. Under a limit the
+allocator's ``available`` is smaller by what the limit took away, so
+:func:`sync_capacity` replaces ``total`` with the allocator's
+:meth:`~ElasticTokenAllocator.capacity_tokens` right before every check: the
+check stays on and still catches a real leak (a block nobody accounts for).
+
+Thread: the scheduler thread (it rebinds scheduler attributes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["sync_capacity"]
+
+
+def sync_capacity(scheduler: Any, capacity_tokens: int) -> None:
+    """Make the leak check and the usage metrics use ``capacity_tokens`` as the total."""
+    checker = getattr(scheduler, "invariant_checker", None)
+    if checker is not None:
+        checker.max_total_num_tokens = capacity_tokens
+    observer = getattr(scheduler, "pool_stats_observer", None)
+    if observer is None or observer.max_total_num_tokens == capacity_tokens:
+        return
+    fresh = dataclasses.replace(observer, max_total_num_tokens=capacity_tokens)
+    scheduler.pool_stats_observer = fresh
+    for holder in (checker, getattr(scheduler, "load_inquirer", None)):
+        if holder is not None and getattr(holder, "pool_stats_observer", None) is observer:
+            holder.pool_stats_observer = fresh

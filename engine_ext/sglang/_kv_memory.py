@@ -1,0 +1,128 @@
+"""SGLang's K/V buffers placed on a kvsidecar reservation.
+
+``MHATokenToKVPool`` keeps one K and one V tensor per layer, shape
+``[rows, heads, head_dim]``, where token slot *s* is row *s* in every one of
+them. A run of ``page_size`` rows (one SGLang page) is therefore a contiguous
+byte range in each of the ``2 x layers`` tensors: exactly a *block* of the
+allocator, with one region per tensor. :func:`reserve_kv` cuts the
+reservation so that SGLang page *p* is block *p* and returns the tensors as
+views on it; only mapped pages may be touched, which is what the elastic
+allocator guarantees for every slot it hands out.
+
+SGLang page 0 is the padding page (CUDA-graph padding writes land in slot 0),
+so block 0 is held by the allocator for the life of the pool.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from allocator import Backend, CudaBackend, HostBackend, PageLayout
+
+from .._errors import EngineExtConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["KVGeometry", "KVReservation", "reserve_kv"]
+
+#: Host mapping granularity (one OS page).
+HOST_GRANULARITY = 4096
+#: CUDA VMM granularity on current GPUs (cuMemGetAllocationGranularity, minimum).
+CUDA_GRANULARITY = 2 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """What one SGLang MHA KV pool looks like."""
+
+    page_size: int  # tokens per SGLang page (one allocator block)
+    head_num: int  # KV heads on this rank
+    head_dim: int
+    layer_num: int
+    dtype_bytes: int  # bytes per element (2 for fp16/bf16)
+    max_tokens: int  # SGLang's sizing: the pool may hold at most this many tokens
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token slot in one K or V tensor."""
+        return self.head_num * self.head_dim * self.dtype_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one SGLang page in one K or V tensor."""
+        return self.page_size * self.row_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVReservation:
+    """A reservation cut for one KV pool; SGLang page *p* is block *p*."""
+
+    backend: Backend  # maps/unmaps pages in all 2 x layers regions at once
+    geometry: KVGeometry
+    blocks_per_page: int  # SGLang pages per allocator page
+    num_blocks: int  # SGLang pages incl. the padding page 0
+
+    @property
+    def size_tokens(self) -> int:
+        """Token capacity SGLang sees (padding page excluded)."""
+        return (self.num_blocks - 1) * self.geometry.page_size
+
+    def buffers(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K and V tensors ``[rows, heads, head_dim]`` viewing the reservation.
+
+        Regions alternate K, V per layer, and each tensor spans its whole region,
+        so V of a layer starts exactly one tensor after its K -- the layout
+        SGLang 0.5.23 gives K/V pairs (one allocation, two block-aligned halves)
+        for kernels that reach V by a block offset from K.
+        """
+        geo = self.geometry
+        rows = self.num_blocks * geo.page_size
+        views = []
+        for region in range(2 * geo.layer_num):
+            raw = self.backend.tensor(region)  # type: ignore[attr-defined]
+            views.append(raw.view(dtype).view(rows, geo.head_num, geo.head_dim))
+        return views[0::2], views[1::2]
+
+
+def plan_layout(geometry: KVGeometry, granularity: int) -> tuple[PageLayout, int]:
+    """The page layout for ``geometry`` and how many blocks fit in one page.
+
+    A page is the smallest multiple of ``granularity`` that holds whole
+    blocks; the page count is rounded *down* so the pool never maps more than
+    SGLang sized it for (the padding page included).
+    """
+    if geometry.page_size <= 0 or geometry.max_tokens < geometry.page_size:
+        raise EngineExtConfigError(
+            f"a KV pool of {geometry.max_tokens} tokens cannot hold one page of "
+            f"{geometry.page_size} tokens; give SGLang more memory (--mem-fraction-static)")
+    block = geometry.block_bytes
+    page_bytes = block * granularity // math.gcd(block, granularity)
+    blocks_per_page = page_bytes // block
+    wanted_blocks = geometry.max_tokens // geometry.page_size + 1  # + padding page
+    num_pages = wanted_blocks // blocks_per_page
+    if num_pages < 1:
+        raise EngineExtConfigError(
+            f"the KV pool ({wanted_blocks} pages of {block} bytes per layer) is smaller than "
+            f"one mapping page ({page_bytes} bytes); give SGLang more memory or use a "
+            "larger --page-size")
+    return PageLayout(page_bytes, num_pages, 2 * geometry.layer_num), blocks_per_page
+
+
+def reserve_kv(geometry: KVGeometry, *, device: str, name: str = "kvsidecar-sglang"
+               ) -> KVReservation:
+    """Reserve (not map) the KV memory for ``geometry`` on ``device`` ("cpu" or "cuda[:n]")."""
+    backend: Backend
+    if device == "cpu":
+        layout, bpp = plan_layout(geometry, HOST_GRANULARITY)
+        backend = HostBackend.reserve(layout, name=name)
+    elif device.startswith("cuda"):
+        layout, bpp = plan_layout(geometry, CUDA_GRANULARITY)
+        index = int(device.partition(":")[2] or 0)
+        backend = CudaBackend.reserve(layout, device=index)
+    else:
+        raise EngineExtConfigError(f"kvsidecar cannot place SGLang's KV cache on {device!r}; "
+                                   "supported devices are cpu and cuda")
+    return KVReservation(backend, geometry, bpp, layout.num_pages * bpp)

@@ -1,0 +1,68 @@
+"""Inside SGLang's pool construction: K/V tensors on a reservation, then the elastic allocator.
+
+``KVCacheConfigurator`` builds the KV pool (``MHATokenToKVPool``, whose
+``_create_buffers_normal`` allocates the tensors) and then the token-to-KV
+allocator. :func:`place_kv_buffers` replaces the tensor allocation with views
+on a reservation (nothing mapped yet) and remembers the reservation on the
+pool; :func:`build_elastic_allocator` finds it there and builds the
+:class:`ElasticTokenAllocator` over it. Pools the adapter does not
+understand (quantized, vectorized, MLA with different K/V widths) refuse to
+start with the reason, rather than run without limits.
+
+Thread: the scheduler process's main thread, during ``Scheduler.__init__``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from allocator import BlockAllocator, PageAllocator, ThreadGuard
+
+from .. import EngineSettings
+from .._errors import EngineExtConfigError
+from ._allocator import ElasticTokenAllocator
+from ._kv_memory import KVGeometry, KVReservation, reserve_kv
+
+__all__ = ["build_elastic_allocator", "place_kv_buffers"]
+
+ATTR = "_kvsidecar_reservation"
+
+
+def place_kv_buffers(pool: Any, settings: EngineSettings) -> KVReservation:
+    """``MHATokenToKVPool._create_buffers_normal``: K/V views on a fresh reservation."""
+    problems = []
+    if getattr(pool, "kv_cache_layout", "nhd") != "nhd" or getattr(pool, "use_hnd", False):
+        problems.append(f"KV layout {getattr(pool, 'kv_cache_layout', '?')!r} (only 'nhd')")
+    if getattr(pool, "v_head_dim", pool.head_dim) != pool.head_dim:
+        problems.append("K and V of different widths")
+    if getattr(pool, "enable_custom_mem_pool", False):
+        problems.append("a custom memory pool (PD transfer backends)")
+    if problems:
+        raise EngineExtConfigError(
+            "kvsidecar cannot place this SGLang KV cache: " + "; ".join(problems)
+            + ". Start SGLang without kvsidecar (KVSIDECAR_ENABLE=0) or with the default layout")
+    geometry = KVGeometry(
+        page_size=pool.page_size, head_num=pool.head_num, head_dim=pool.head_dim,
+        layer_num=pool.layer_num, dtype_bytes=pool.store_dtype.itemsize, max_tokens=pool.size)
+    reservation = reserve_kv(geometry, device=str(pool.device))
+    pool.size = reservation.size_tokens  # rounded down to whole mapping pages
+    pool.k_buffer, pool.v_buffer = reservation.buffers(pool.store_dtype)
+    setattr(pool, ATTR, reservation)
+    return reservation
+
+
+def build_elastic_allocator(configurator: Any, kv_pool: Any, settings: EngineSettings
+                            ) -> ElasticTokenAllocator:
+    """``_build_token_to_kv_pool_allocator``: the elastic allocator over the pool's reservation."""
+    reservation: KVReservation | None = getattr(kv_pool, ATTR, None)
+    if reservation is None:
+        raise EngineExtConfigError(
+            f"kvsidecar supports SGLang's MHATokenToKVPool, not {type(kv_pool).__name__} "
+            "(hybrid SWA/Mamba and MLA pools are not elastic yet); start without kvsidecar "
+            "(KVSIDECAR_ENABLE=0)")
+    guard = ThreadGuard("sglang-kv-pool", enabled=settings.thread_guard or None)
+    pages = PageAllocator(reservation.backend, reserve_pages=settings.reserve_pages, guard=guard)
+    blocks = BlockAllocator(pages, reservation.blocks_per_page)
+    return ElasticTokenAllocator(blocks, page_size=kv_pool.page_size,
+                                 dtype=configurator.kv_cache_dtype, device=configurator.device,
+                                 kvcache=kv_pool)

@@ -1,0 +1,110 @@
+"""One scheduler's elastic KV pool: what the SGLang hooks call.
+
+Where the coordinator runs, and why there:
+
+* :meth:`ElasticPool.before_schedule` -- top of every scheduler iteration,
+  *before admission* (``get_next_batch_to_run``): takes the newest target,
+  shrinks, and only then lets ``PrefillBudget`` look at
+  ``available + evictable``. A pass between admission and allocation could
+  take away capacity admission already promised, and SGLang turns a failed
+  prefill allocation into a ``RuntimeError`` that ends the scheduler
+  (ENGINES.md 2.6); so the allocation-time hook only makes sure the first
+  pass (the retained limit) ran, and capacity never shrinks under a batch.
+* :meth:`ElasticPool.on_idle` -- wraps ``Scheduler.on_idle``: a pass when a
+  limit is pending, then the leak check's total is synced
+  (:func:`sync_capacity`) before SGLang's own check runs.
+
+Thread: the scheduler thread, except :meth:`set_limit` and :meth:`state`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .. import ElasticInstance, EngineBinding, EngineSettings
+from ._accounting import sync_capacity
+from ._allocator import ElasticTokenAllocator
+from ._reclaimers import make_reclaimer
+
+if TYPE_CHECKING:
+    import httpx
+
+    from ..protocol import EngineState
+    from .._mailbox import PublishResult
+
+__all__ = ["ElasticPool", "pool_of"]
+
+_log = logging.getLogger("engine_ext.sglang")
+ATTR = "_kvsidecar_pool"  # where the pool hangs on the scheduler
+
+
+class ElasticPool:
+    """Owns the instance runtime (mailbox, coordinator, socket, sidecar client)
+    and the tree-cache reclaimer of one scheduler; borrows its allocator."""
+
+    def __init__(self, scheduler: Any, instance: ElasticInstance,
+                 allocator: ElasticTokenAllocator) -> None:
+        self.scheduler = scheduler
+        self.instance = instance
+        self.allocator = allocator
+        self.num_idle_passes = 0  # on_idle calls that ran a coordinator pass
+        self._stepped = False
+
+    @classmethod
+    def attach(cls, scheduler: Any, settings: EngineSettings, *, engine_version: str,
+               sidecar_transport: httpx.BaseTransport | None = None) -> ElasticPool:
+        """Build the reclaimer for the scheduler's (already built) tree cache, register,
+        apply the retained or configured limit, and hang the pool on the scheduler."""
+        allocator = scheduler.token_to_kv_pool_allocator
+        if not isinstance(allocator, ElasticTokenAllocator):
+            raise TypeError(f"the scheduler's allocator is {type(allocator).__name__}, not the "
+                            "kvsidecar allocator; call install() before building the scheduler")
+        reclaimer = make_reclaimer(scheduler.tree_cache, allocator)
+        binding = EngineBinding("sglang", engine_version, allocator.blocks, (reclaimer,))
+        instance = ElasticInstance(settings, binding, sidecar_transport=sidecar_transport)
+        pool = cls(scheduler, instance, allocator)
+        allocator.set_retired_evictable(reclaimer.retired_evictable)
+        allocator.set_before_alloc(pool._ensure_started)
+        instance.start()
+        pool.before_schedule()  # the retained limit is applied before the first request
+        setattr(scheduler, ATTR, pool)
+        return pool
+
+    # -- scheduler thread --------------------------------------------------------------
+
+    def before_schedule(self) -> EngineState:
+        """Top of a scheduler iteration: one coordinator pass, then truthful totals."""
+        self._stepped = True
+        state = self.instance.step()
+        sync_capacity(self.scheduler, self.allocator.capacity_tokens())
+        return state
+
+    def on_idle(self) -> None:
+        """Fully or partly idle iteration: a pass if a limit waits; totals synced."""
+        if self.instance.coordinator.pending:
+            self.instance.step()
+            self.num_idle_passes += 1
+        sync_capacity(self.scheduler, self.allocator.capacity_tokens())
+
+    def _ensure_started(self) -> None:
+        if not self._stepped:
+            self.before_schedule()
+
+    # -- any thread ------------------------------------------------------------------
+
+    def set_limit(self, limit_bytes: int | None) -> PublishResult:
+        """Publish a limit (next revision); the scheduler applies it on its next pass."""
+        return self.instance.set_limit(limit_bytes)
+
+    def state(self) -> EngineState:
+        return self.instance.state()
+
+    def close(self) -> None:
+        self.instance.close()
+
+
+def pool_of(scheduler: Any) -> ElasticPool | None:
+    """The pool attached to ``scheduler``, if any."""
+    pool = getattr(scheduler, ATTR, None)
+    return pool if isinstance(pool, ElasticPool) else None

@@ -1,0 +1,347 @@
+"""A CPU stand-in for SGLang's scheduler loop, over SGLang's real memory classes.
+
+SGLang's ``Scheduler.__init__`` needs a model worker, a tokenizer, ZMQ IPC
+channels and a process group before it builds the KV cache, so on a machine
+without a GPU model this harness runs *SGLang's own* memory path instead
+(see docs/sglang.md): the real tree cache (``UnifiedRadixCache`` with its
+Rust core by default, or ``RadixCache``), ``ReqToTokenPool``, the kvsidecar
+:class:`ElasticTokenAllocator` (a ``PagedTokenToKVPoolAllocator``), SGLang's
+``PrefillBudget`` for admission, SGLang's ``alloc_paged_token_slots_extend``
+for prefill allocation (which raises ``RuntimeError`` on a failed
+allocation, as in the server) and SGLang's ``SchedulerInvariantChecker`` +
+``SchedulerPoolStatsObserver`` for the strict idle leak check. The request
+loop calls them in the scheduler's order: before-schedule pass, admission
+(match_prefix, lock), req row + ``alloc_extend``, a "forward" that writes
+each token's id into every layer's K/V rows (a write to an unmapped page
+would fault), decode steps, and on finish insert / free duplicates / unlock.
+KV tensors live on a :class:`allocator.HostBackend`, so mapped memory is
+measured from the memfd.
+
+Thread: one thread (the "scheduler thread") drives a harness.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from allocator import BlockAllocator, PageAllocator
+
+from .. import EngineSettings
+from ._cpu_imports import prepare_cpu_imports
+from ._kv_memory import KVGeometry, KVReservation, reserve_kv
+from ._runtime import ElasticPool
+from ._version import installed_sglang_version
+
+__all__ = ["CpuHarness", "HarnessConfig", "HarnessRequest"]
+
+
+@dataclass(frozen=True, slots=True)
+class HarnessConfig:
+    """Shape of the harness pool (defaults: 4 KiB pages of 4 SGLang pages, 16 KiB bundles)."""
+
+    page_size: int = 4  # tokens per SGLang page
+    head_num: int = 2
+    head_dim: int = 64  # fp16: 256 bytes per token row, 1 KiB per SGLang page
+    layer_num: int = 2  # 4 regions (K and V per layer)
+    max_tokens: int = 1020  # SGLang-sized capacity: 255 pages + padding = 64 allocator pages
+    cache: str = "unified"  # "unified" (SGLang's default) or "radix"
+    max_running: int = 16  # ReqToTokenPool rows
+    max_context: int = 1024
+
+
+@dataclass(slots=True, eq=False)
+class HarnessRequest:
+    """One request: its prompt, what it generated and what it holds."""
+
+    rid: int
+    tokens: list[int]  # prompt
+    max_new_tokens: int
+    generated: list[int] = field(default_factory=list)
+    row: int | None = None  # ReqToTokenPool row
+    prefix_len: int = 0  # matched (page-aligned) prefix, owned by the tree
+    lock: Any = None  # tree lock on the matched node
+    kv_len: int = 0  # token slots written for this request
+    done: bool = False
+
+    @property
+    def seq(self) -> list[int]:
+        return self.tokens + self.generated
+
+
+def _single_rank_runtime() -> None:
+    """State the parallel widths the memory classes read (a server publishes them)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        get_parallel().dcp_enabled  # noqa: B018 -- published already (e.g. a real scheduler)
+    except RuntimeError:
+        get_parallel().override_permanently(dcp_enabled=False)
+
+
+class CpuHarness:
+    """SGLang's memory classes driven like the scheduler drives them (see module doc).
+
+    Owns the reservation, the allocators, the tree cache and the attached
+    :class:`ElasticPool`; :meth:`close` releases them.
+    """
+
+    def __init__(self, settings: EngineSettings, config: HarnessConfig | None = None) -> None:
+        prepare_cpu_imports()
+        import torch
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        self.config = cfg = config or HarnessConfig()
+        _single_rank_runtime()
+        geometry = KVGeometry(cfg.page_size, cfg.head_num, cfg.head_dim, cfg.layer_num, 2,
+                              cfg.max_tokens)
+        self.reservation: KVReservation = reserve_kv(geometry, device="cpu")
+        self.pages = PageAllocator(self.reservation.backend, reserve_pages=settings.reserve_pages)
+        self.blocks = BlockAllocator(self.pages, self.reservation.blocks_per_page)
+        from ._allocator import ElasticTokenAllocator
+
+        self.token_to_kv_pool_allocator = ElasticTokenAllocator(
+            self.blocks, page_size=cfg.page_size, dtype=torch.float16, device="cpu", kvcache=None)
+        self.k_buffer, self.v_buffer = self.reservation.buffers(torch.float16)
+        self.req_to_token_pool = ReqToTokenPool(cfg.max_running, cfg.max_context, "cpu", False)
+        self.tree_cache = self._make_cache()
+        self.max_total_num_tokens = self.token_to_kv_pool_allocator.size
+        self.pool_stats_observer, self.invariant_checker = self._make_checks()
+        self.waiting: list[HarnessRequest] = []
+        self.running: list[HarnessRequest] = []
+        self.finished: list[HarnessRequest] = []
+        self._rids = itertools.count()
+        self.pool = ElasticPool.attach(self, settings, engine_version=installed_sglang_version())
+
+    # -- building ----------------------------------------------------------------------
+
+    def _make_cache(self) -> Any:
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            page_size=self.config.page_size, tree_components=(ComponentType.FULL,))
+        if self.config.cache == "unified":
+            return UnifiedRadixCache(params)
+        if self.config.cache == "radix":
+            return RadixCache(params)
+        raise ValueError(f"cache must be 'unified' or 'radix'; got {self.config.cache!r}")
+
+    def _make_checks(self) -> tuple[Any, Any]:
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+        from sglang.srt.managers.scheduler_components.invariant_checker import (
+            SchedulerInvariantChecker,
+        )
+        from sglang.srt.managers.scheduler_components.pool_stats_observer import (
+            SchedulerPoolStatsObserver,
+        )
+
+        observer = SchedulerPoolStatsObserver(
+            tree_cache=self.tree_cache, token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            req_to_token_pool=self.req_to_token_pool, session_controller=None,
+            hisparse_coordinator=None, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hisparse=False, full_tokens_per_layer=None, swa_tokens_per_layer=None,
+            max_total_num_tokens=self.max_total_num_tokens)
+        checker = SchedulerInvariantChecker(
+            is_hybrid_swa=False, is_hybrid_ssm=False, disaggregation_mode=DisaggregationMode.NULL,
+            page_size=self.config.page_size, full_tokens_per_layer=None,
+            swa_tokens_per_layer=None, max_total_num_tokens=self.max_total_num_tokens,
+            tree_cache=self.tree_cache, token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            req_to_token_pool=self.req_to_token_pool, pool_stats_observer=observer,
+            get_last_batch=lambda: None, get_running_batch=lambda: None,
+            scheduler_stage_metrics=None)
+        return observer, checker
+
+    # -- requests ----------------------------------------------------------------------
+
+    def submit(self, tokens: list[int], max_new_tokens: int = 4) -> HarnessRequest:
+        req = HarnessRequest(next(self._rids), list(tokens), max_new_tokens)
+        self.waiting.append(req)
+        return req
+
+    def is_fully_idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def iterate(self) -> None:
+        """One scheduler iteration: pass, admission + prefill, one decode step; idle hook."""
+        if self.is_fully_idle():
+            self.on_idle()
+            return
+        self.pool.before_schedule()
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+        elif self.running:
+            self._decode()
+        else:
+            self.on_idle()  # requests wait for memory: a batch-less iteration
+
+    def run_until_idle(self, max_iterations: int = 10_000) -> None:
+        for _ in range(max_iterations):
+            if self.is_fully_idle():
+                self.on_idle()
+                return
+            self.iterate()
+        raise RuntimeError(f"not idle after {max_iterations} iterations; waiting={self.waiting}")
+
+    def on_idle(self) -> None:
+        """``Scheduler.on_idle`` as wrapped by kvsidecar: pool hook, then SGLang's leak checks."""
+        self.pool.on_idle()
+        if not self.is_fully_idle():
+            return
+        has_leak, messages = self.invariant_checker._check_all_pools(
+            self.pool_stats_observer.get_pool_stats())
+        if has_leak:
+            self.invariant_checker._report_leak("pool", "\n".join(messages))
+        self.invariant_checker._check_req_pool()
+
+    # -- the scheduler's memory calls --------------------------------------------------
+
+    def _key(self, tokens: list[int]) -> Any:
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        return RadixKey(array("q", tokens))
+
+    def _reserved_tokens(self) -> int:
+        """Decode room promised to running requests (their remaining new tokens, paged)."""
+        ps = self.config.page_size
+        return sum(-(-(r.max_new_tokens - len(r.generated)) // ps) * ps + ps for r in self.running)
+
+    def _admit(self) -> list[HarnessRequest]:
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        ps = self.config.page_size
+        admitted: list[HarnessRequest] = []
+        budget = self.token_to_kv_pool_allocator.create_prefill_budget(self.tree_cache)
+        promised = self._reserved_tokens()
+        for req in list(self.waiting):
+            if len(admitted) + len(self.running) >= self.config.max_running:
+                break
+            match = self.tree_cache.match_prefix(MatchPrefixParams(key=self._key(req.tokens)))
+            prefix = min(match.device_prefix_len, (len(req.tokens) - 1) // ps * ps)
+            need = -(-(len(req.tokens) - prefix + req.max_new_tokens) // ps) * ps + ps
+            lock = self.tree_cache.lock(match.last_device_node)
+            if need + promised > budget.remaining_total:  # SGLang's NO_TOKEN: stay waiting
+                self.tree_cache.unlock(lock)
+                break
+            promised += need
+            req.prefix_len, req.lock = prefix, lock
+            self.waiting.remove(req)
+            admitted.append(req)
+        return admitted
+
+    def _prefill(self, batch: list[HarnessRequest]) -> None:
+        import torch
+        from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
+
+        rows = self.req_to_token_pool.alloc_rows(len(batch))
+        if rows is None:
+            raise RuntimeError("ReqToTokenPool exhausted (admission bounds running requests)")
+        table = self.req_to_token_pool.req_to_token
+        prefix_lens, seq_lens, last_loc = [], [], []
+        for req, row in zip(batch, rows):
+            req.row = row
+            if req.prefix_len:
+                path = self.tree_cache.path_device_indices(req.lock.node)[: req.prefix_len]
+                table[row, : req.prefix_len] = path.to(table.dtype)
+                self._check_kv(req, path.tolist())
+            prefix_lens.append(req.prefix_len)
+            seq_lens.append(len(req.tokens))
+            last_loc.append(int(table[row, req.prefix_len - 1]) if req.prefix_len else -1)
+        p, s = torch.tensor(prefix_lens), torch.tensor(seq_lens)
+        out = alloc_paged_token_slots_extend(
+            tree_cache=self.tree_cache, prefix_lens=p, prefix_lens_cpu=p, seq_lens=s,
+            seq_lens_cpu=s, last_loc=torch.tensor(last_loc),
+            extend_num_tokens=int((s - p).sum()))
+        offset = 0
+        for req in batch:
+            n = len(req.tokens) - req.prefix_len
+            slots = out[offset: offset + n]
+            offset += n
+            table[req.row, req.prefix_len: len(req.tokens)] = slots.to(table.dtype)
+            self._write(slots.tolist(), req.tokens[req.prefix_len:])
+            req.kv_len = len(req.tokens)
+            self.running.append(req)
+
+    def _decode(self) -> None:
+        import torch
+
+        ps = self.config.page_size
+        table = self.req_to_token_pool.req_to_token
+        batch = list(self.running)
+        seq = torch.tensor([r.kv_len + 1 for r in batch])
+        last = torch.tensor([int(table[r.row, r.kv_len - 1]) for r in batch])
+        need = int(((seq % ps) == 1).sum()) * ps
+        self.token_to_kv_pool_allocator.evict_to_free_tokens(self.tree_cache, need)
+        out = self.token_to_kv_pool_allocator.alloc_decode(seq, seq, last)
+        if out is None:
+            raise RuntimeError("decode allocation failed although admission reserved room")
+        for req, slot in zip(batch, out.tolist()):
+            token = 1024 + (req.rid * 31 + len(req.generated)) % 1024  # exact in fp16
+            table[req.row, req.kv_len] = slot
+            self._write([slot], [token])
+            req.generated.append(token)
+            req.kv_len += 1
+            if len(req.generated) >= req.max_new_tokens:
+                self._finish(req)
+
+    def _finish(self, req: HarnessRequest) -> None:
+        """``cache_finished_req``: insert the page-aligned KV, free duplicates and the tail."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+        ps = self.config.page_size
+        kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].to("cpu").long()
+        aligned = req.kv_len // ps * ps
+        result = self.tree_cache.insert(
+            InsertParams(key=self._key(req.seq[:aligned]), value=kv[:aligned].clone()))
+        allocator = self.token_to_kv_pool_allocator
+        if result.prefix_len > req.prefix_len:
+            allocator.free(kv[req.prefix_len: result.prefix_len])
+        if req.kv_len > aligned:
+            allocator.free(kv[aligned:])
+        self.tree_cache.unlock(req.lock)
+        self.req_to_token_pool.free_rows([req.row])
+        req.row, req.lock, req.done = None, None, True
+        self.running.remove(req)
+        self.finished.append(req)
+
+    # -- the "forward": KV rows carry the token id -------------------------------------
+
+    def _write(self, slots: list[int], tokens: list[int]) -> None:
+        import torch
+
+        index = torch.tensor(slots)
+        values = torch.tensor(tokens, dtype=torch.float32).to(torch.float16)
+        for layer in range(self.config.layer_num):
+            self.k_buffer[layer][index, 0, 0] = values
+            self.v_buffer[layer][index, 0, 0] = -values
+
+    def _check_kv(self, req: HarnessRequest, slots: list[int]) -> None:
+        """A prefix hit must read back the KV its tokens wrote (fp16 holds ids < 2048 exactly)."""
+        import torch
+
+        got = self.k_buffer[-1][torch.tensor(slots), 0, 0].float().tolist()
+        want = [float(torch.tensor(t, dtype=torch.float16)) for t in req.tokens[: len(slots)]]
+        if got != want:
+            raise AssertionError(f"request {req.rid}: cached prefix KV corrupted: {got} != {want}")
+
+    # -- measurements ------------------------------------------------------------------
+
+    def mapped_bytes(self) -> int:
+        """Measured from the memfd (st_blocks), not from a counter."""
+        return self.reservation.backend.mapped_bytes()
+
+    @property
+    def bundle_bytes(self) -> int:
+        return self.reservation.backend.layout.bundle_bytes
+
+    def close(self) -> None:
+        self.pool.close()
+        self.k_buffer, self.v_buffer = [], []
+        self.reservation.backend.release()
