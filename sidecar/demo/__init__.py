@@ -1,0 +1,97 @@
+"""``kvsidecar demo``: the CPU colocation demo (the README's main job).
+
+Starts the sidecar and vLLM CPU-harness engines as separate processes, runs
+the two scenarios of :mod:`sidecar.demo._scenarios`, prints the limit table,
+writes ``demo-results.json`` and ``demo-mapped.png`` and exits non-zero if
+any check failed. Embedded defaults only: SQLite in a temporary directory,
+host memory, loopback, no GPU, no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+__all__ = ["run_demo"]
+
+
+def _parse(argv: tuple[str, ...]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvsidecar demo", description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("demo-out"),
+                        help="where demo-results.json and the plot go [./demo-out]")  # fmt: skip
+    parser.add_argument("--idle-s", type=float, default=10.0,
+                        help="seconds to stay idle after lowering a limit [10]")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="smaller workload (tests)")
+    parser.add_argument("--keep-workdir", action="store_true", help="keep logs and the DB")
+    return parser.parse_args(list(argv))
+
+
+def run_demo(*argv: str) -> None:
+    """Run the demo; exits the process with 0 (all checks passed) or 1."""
+    args = _parse(argv)
+    if args.idle_s < 0:
+        sys.exit("kvsidecar demo: --idle-s must be >= 0")
+    console = Console()
+    sys.exit(0 if _run(args, console) else 1)
+
+
+def _run(args: argparse.Namespace, console: Console) -> bool:
+    from engine_ext.vllm._tiny_model import make_tiny_model_dir
+
+    from ._cluster import Cluster, EngineSpec
+    from ._report import print_checks, print_limit_table, write_json, write_plot
+    from ._sampler import Sampler
+    from ._scenarios import DemoConfig, elastic_colocation, limit_table
+
+    cfg = DemoConfig(idle_s=args.idle_s, quick=args.quick)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-demo-"))
+    t0 = time.monotonic()
+    results: dict[str, Any] = {"config": vars(cfg), "workdir": str(workdir)}
+    cluster = Cluster(workdir, make_tiny_model_dir(workdir / "model"))
+    sampler = Sampler(cluster.sidecar_url, t0)
+    ok = False
+    try:
+        with console.status("starting the sidecar and two vLLM engines (CPU harness)…"):
+            cluster.start_sidecar()
+            sampler.start()
+            cluster.start_engines([EngineSpec("without-reclaim", False, 64 << 20),
+                                   EngineSpec("with-reclaim", True, 64 << 20)])  # fmt: skip
+        console.print(f"engines up in {time.monotonic() - t0:.0f}s; sidecar {cluster.sidecar_url}")
+        with console.status("scenario 1: fill, lower the limit, idle, traffic…"):
+            results["limit_table"] = limit_table(
+                cluster, sampler, "without-reclaim", "with-reclaim", cfg, t0)
+        print_limit_table(console, results["limit_table"])
+        with console.status("scenario 2: elastic colocation on one budget…"):
+            cluster.stop_engine("without-reclaim")
+            cluster.start_engines([EngineSpec("engine-b", True, 64 << 20)])
+            results["elastic"] = elastic_colocation(cluster, "with-reclaim", "engine-b", cfg)
+        checks = results["limit_table"]["checks"] + results["elastic"]["checks"]
+        print_checks(console, checks)
+        ok = all(c["ok"] for c in checks)
+    except Exception as exc:  # last resort: record why, fail the demo, keep the logs
+        results["error"] = f"{type(exc).__name__}: {exc}"
+        console.print(f"[red]demo failed:[/red] {results['error']}\nlogs in {workdir}")
+        args.keep_workdir = True
+    finally:
+        sampler.stop()
+        cluster.close()
+        results["ok"] = ok
+        results["elapsed_s"] = round(time.monotonic() - t0, 1)
+        results["samples"] = [asdict(s) for s in sampler.samples]
+        write_json(out / "demo-results.json", results)
+        plotted = write_plot(out / "demo-mapped.png", sampler.samples)
+        console.print(f"results: {out / 'demo-results.json'}"
+                      + (f"; plot: {out / 'demo-mapped.png'}" if plotted else ""))  # fmt: skip
+        if not args.keep_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return ok
