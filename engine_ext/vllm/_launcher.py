@@ -60,6 +60,29 @@ class VllmServer:
         except OSError:
             return ""
 
+    def kv_memfd_bytes(self, name: str = "kvsidecar-stub-kv") -> int:
+        """KV memory committed right now, measured from /proc (the memfd's allocated blocks).
+
+        Independent of the engine's own report: looks for the stub worker's memfd
+        among the open files of the server's process tree.
+        """
+        import psutil
+
+        total = 0
+        for proc in [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(True)]:
+            fd_dir = Path(f"/proc/{proc.pid}/fd")
+            try:
+                entries = list(fd_dir.iterdir())
+            except OSError:
+                continue
+            for entry in entries:
+                try:
+                    if os.readlink(entry).startswith(f"/memfd:{name}"):
+                        total += os.stat(entry).st_blocks * 512
+                except OSError:
+                    continue
+        return total
+
     def wait_healthy(self, timeout_s: float) -> None:
         """Poll ``/health`` until 200; raise with the log tail if the server died or timed out."""
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,223 @@
+"""The real ``vllm serve`` (OpenAI server + EngineCore process) with kvsidecar on CPU.
+
+Two servers for the whole module, started side by side: ``elastic`` (the
+plugin with reclamation) and ``main`` (the plugin with ``KVSIDECAR_RECLAIM=0``:
+limits are recorded, nothing is evicted -- the "main" column of the reference
+table). Both run the CPU harness's stub executor (KV tensors on a memfd
+``HostBackend``: what the engine reports is checked against ``/proc``) with
+the thread guard on. Limits go through the engine's real unix control socket.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
+
+from engine_ext.vllm import VllmServer, launch_vllm_server, make_document, make_tiny_model_dir  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+DOC = make_document(1300, seed=1)
+QUESTIONS = ["first question", "second question", "third question", "fourth question"]
+
+
+@dataclass
+class Engine:
+    server: VllmServer
+    socket_path: Path
+    model: str
+
+    def control(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        transport = httpx.HTTPTransport(uds=str(self.socket_path))
+        with httpx.Client(transport=transport, base_url="http://engine", timeout=10) as client:
+            response = client.request(method, path, json=body)
+        assert response.status_code in (200, 409), response.text
+        return response.json()
+
+    def state(self) -> dict[str, Any]:
+        return self.control("GET", "/state")  # type: ignore[no-any-return]
+
+    def set_limit(self, limit: int | None) -> int:
+        """Publish ``limit``; returns the revision."""
+        return int(self.control("PUT", "/limit", {"limit": limit})["revision"])
+
+    def wait_state(self, revision: int, *, status: str, timeout_s: float = 15.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        state = self.state()
+        while time.monotonic() < deadline:
+            if state["revision"] >= revision and state["status"] == status:
+                return state
+            time.sleep(0.02)
+            state = self.state()
+        raise AssertionError(f"no {status!r} state for revision {revision}: {state}")
+
+    def complete(self, prompt: str, max_tokens: int = 16, timeout_s: float = 120) -> Any:
+        response = httpx.post(
+            self.server.base_url + "/v1/completions",
+            json={"model": self.model, "prompt": prompt, "max_tokens": max_tokens},
+            timeout=timeout_s,
+        )
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def reset(self) -> None:
+        """Unlimited again and an empty prefix cache (between tests)."""
+        revision = self.set_limit(None)
+        response = httpx.post(self.server.base_url + "/reset_prefix_cache", timeout=30)
+        assert response.status_code == 200, response.text
+        self.wait_state(revision, status="applied")
+
+
+def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine:
+    runtime_dir = tmp / name
+    server = launch_vllm_server(
+        model_dir,
+        env={
+            "KVSIDECAR_ENABLE": "1",
+            "KVSIDECAR_THREAD_GUARD": "1",
+            "KVSIDECAR_INSTANCE_ID": name,
+            "KVSIDECAR_RUNTIME_DIR": str(runtime_dir),
+            "VLLM_SERVER_DEV_MODE": "1",
+            **env,
+        },
+        extra_args=["--max-num-seqs", "8"],
+        log_path=tmp / f"{name}.log",
+    )
+    return Engine(server, runtime_dir / name / "control.sock", str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    tmp = tmp_path_factory.mktemp("vllm-serve")
+    model_dir = make_tiny_model_dir(tmp / "model")
+    with ThreadPoolExecutor(2) as pool:
+        elastic_f = pool.submit(_start, tmp, model_dir, "elastic", {})
+        main_f = pool.submit(_start, tmp, model_dir, "main", {"KVSIDECAR_RECLAIM": "0"})
+        elastic, main = elastic_f.result(), main_f.result()
+    try:
+        yield elastic, main
+    finally:
+        for engine in (elastic, main):
+            log = engine.server.log_tail(200_000)
+            engine.server.stop()
+            assert "ForeignThreadError" not in log, "the block pool was mutated off its thread"
+
+
+def _fill_prefix_cache(engine: Engine) -> None:
+    for question in QUESTIONS:
+        engine.complete(f"{DOC} {question}")
+    for seed in range(4):
+        engine.complete(make_document(200, seed=10 + seed))
+
+
+def _traffic(engine: Engine, num_requests: int) -> None:
+    prompts = [make_document(100, seed=1000 + i) for i in range(num_requests)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda p: engine.complete(p, max_tokens=8), prompts))
+
+
+def _reference_table(engine: Engine, status: str) -> dict[str, int]:
+    engine.reset()
+    _fill_prefix_cache(engine)
+    full = engine.state()
+    assert full["mapped_bytes"] == engine.server.kv_memfd_bytes()  # the report is measured
+    limit = full["mapped_bytes"] // 2
+    revision = engine.set_limit(limit)
+    idle = engine.wait_state(revision, status=status)
+    _traffic(engine, 100)
+    after = engine.wait_state(revision, status=status)
+    return {
+        "limit": limit, "full": full["mapped_bytes"], "idle": idle["mapped_bytes"],
+        "idle_passes": idle["passes"] - full["passes"], "after": engine.server.kv_memfd_bytes(),
+        "after_reported": after["mapped_bytes"],
+    }  # fmt: skip
+
+
+def test_reference_table_limit_applies_idle_and_after_traffic(
+    engines: tuple[Engine, Engine],
+) -> None:
+    elastic, main = engines
+    with ThreadPoolExecutor(2) as pool:
+        rows = list(pool.map(_reference_table, (elastic, main), ("applied", "deferred")))
+    kvs, base = rows
+    print(f"\nreference table (MiB): {[{k: v / 2**20 for k, v in r.items()} for r in rows]}")
+    assert kvs["idle"] <= kvs["limit"] and kvs["after"] <= kvs["limit"]
+    assert kvs["idle_passes"] == 1  # converged within one idle pass
+    assert kvs["after_reported"] == kvs["after"]
+    assert base["idle"] > base["limit"] and base["after"] > base["limit"]
+    assert main.state()["reason"] == "reclaim_disabled"
+
+
+def test_under_traffic_deferred_then_applied_with_identical_tokens(
+    engines: tuple[Engine, Engine],
+) -> None:
+    elastic, _ = engines
+    elastic.reset()
+    kept = [f"{DOC} {q} {i}" for i, q in enumerate(QUESTIONS * 3)]
+    reference = [elastic.complete(p, max_tokens=96)["choices"][0]["text"] for p in kept]
+    warm = elastic.state()
+    bundle = warm["page_bundle_bytes"]
+
+    def aborted(i: int) -> str:
+        try:
+            elastic.complete(f"{DOC} abandoned {i}", max_tokens=2000, timeout_s=1.0)
+        except httpx.TimeoutException:
+            return "aborted"
+        return "finished"
+
+    with ThreadPoolExecutor(24) as pool:
+        futures = [pool.submit(elastic.complete, p, 96) for p in kept]
+        abandoned = [pool.submit(aborted, i) for i in range(12)]
+        time.sleep(0.5)  # 8 running, 16 queued
+        revision = elastic.set_limit(warm["mapped_bytes"] - 2 * bundle)
+        first = elastic.wait_state(revision, status="deferred")
+        results = [f.result() for f in futures]
+        outcomes = [f.result() for f in abandoned]
+    assert first["reason"] in ("running_requests", "evicting")
+    applied = elastic.wait_state(revision, status="applied")
+    assert applied["mapped_bytes"] <= warm["mapped_bytes"] - 2 * bundle
+    assert applied["mapped_bytes"] == elastic.server.kv_memfd_bytes()
+    assert outcomes.count("aborted") == 12
+    assert [r["choices"][0]["text"] for r in results] == reference
+    assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for r in results)
+
+
+def test_reset_prefix_cache_releases_memory(engines: tuple[Engine, Engine]) -> None:
+    elastic, _ = engines
+    elastic.reset()
+    _fill_prefix_cache(elastic)
+    full = elastic.state()["mapped_bytes"]
+    response = httpx.post(elastic.server.base_url + "/reset_prefix_cache", timeout=30)
+    assert response.status_code == 200
+    deadline = time.monotonic() + 10
+    while elastic.server.kv_memfd_bytes() >= full and time.monotonic() < deadline:
+        time.sleep(0.05)
+    bundle = elastic.state()["page_bundle_bytes"]
+    assert elastic.server.kv_memfd_bytes() <= bundle  # only the null block's page is left
+
+
+def test_limit_zero_drains_and_serves_after_raise(engines: tuple[Engine, Engine]) -> None:
+    elastic, _ = engines
+    elastic.reset()
+    _fill_prefix_cache(elastic)
+    revision = elastic.set_limit(0)
+    drained = elastic.wait_state(revision, status="deferred")
+    assert drained["evictable_bytes"] == 0
+    assert elastic.server.kv_memfd_bytes() == drained["page_bundle_bytes"]  # the null page
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(elastic.complete, f"{DOC} after the drain", 8)
+        time.sleep(1.0)
+        assert not waiting.done()  # waits like any request under memory pressure
+        assert httpx.get(elastic.server.base_url + "/health", timeout=5).status_code == 200
+        raised = elastic.set_limit(None)
+        assert waiting.result()["usage"]["completion_tokens"] == 8
+    elastic.wait_state(raised, status="applied")
