@@ -196,9 +196,12 @@ class PageAllocator:
                 self._in_use.discard(page)
                 self._state[page] = PageState.FREE
                 self._free.append(page)
+        elif state is None:
+            raise AllocatorContractError(f"release({page}): no such page (0..{self.num_pages - 1})")
         else:
             raise AllocatorContractError(
-                f"release({page}): page is not in use (state {state!r}); release each page once")
+                f"release({page}): the page is {PageState(state).name}, not in use; release "
+                "each acquired page exactly once")
 
     # ------------------------------------------------------------------ internals
     def _mark_unmapped(self, pages: list[int]) -> None:

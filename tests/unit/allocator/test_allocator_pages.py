@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from allocator import (
     AllocatorConfigError,
     AllocatorContractError,
+    BackendError,
     BlockAllocator,
     HostBackend,
     PageAllocator,
@@ -172,3 +173,53 @@ def test_layout_geometry() -> None:
     assert layout.page_offset(2, 4) == 2 * 81920 + 4 * 8192
     with pytest.raises(IndexError):
         layout.page_offset(3, 0)
+
+
+class FailingMaps:
+    """A real HostBackend whose ``map`` of one chosen page fails (fault injection)."""
+
+    def __init__(self, inner: HostBackend, bad_page: int) -> None:
+        self.inner, self.bad_page = inner, bad_page
+        self.layout, self.base_address = inner.layout, inner.base_address
+
+    def map(self, page: int) -> None:
+        if page == self.bad_page:
+            raise BackendError("injected: fallocate failed (errno 28)", errno=28)
+        self.inner.map(page)
+
+    def map_many(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self.map(page)
+
+    def unmap(self, page: int) -> None:
+        self.inner.unmap(page)
+
+    def unmap_many(self, pages: Sequence[int]) -> None:
+        self.inner.unmap_many(pages)
+
+    def is_mapped(self, page: int) -> bool:
+        return self.inner.is_mapped(page)
+
+    def mapped_bytes(self) -> int:
+        return self.inner.mapped_bytes()
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+def test_a_failed_map_rolls_the_whole_alloc_back(make_host: MakeHost) -> None:
+    inner = make_host(num_pages=4)
+    backend = FailingMaps(inner, bad_page=2)
+    pages = PageAllocator(backend)
+    blocks = BlockAllocator(pages, 2)
+    first = blocks.alloc(1)  # page 0, half full
+    assert first is not None
+    with pytest.raises(BackendError, match="injected"):
+        blocks.alloc(4)  # fills page 0, maps page 1, then page 2 fails
+    assert blocks.num_allocated_blocks == 1 and blocks.blocks_on_page(0) == first
+    assert pages.num_in_use == 1 and pages.page_state(1) is PageState.UNMAPPED
+    assert pages.page_state(2) is PageState.UNMAPPED
+    assert inner.mapped_bytes() == inner.layout.bundle_bytes  # measured: page 1 went back
+    backend.bad_page = -1
+    again = blocks.alloc(4)
+    assert again is not None and blocks.num_allocated_blocks == 5
