@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import logging
@@ -9,6 +10,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from ._errors import SidecarError
+from ._settings import SidecarSettings
+from ._store import Store
 
 app = typer.Typer(name="kvsidecar", no_args_is_help=True, add_completion=False,
                   help="Elastic KV-cache memory for LLM engines: the control-plane service.")
@@ -26,7 +31,6 @@ def serve(
     from pydantic import ValidationError
 
     from ._app import create_app
-    from ._settings import SidecarSettings
 
     overrides: dict[str, Any] = {k: v for k, v in
                                  {"host": host, "port": port, "db_path": db}.items()
@@ -37,6 +41,11 @@ def serve(
         typer.echo(f"kvsidecar: bad setting: {exc.errors()[0]['loc']}: "
                    f"{exc.errors()[0]['msg']}", err=True)
         raise typer.Exit(2) from None
+    try:
+        asyncio.run(_check_database(settings))
+    except SidecarError as exc:
+        typer.echo(f"kvsidecar: {exc.detail}", err=True)
+        raise typer.Exit(2) from None
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.host not in ("127.0.0.1", "::1", "localhost") and settings.token is None:
@@ -45,6 +54,15 @@ def serve(
             settings.host)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=settings.log_level, access_log=False)
+
+
+async def _check_database(settings: SidecarSettings) -> None:
+    """Open the database once before uvicorn starts: a bad path is one line, not a traceback."""
+    store = Store(settings.db_path)
+    try:
+        await store.open()
+    finally:
+        await store.close()
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

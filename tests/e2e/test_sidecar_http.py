@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -219,3 +220,13 @@ def test_health_readiness_and_metrics(client: httpx.Client) -> None:
     assert 'kvsidecar_instance_status{instance="llama-a",status="pending"} 1.0' in text
     assert 'kvsidecar_instance_status{instance="llama-a",status="applied"} 0.0' in text
     assert "kvsidecar_push_seconds_bucket" in text
+
+
+def test_a_client_that_hangs_up_ends_its_long_poll(sidecar: ThreadedSidecar) -> None:
+    tasks = sidecar.server.server_state.tasks  # uvicorn's in-flight request tasks
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=sidecar.url) as c:
+        c.put("/instances/a/limit", params={"wait": 5}, json={"limit": "1G"}, timeout=0.3)
+    deadline = time.monotonic() + 3  # well before the 5 s deadline of the wait
+    while tasks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not tasks, "the long-poll outlived its client"

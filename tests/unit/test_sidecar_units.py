@@ -160,3 +160,15 @@ def test_exports_are_sorted_and_resolve() -> None:
     assert sidecar.__all__ == sorted(sidecar.__all__)
     for name in sidecar.__all__:
         assert getattr(sidecar, name) is not None
+
+
+def test_serve_refuses_a_bad_database_path_in_one_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app
+
+    (tmp_path / "file").write_text("")
+    result = CliRunner().invoke(app, ["serve", "--db", str(tmp_path / "file" / "s.db")])
+    assert result.exit_code == 2
+    assert "set KVSIDECAR_DB_PATH (or --db) to a writable file" in result.output
+    assert "Traceback" not in result.output
