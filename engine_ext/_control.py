@@ -79,11 +79,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._not_found()
 
     def do_PUT(self) -> None:
+        body = self._read_body()  # read first: a reply must never leave a body unread
+        if body is None:
+            return
         if self.path != "/limit":
             self._not_found()
-            return
-        body = self._read_body()
-        if body is None:
             return
         try:
             req = LimitBody.model_validate_json(body)
@@ -99,10 +99,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(code, _state_json(result.state))
 
     def do_POST(self) -> None:
-        self._wrong_method()
+        if self._read_body() is not None:
+            self._wrong_method()
 
     def do_DELETE(self) -> None:
-        self._wrong_method()
+        if self._read_body(required=False) is not None:
+            self._wrong_method()
 
     def _wrong_method(self) -> None:
         if self.path in ("/limit", "/state", "/healthz"):
@@ -116,12 +118,16 @@ class _Handler(BaseHTTPRequestHandler):
             f"no such path {self.path!r}; this socket serves PUT /limit, GET /state, GET /healthz",
         )
 
-    def _read_body(self) -> bytes | None:
+    def _read_body(self, *, required: bool = True) -> bytes | None:
+        """The request body, or None after answering 411/413 (connection then closed)."""
+        self._body_read = True
         if self.headers.get("Transfer-Encoding"):
             self.close_connection = True
             self._problem(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length header")
             return None
         raw = self.headers.get("Content-Length")
+        if raw is None and not required:
+            return b""
         try:
             length = int(raw) if raw is not None else -1
         except ValueError:
@@ -138,7 +144,6 @@ class _Handler(BaseHTTPRequestHandler):
                 f"{MAX_BODY_BYTES} bytes (64 KiB)",
             )
             return None
-        self._body_read = True
         return self.rfile.read(length)
 
     def _problem(self, code: HTTPStatus, detail: str) -> None:

@@ -82,17 +82,17 @@ _CHILD = textwrap.dedent(
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_removes_socket_and_dir(tmp_path: Path, signum: int) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    child = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(tmp_path)], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
-    try:
-        assert child.stdout is not None
-        socket_path = Path(child.stdout.readline().strip())
-        assert socket_path.is_socket()
-        child.send_signal(signum)
-        child.wait(timeout=30)
-    finally:
-        child.kill()
+    ) as child:
+        try:
+            assert child.stdout is not None
+            socket_path = Path(child.stdout.readline().strip())
+            assert socket_path.is_socket()
+            child.send_signal(signum)
+            child.wait(timeout=30)
+        finally:
+            child.kill()
     assert child.returncode in (-signum, 1)  # SIGINT: KeyboardInterrupt exits 1
     assert not socket_path.exists() and not socket_path.parent.exists()
