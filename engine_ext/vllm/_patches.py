@@ -52,9 +52,13 @@ def _run_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
         from engine_ext.vllm._runtime import current_runtime
 
         runtime = current_runtime()
-        if runtime is not None:
-            runtime.attach_engine(self)
-        return original(self)
+        if runtime is None:
+            return original(self)
+        runtime.attach_engine(self)
+        try:
+            return original(self)
+        finally:
+            runtime.close()  # socket and registration go with the loop
 
     run_busy_loop.__wrapped__ = original  # type: ignore[attr-defined]
     return run_busy_loop
@@ -69,7 +73,8 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "vllm.v1.engine.core:EngineCoreProc.run_busy_loop", _V033, _run_busy_loop,
-        "start the control socket/registration on the busy-loop thread, after any fork",
+        "start the control socket/registration on the busy-loop thread (after any fork); "
+        "close them when the loop ends",
     ),
 )  # fmt: skip
 

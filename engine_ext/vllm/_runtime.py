@@ -23,9 +23,13 @@ Threads: :meth:`wake` from any thread; everything else on the busy-loop thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import threading
 from collections.abc import Iterable, Sequence
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from engine_ext.protocol import EngineState, Status
@@ -115,9 +119,17 @@ class VllmRuntime:
             return
         self._engine_core = engine_core
         self.instance.start()
+        if threading.current_thread() is threading.main_thread():
+            self.instance.install_signal_cleanup()
+            _unlink_first_on_signal(self.instance.socket_path)
         _log.info("kvsidecar: instance %s, control socket %s", self.instance.instance_id,
                   self.instance.socket_path)  # fmt: skip
         self._pass()
+
+    def close(self) -> None:
+        """Busy loop ended: stop the socket and the sidecar client (idempotent)."""
+        if self.instance is not None:
+            self.instance.close()
 
     # -- PoolHooks (busy-loop thread) ------------------------------------------------
     def before_alloc(self) -> None:
@@ -166,6 +178,26 @@ class VllmRuntime:
             state = instance.step()
         self._last_mapped = instance.binding.blocks.pages.num_mapped
         return state
+
+
+def _unlink_first_on_signal(socket_path: str) -> None:
+    """Main thread: on SIGTERM/SIGINT remove the socket file before anything else.
+
+    vLLM's API server SIGKILLs its EngineCore right after SIGTERM (shutdown
+    timeout 0), so the orderly close may not get to run; unlinking is one
+    syscall and always does.
+    """
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(signum)
+
+        def handler(sig: int, frame: FrameType | None, previous: Any = previous) -> None:
+            with contextlib.suppress(OSError):
+                os.unlink(socket_path)
+                os.rmdir(os.path.dirname(socket_path))
+            if callable(previous):
+                previous(sig, frame)
+
+        signal.signal(signum, handler)
 
 
 _configured: tuple[EngineSettings, VllmSettings] | None = None

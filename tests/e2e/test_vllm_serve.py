@@ -110,6 +110,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, 
             log = engine.server.log_tail(200_000)
             engine.server.stop()
             assert "ForeignThreadError" not in log, "the block pool was mutated off its thread"
+            assert not engine.socket_path.exists(), "control socket left behind after SIGTERM"
 
 
 def _fill_prefix_cache(engine: Engine) -> None:
