@@ -49,7 +49,8 @@ def init_driver(driver: Any) -> None:
 class _CudaArray:
     """Exposes a device range through ``__cuda_array_interface__`` (for torch.as_tensor)."""
 
-    def __init__(self, address: int, length: int) -> None:
+    def __init__(self, address: int, length: int, owner: object) -> None:
+        self.owner = owner  # torch holds this object, so the backend outlives its tensors
         self.__cuda_array_interface__ = {
             "shape": (length,), "typestr": "|u1", "data": (address, False), "version": 3,
         }
@@ -202,7 +203,7 @@ class CudaBackend:
                     f"region {region} is outside 0..{self.layout.num_regions - 1}")
             start = self.base_address + region * self.layout.region_bytes
             length = self.layout.region_bytes
-        return torch.as_tensor(_CudaArray(start, length), device=f"cuda:{self.device}")
+        return torch.as_tensor(_CudaArray(start, length, self), device=f"cuda:{self.device}")
 
     # ------------------------------------------------------------------ internals
     def _check_live(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Self
 
@@ -66,6 +67,12 @@ class HostBackend:
         self._mapped = bytearray(layout.num_pages)  # 1 where this process maps the page
         self._released = False
         self.base_address = _libc.reserve_file(fd, layout.total_bytes)
+        # Frees the range, the memory and the fd if the backend is dropped without
+        # release(); tensors from tensor() keep the backend alive, so this never pulls
+        # memory from under a live view.
+        self._finalizer = weakref.finalize(
+            self, _free_resources, self.base_address, layout.total_bytes, fd, owner)
+        self._finalizer.atexit = False
 
     # ------------------------------------------------------------------ life cycle
     @classmethod
@@ -113,13 +120,8 @@ class HostBackend:
         if self._released:
             return
         self._released = True
-        try:
-            _libc.unreserve(self.base_address, self.layout.total_bytes)
-            if self.owner:
-                _libc.punch(self.fd, 0, self.layout.total_bytes)
-        finally:
-            self._mapped = bytearray(self.layout.num_pages)
-            os.close(self.fd)
+        self._mapped = bytearray(self.layout.num_pages)
+        self._finalizer()
 
     def __enter__(self) -> Self:
         return self
@@ -194,8 +196,9 @@ class HostBackend:
     def tensor(self, region: int | None = None) -> torch.Tensor:
         """A flat ``torch.uint8`` CPU tensor viewing the whole range or one region.
 
-        Only bytes of mapped pages may be touched. The tensor does not keep the
-        reservation alive: drop it before :meth:`release`.
+        Only bytes of mapped pages may be touched. The tensor keeps this backend
+        alive, but an explicit :meth:`release` still unmaps everything: drop
+        tensors before calling it.
         """
         import torch  # lazy: the allocator imports without torch
 
@@ -209,6 +212,7 @@ class HostBackend:
             start = self.base_address + region * self.layout.region_bytes
             length = self.layout.region_bytes
         buffer = (ctypes.c_uint8 * length).from_address(start)
+        buffer.kvsidecar_backend = self  # type: ignore[attr-defined]  # keeps us alive
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
     # ------------------------------------------------------------------ internals
@@ -244,3 +248,13 @@ class HostBackend:
         _libc.close_range(self.base_address + offset, length)
         if self.owner:
             _libc.punch(self.fd, offset, length)
+
+
+def _free_resources(base_address: int, length: int, fd: int, owner: bool) -> None:
+    """Give back the reservation and (owner) the memory, close the fd."""
+    try:
+        _libc.unreserve(base_address, length)
+        if owner:
+            _libc.punch(fd, 0, length)
+    finally:
+        os.close(fd)

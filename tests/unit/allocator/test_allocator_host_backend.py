@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import os
 import subprocess
@@ -154,3 +155,22 @@ def test_release_returns_everything_and_is_idempotent() -> None:
         os.fstat(fd)  # closed (nothing else opened an fd in between)
     with pytest.raises(AllocatorContractError, match="released"):
         backend.map(0)
+
+
+def test_a_dropped_backend_gives_everything_back_but_not_under_a_live_tensor() -> None:
+    pytest.importorskip("torch")
+    backend = HostBackend.reserve(PageLayout(OS_PAGE, 4))
+    fd = os.dup(backend.fd)  # our own handle on the memfd, to measure it afterwards
+    try:
+        backend.map(1)
+        view = backend.tensor()[OS_PAGE: 2 * OS_PAGE]
+        view.fill_(3)
+        del backend
+        gc.collect()
+        assert int(view.sum()) == 3 * OS_PAGE  # the tensor kept the backend alive
+        assert os.fstat(fd).st_blocks * 512 == OS_PAGE
+        del view
+        gc.collect()
+        assert os.fstat(fd).st_blocks == 0  # memory punched out, range and fd released
+    finally:
+        os.close(fd)
