@@ -30,6 +30,10 @@ class CoordinatorConfig:
     reclaim: bool = True  # False: record targets, never evict (the "without reclaim" baseline)
     max_evict_pages_per_step: int | None = None  # cap per pass; None = the whole overage
     stats_interval_s: float = 1.0  # how often an idle pass may rescan evictable/pinned figures
+    # While deferred for a reason eviction cannot fix now (running requests, reclaim off, a
+    # rank), retry at most this often unless the mapped page count moved: a retry scans
+    # every evictable block, and step() runs at the top of every allocation.
+    deferred_retry_s: float = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,7 @@ class ShrinkCoordinator:
         self._scanned_at = float("-inf")
         self._reported: tuple[Status, int, int] | None = None
         self._settled = True  # status is not deferred: an idle pass has nothing to do
+        self._tried_at = float("-inf")  # when the last shrink pass ran
         self._state = self._compute(_Pass(), None)
         mailbox.set_state(self._state)
 
@@ -113,12 +118,18 @@ class ShrinkCoordinator:
         """One pass: take the newest target once, shrink toward it, update the status."""
         self._guard.check()
         target = self._mailbox.take()
-        if target is None and self._settled:
-            if self._pages.num_mapped == self._seen_num_mapped:
-                return self._state  # nothing waits, nothing moved: the common case
-            return self._update(_Pass(), None)
-        if target is not None:
+        if target is None:
+            moved = self._pages.num_mapped != self._seen_num_mapped
+            if self._settled:
+                # nothing waits; the common case returns here without a syscall
+                return self._update(_Pass(), None) if moved else self._state
+            if not moved and self._state.reason != DeferReason.EVICTING.value:
+                now = time.monotonic()
+                if now - self._tried_at < self._config.deferred_retry_s:
+                    return self._state
+        else:
             self._apply_target(target)
+        self._tried_at = time.monotonic()
         self._passes += 1
         done = self._shrink()
         barrier = self._barrier.sync() if self._barrier is not None else None

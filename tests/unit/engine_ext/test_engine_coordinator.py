@@ -38,6 +38,7 @@ def on_thread(name: str, fn: Callable[[], Any]) -> dict[str, Any]:
 
 
 def make(pool: Pool, **config: Any) -> tuple[LimitMailbox, ShrinkCoordinator]:
+    config.setdefault("deferred_retry_s", 0.0)  # retry every pass: results do not hang on time
     wakes: list[str] = []
     mailbox = LimitMailbox(lambda: wakes.append(threading.current_thread().name))
     coordinator = ShrinkCoordinator(mailbox, pool.blocks, CoordinatorConfig(**config))
@@ -297,3 +298,21 @@ def test_state_figures_match_the_backend(pool: Pool, limit: int | None) -> None:
     assert state.mapped_bytes == pool.backend.mapped_bytes()
     assert state.capacity_bytes == 16 * BUNDLE and state.page_bundle_bytes == BUNDLE
     assert state.ranks == [RankState(rank=0, mapped_bytes=state.mapped_bytes)]
+
+
+def test_deferred_retries_are_throttled_until_something_moves(pool: Pool) -> None:
+    running = [pool.run(BLOCKS_PER_PAGE) for _ in range(3)]
+    mailbox, coord = make(pool, deferred_retry_s=3600.0)
+    mailbox.publish_next(BUNDLE)
+    state = coord.step()
+    assert state.reason == "running_requests"
+    pool.cache.finish(running[0])  # now evictable, but no page moved: the retry waits
+    pool.cache.finish(running[1])
+    assert coord.step() is state and pool.cache.num_evicted == 0
+    pool.cache.evict(running[0].blocks)  # the engine's own eviction empties a page
+    state = coord.step()  # the page count moved: the pass runs at once
+    assert pool.cache.num_evicted == 2 * BLOCKS_PER_PAGE and state.status is Status.APPLIED
+    assert state.mapped_bytes == pool.backend.mapped_bytes() == BUNDLE
+    mailbox.publish_next(0)  # a new target is never throttled
+    state = coord.step()
+    assert state.reason == "running_requests" and state.revision == 2
