@@ -99,11 +99,15 @@ class ElasticInstance:
             return
         self._started = True
         _make_private_dir(self.runtime_dir)
-        self.control.start()
         atexit.register(self.close)
-        if self.sidecar is not None:
-            self.sidecar.register_blocking(self.settings.register_timeout_s)
-            self.sidecar.start()
+        try:
+            self.control.start()
+            if self.sidecar is not None:
+                self.sidecar.register_blocking(self.settings.register_timeout_s)
+                self.sidecar.start()
+        except BaseException:
+            self.close()  # leave no socket, dir or thread behind
+            raise
         if self.settings.limit is not None and self.mailbox.revision == 0:
             self.mailbox.publish_next(self.settings.limit)  # no retained limit: use the setting
 

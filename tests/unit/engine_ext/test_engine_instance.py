@@ -96,3 +96,16 @@ def test_signal_removes_socket_and_dir(tmp_path: Path, signum: int) -> None:
             child.kill()
     assert child.returncode in (-signum, 1)  # SIGINT: KeyboardInterrupt exits 1
     assert not socket_path.exists() and not socket_path.parent.exists()
+
+
+def test_failed_start_leaves_nothing_behind(pool: Pool, tmp_path: Path) -> None:
+    first = make(pool, tmp_path)
+    first.start()
+    try:
+        second = make(pool, tmp_path)  # same instance id: the socket is taken
+        with pytest.raises(EngineExtConfigError, match="INSTANCE_ID"):
+            second.start()
+        assert Path(first.socket_path).is_socket()  # the live one is untouched
+    finally:
+        first.close()
+    assert not first.runtime_dir.exists()
