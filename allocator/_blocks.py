@@ -69,10 +69,12 @@ class BlockAllocator:
 
     def occupancy(self, page: int) -> int:
         """Allocated blocks on ``page``."""
+        self._check_page(page)
         return self._occupancy[page]
 
     def blocks_on_page(self, page: int) -> list[int]:
         """Allocated block ids on ``page``, ascending."""
+        self._check_page(page)
         first = page * self.blocks_per_page
         flags = self._allocated
         return [b for b in range(first, first + self.blocks_per_page) if flags[b]]
@@ -163,6 +165,10 @@ class BlockAllocator:
             self._free_checked(batch)
 
     # ------------------------------------------------------------------ internals
+    def _check_page(self, page: int) -> None:
+        if not 0 <= page < self.pages.num_pages:
+            raise AllocatorContractError(f"page {page} is outside 0..{self.pages.num_pages - 1}")
+
     def _check_block(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:
             raise AllocatorContractError(f"block {block} is outside 0..{self.num_blocks - 1}")

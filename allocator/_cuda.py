@@ -179,6 +179,9 @@ class CudaBackend:
 
     def is_mapped(self, page: int) -> bool:
         """Whether ``page`` has allocations mapped."""
+        if not 0 <= page < self.layout.num_pages:
+            raise AllocatorContractError(
+                f"page {page} is outside 0..{self.layout.num_pages - 1}")
         return bool(self._mapped[page])
 
     def mapped_bytes(self) -> int:

@@ -177,6 +177,9 @@ class HostBackend:
 
     def is_mapped(self, page: int) -> bool:
         """Whether this process maps ``page``."""
+        if not 0 <= page < self.layout.num_pages:
+            raise AllocatorContractError(
+                f"page {page} is outside 0..{self.layout.num_pages - 1}")
         return bool(self._mapped[page])
 
     def mapped_pages(self) -> list[int]:

@@ -115,10 +115,12 @@ class PageAllocator:
 
     def page_state(self, page: int) -> PageState:
         """The state of ``page``."""
+        self._check_page(page)
         return PageState(self._state[page])
 
     def is_retired(self, page: int) -> bool:
         """Whether ``page`` is retired (in use above the target)."""
+        self._check_page(page)
         return self._state[page] == PageState.RETIRED
 
     def set_observer(self, observer: PageObserver) -> None:
@@ -204,6 +206,10 @@ class PageAllocator:
                 "each acquired page exactly once")
 
     # ------------------------------------------------------------------ internals
+    def _check_page(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise AllocatorContractError(f"page {page} is outside 0..{self.num_pages - 1}")
+
     def _mark_unmapped(self, pages: list[int]) -> None:
         for page in pages:
             self._state[page] = PageState.UNMAPPED

@@ -147,6 +147,12 @@ def test_bad_calls_raise_and_change_nothing(make_host: MakeHost) -> None:
         pages.set_target(-1)
     with pytest.raises(AllocatorContractError, match="not in use"):
         pages.release(5)
+    for query in (blocks.occupancy, blocks.blocks_on_page, pages.page_state, pages.is_retired,
+                  backend.is_mapped):
+        with pytest.raises(AllocatorContractError, match="outside"):
+            query(-1)
+        with pytest.raises(AllocatorContractError, match="outside"):
+            query(8)
     assert pages.target_pages is None
     with pytest.raises(AllocatorContractError, match="already serves"):
         BlockAllocator(pages, 4)
