@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import BUNDLE, Pool
+from engine_pool import BUNDLE, Pool
 
 from engine_ext import (
     ControlServer,

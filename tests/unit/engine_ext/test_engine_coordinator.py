@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import BLOCKS_PER_PAGE, BUNDLE, Pool
+from engine_pool import BLOCKS_PER_PAGE, BUNDLE, Pool
 
 from allocator import ForeignThreadError
 from engine_ext import (

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import BUNDLE, Pool
+from engine_pool import BUNDLE, Pool
 
 from engine_ext import ElasticInstance, EngineBinding, EngineExtConfigError, load_engine_settings
 from engine_ext.protocol import Status

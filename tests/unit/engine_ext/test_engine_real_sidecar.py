@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from conftest import BLOCKS_PER_PAGE, BUNDLE, Pool
+from engine_pool import BLOCKS_PER_PAGE, BUNDLE, Pool
 
 from engine_ext import ElasticInstance, EngineBinding, load_engine_settings
 from engine_ext.protocol import Status

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import BLOCKS_PER_PAGE, BUNDLE, Pool
+from engine_pool import BLOCKS_PER_PAGE, BUNDLE, Pool
 
 from engine_ext import ElasticInstance, EngineBinding, load_engine_settings
 from engine_ext.protocol import EngineState, RegisterBody, RegisterReply, Status

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import BLOCKS_PER_PAGE, Pool
+from engine_pool import BLOCKS_PER_PAGE, Pool
 
 from engine_ext import count_reclaimable_pages, select_victim_pages
 
