@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -196,3 +197,31 @@ def test_one_connection_serves_several_requests(
     finally:
         conn.close()
     assert mailbox.desired.limit_bytes == 1 << 20
+
+
+def test_handlers_never_call_the_pool(
+    served: tuple[str, LimitMailbox, ShrinkCoordinator], pool: Pool
+) -> None:
+    """Every request kind, with each pool object's methods recording their caller."""
+    path, _, _ = served
+    callers: list[tuple[str, str]] = []
+    for obj in (pool.backend, pool.pages, pool.blocks, pool.cache):
+        for name in dir(obj):
+            attr = getattr(obj, name)
+            if name.startswith("__") or not callable(attr) or isinstance(attr, type):
+                continue
+
+            def spy(*a: Any, _f: Any = attr, _n: str = name, **k: Any) -> Any:
+                callers.append((threading.current_thread().name, _n))
+                return _f(*a, **k)
+
+            setattr(obj, name, spy)
+    callers.clear()  # reading properties above already went through some spies
+    call(path, "PUT", "/limit", b'{"limit": "128K"}')
+    call(path, "PUT", "/limit", b'{"limit": "1G", "revision": 1}')
+    call(path, "PUT", "/limit", b'{"limit": "bad"}')
+    call(path, "GET", "/state")
+    call(path, "GET", "/healthz")
+    assert callers == []
+    served[2].step()  # the engine pass does call in, on this thread
+    assert callers and {t for t, _ in callers} == {threading.current_thread().name}
