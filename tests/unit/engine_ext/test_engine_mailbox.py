@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine_ext import EngineExtContractError, LimitMailbox, Target
 from engine_ext.protocol import EngineState, Status
@@ -99,3 +101,31 @@ def test_bad_values_raise_and_change_nothing(limit: object, revision: object) ->
     with pytest.raises(EngineExtContractError):
         box.publish(limit, revision)  # type: ignore[arg-type]
     assert box.desired == Target(7, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("publish"), st.one_of(st.none(), st.integers(0, 50)), st.integers(1, 12)),
+    st.tuples(st.just("next"), st.one_of(st.none(), st.integers(0, 50)), st.just(0)),
+    st.tuples(st.just("take"), st.none(), st.just(0)),
+), max_size=40))
+def test_revision_rules_hold_for_any_sequence(ops: list[tuple[str, int | None, int]]) -> None:
+    box = LimitMailbox()
+    accepted: dict[int, int | None] = {}  # revision -> limit, as accepted
+    last_taken = 0
+    for op, limit, revision in ops:
+        before = box.desired
+        if op == "take":
+            got = box.take()
+            if got is not None:
+                assert got == box.desired and got.revision > last_taken
+                last_taken = got.revision
+            continue
+        result = box.publish(limit, revision) if op == "publish" else box.publish_next(limit)
+        if result.accepted:
+            accepted.setdefault(result.revision, limit)
+            assert accepted[result.revision] == limit and box.desired.revision >= before.revision
+        else:
+            assert box.desired == before  # rejected: nothing changed
+            assert (result.status is Status.STALE) == (revision < before.revision)
+    assert box.revision == max(accepted, default=0)
