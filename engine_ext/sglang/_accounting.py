@@ -21,15 +21,20 @@ from typing import Any
 __all__ = ["sync_capacity"]
 
 
-def sync_capacity(scheduler: Any, capacity_tokens: int) -> None:
-    """Make the leak check and the usage metrics use ``capacity_tokens`` as the total."""
+def sync_capacity(scheduler: Any, capacity_tokens: int, page_size: int) -> None:
+    """Make the leak check and the usage metrics use ``capacity_tokens`` as the total.
+
+    The observer divides by its total (usage ratio), so at capacity 0 (limit
+    0, padding page given back) it gets one page: usage reads 100%.
+    """
     checker = getattr(scheduler, "invariant_checker", None)
     if checker is not None:
         checker.max_total_num_tokens = capacity_tokens
     observer = getattr(scheduler, "pool_stats_observer", None)
-    if observer is None or observer.max_total_num_tokens == capacity_tokens:
+    observed = max(capacity_tokens, page_size)
+    if observer is None or observer.max_total_num_tokens == observed:
         return
-    fresh = dataclasses.replace(observer, max_total_num_tokens=capacity_tokens)
+    fresh = dataclasses.replace(observer, max_total_num_tokens=observed)
     scheduler.pool_stats_observer = fresh
     for holder in (checker, getattr(scheduler, "load_inquirer", None)):
         if holder is not None and getattr(holder, "pool_stats_observer", None) is observer:

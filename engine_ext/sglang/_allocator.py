@@ -82,7 +82,13 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
     # -- accounting --------------------------------------------------------------------
 
     def available_size(self) -> int:
-        """Token slots an allocation could get now, under the current limit."""
+        """Token slots an allocation could get now, under the current limit.
+
+        0 while the padding page is given back (idle under a limit): nothing
+        is admitted until :meth:`claim_padding` succeeded.
+        """
+        if not self._padding_held:
+            return 0
         free = self.blocks.num_free_blocks
         if self._retired_evictable is not None and self.blocks.num_retired_blocks:
             free -= self._retired_evictable()
@@ -90,6 +96,8 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
 
     def capacity_tokens(self) -> int:
         """Token capacity under the current limit (what the leak check's total must be)."""
+        if not self._padding_held:
+            return 0  # released only with nothing else allocated: nothing to account for
         usable = self.blocks.num_free_blocks + self.blocks.num_allocated_blocks - 1
         if self._retired_evictable is not None and self.blocks.num_retired_blocks:
             usable -= self._retired_evictable()
@@ -98,6 +106,33 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
     def get_all_free_pages(self) -> torch.Tensor:
         """Not enumerable (free pages are virtual until mapped); an empty census."""
         return self.free_pages
+
+    # -- the padding page --------------------------------------------------------------
+
+    @property
+    def padding_held(self) -> bool:
+        """Whether block 0 (SGLang's padding page) is held, i.e. forward passes may run."""
+        return self._padding_held
+
+    def release_padding(self) -> bool:
+        """Give the padding page back when nothing else is allocated (fully idle, limit 0)."""
+        if not self._padding_held or self.blocks.num_allocated_blocks != 1:
+            return False
+        self._free_blocks([PADDING_BLOCK])
+        self._padding_held = False
+        return True
+
+    def claim_padding(self) -> bool:
+        """Hold the padding page again before work is admitted; False if the limit forbids it."""
+        if self._padding_held:
+            return True
+        try:
+            _claim_block(self.blocks, PADDING_BLOCK)
+        except RuntimeError:
+            return False
+        self.num_allocs += 1
+        self._padding_held = True
+        return True
 
     # -- allocation --------------------------------------------------------------------
 
@@ -171,6 +206,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
     def _step(self) -> None:
         if self._before_alloc is not None:
             self._before_alloc()
+        self.claim_padding()
 
     def _free_blocks(self, ids: list[int]) -> None:
         if ids:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .. import ElasticInstance, EngineBinding, EngineSettings
+from .. import ElasticInstance, EngineBinding, EngineSettings, Reclaimer
 from ._accounting import sync_capacity
 from ._allocator import ElasticTokenAllocator
 from ._reclaimers import make_reclaimer
@@ -44,10 +44,11 @@ class ElasticPool:
     and the tree-cache reclaimer of one scheduler; borrows its allocator."""
 
     def __init__(self, scheduler: Any, instance: ElasticInstance,
-                 allocator: ElasticTokenAllocator) -> None:
+                 allocator: ElasticTokenAllocator, reclaimer: Reclaimer) -> None:
         self.scheduler = scheduler
         self.instance = instance
         self.allocator = allocator
+        self.reclaimer = reclaimer
         self.num_idle_passes = 0  # on_idle calls that ran a coordinator pass
         self._stepped = False
 
@@ -63,7 +64,7 @@ class ElasticPool:
         reclaimer = make_reclaimer(scheduler.tree_cache, allocator)
         binding = EngineBinding("sglang", engine_version, allocator.blocks, (reclaimer,))
         instance = ElasticInstance(settings, binding, sidecar_transport=sidecar_transport)
-        pool = cls(scheduler, instance, allocator)
+        pool = cls(scheduler, instance, allocator, reclaimer)
         allocator.set_retired_evictable(reclaimer.retired_evictable)
         allocator.set_before_alloc(pool._ensure_started)
         instance.start()
@@ -76,16 +77,39 @@ class ElasticPool:
     def before_schedule(self) -> EngineState:
         """Top of a scheduler iteration: one coordinator pass, then truthful totals."""
         self._stepped = True
+        if not self.allocator.padding_held and not self.scheduler.is_fully_idle():
+            self.allocator.claim_padding()  # work arrived: padded writes need page 0 again
         state = self.instance.step()
-        sync_capacity(self.scheduler, self.allocator.capacity_tokens())
+        sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
         return state
 
     def on_idle(self) -> None:
         """Fully or partly idle iteration: a pass if a limit waits; totals synced."""
-        if self.instance.coordinator.pending:
+        if not self.instance.coordinator.pending:
+            self.instance.step()  # cheap: only refreshes the state if mapped memory moved
+        else:
             self.instance.step()
             self.num_idle_passes += 1
-        sync_capacity(self.scheduler, self.allocator.capacity_tokens())
+            if self._over_target() and self.scheduler.is_fully_idle() \
+                    and self._drain_padding_page():
+                self.instance.step()  # page 0 unmapped: recompute the status
+        sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
+
+    def _drain_padding_page(self) -> bool:
+        """Fully idle and still over the target: only page 0 can be left (it holds the
+        padding block, so victim selection never picks it). Evict the cache blocks that
+        share it and give the padding back; the next admission claims it again."""
+        if not self.instance.settings.reclaim:
+            return False
+        blocks = self.allocator.blocks
+        others = [b for b in blocks.blocks_on_page(blocks.page_of(0)) if b != 0]
+        if others and all(self.reclaimer.is_evictable(b) for b in others):
+            self.reclaimer.evict(others)
+        return self.allocator.release_padding()
+
+    def _over_target(self) -> bool:
+        pages = self.allocator.blocks.pages
+        return pages.target_pages is not None and pages.num_mapped > pages.target_pages
 
     def _ensure_started(self) -> None:
         if not self._stepped:

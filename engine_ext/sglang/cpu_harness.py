@@ -23,6 +23,8 @@ Thread: one thread (the "scheduler thread") drives a harness.
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,6 +115,7 @@ class CpuHarness:
         self.running: list[HarnessRequest] = []
         self.finished: list[HarnessRequest] = []
         self._rids = itertools.count()
+        self.num_retracted = 0  # decode shortages answered by retraction (as SGLang does)
         self.pool = ElasticPool.attach(self, settings, engine_version=installed_sglang_version())
 
     # -- building ----------------------------------------------------------------------
@@ -189,6 +192,22 @@ class CpuHarness:
                 return
             self.iterate()
         raise RuntimeError(f"not idle after {max_iterations} iterations; waiting={self.waiting}")
+
+    def idle_until(self, done: Callable[[], bool], timeout_s: float = 5.0) -> int:
+        """Spin idle iterations (as SGLang's loop does without --sleep-on-idle) until ``done``.
+
+        The coordinator throttles retries of a deferral eviction could not fix
+        (a few ms), so a change it cannot see (a request finished) is picked up
+        by a later spin. Returns the number of iterations; raises on timeout.
+        """
+        deadline = time.monotonic() + timeout_s
+        spins = 0
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not done after {spins} idle iterations ({timeout_s}s)")
+            self.iterate()
+            spins += 1
+        return spins
 
     def on_idle(self) -> None:
         """``Scheduler.on_idle`` as wrapped by kvsidecar: pool hook, then SGLang's leak checks."""
@@ -270,18 +289,24 @@ class CpuHarness:
             self.running.append(req)
 
     def _decode(self) -> None:
+        """One decode step; on shortage SGLang retracts requests to the queue, so do we."""
         import torch
 
-        ps = self.config.page_size
+        allocator = self.token_to_kv_pool_allocator
         table = self.req_to_token_pool.req_to_token
+        while self.running:
+            need = self._decode_pages(self.running) * self.config.page_size
+            if allocator.check_decode_capacity(num_tokens=need, tree_cache=self.tree_cache):
+                break
+            self._retract(self.running[-1])
+        if not self.running:
+            return
         batch = list(self.running)
         seq = torch.tensor([r.kv_len + 1 for r in batch])
         last = torch.tensor([int(table[r.row, r.kv_len - 1]) for r in batch])
-        need = int(((seq % ps) == 1).sum()) * ps
-        self.token_to_kv_pool_allocator.evict_to_free_tokens(self.tree_cache, need)
-        out = self.token_to_kv_pool_allocator.alloc_decode(seq, seq, last)
+        out = allocator.alloc_decode(seq, seq, last)
         if out is None:
-            raise RuntimeError("decode allocation failed although admission reserved room")
+            raise RuntimeError("decode allocation failed after the capacity check passed")
         for req, slot in zip(batch, out.tolist()):
             token = 1024 + (req.rid * 31 + len(req.generated)) % 1024  # exact in fp16
             table[req.row, req.kv_len] = slot
@@ -291,6 +316,22 @@ class CpuHarness:
             if len(req.generated) >= req.max_new_tokens:
                 self._finish(req)
 
+    def _decode_pages(self, batch: list[HarnessRequest]) -> int:
+        return sum(1 for r in batch if r.kv_len % self.config.page_size == 0)
+
+    def _retract(self, req: HarnessRequest) -> None:
+        """``retract_decode``: give the request's own KV back and queue it again."""
+        kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].to("cpu").long()
+        if req.kv_len > req.prefix_len:
+            self.token_to_kv_pool_allocator.free(kv[req.prefix_len:])
+        self.tree_cache.unlock(req.lock)
+        self.req_to_token_pool.free_rows([req.row])
+        req.row, req.lock, req.kv_len, req.prefix_len = None, None, 0, 0
+        req.generated.clear()
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+        self.num_retracted += 1
+
     def _finish(self, req: HarnessRequest) -> None:
         """``cache_finished_req``: insert the page-aligned KV, free duplicates and the tail."""
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
@@ -298,10 +339,12 @@ class CpuHarness:
         ps = self.config.page_size
         kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].to("cpu").long()
         aligned = req.kv_len // ps * ps
-        result = self.tree_cache.insert(
-            InsertParams(key=self._key(req.seq[:aligned]), value=kv[:aligned].clone()))
+        result = self.tree_cache.insert(InsertParams(
+            key=self._key(req.seq[:aligned]), value=kv[:aligned].clone(),
+            prev_prefix_len=req.prefix_len))
         allocator = self.token_to_kv_pool_allocator
-        if result.prefix_len > req.prefix_len:
+        if self.config.cache == "radix" and result.prefix_len > req.prefix_len:
+            # RadixCache leaves duplicates to the caller; the unified tree frees them itself.
             allocator.free(kv[req.prefix_len: result.prefix_len])
         if req.kv_len > aligned:
             allocator.free(kv[aligned:])

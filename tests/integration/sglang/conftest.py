@@ -1,0 +1,44 @@
+"""SGLang integration fixtures: the real SGLang memory classes on CPU (see docs/sglang.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:  # pragma: no cover - scripts/dev.sh installs it
+    pytest.skip("sglang 0.5.23 is not installed (bash scripts/dev.sh env installs it)",
+                allow_module_level=True)
+
+from engine_ext import EngineSettings  # noqa: E402
+from engine_ext.sglang._cpu_imports import prepare_cpu_imports  # noqa: E402
+
+prepare_cpu_imports()
+
+from engine_ext.sglang.cpu_harness import CpuHarness, HarnessConfig  # noqa: E402
+
+
+@pytest.fixture(params=["unified", "radix"])
+def cache_kind(request: pytest.FixtureRequest) -> str:
+    """SGLang's default tree cache (Rust core) and the Python RadixCache."""
+    return str(request.param)
+
+
+@pytest.fixture
+def make_harness(tmp_path: Path) -> Iterator[Callable[..., CpuHarness]]:
+    made: list[CpuHarness] = []
+
+    def make(cache: str = "unified", **settings: Any) -> CpuHarness:
+        config = HarnessConfig(cache=cache)
+        full = EngineSettings(enable=True, runtime_dir=tmp_path / "run",
+                              instance_id=f"sgl-{len(made)}", **settings)
+        harness = CpuHarness(full, config)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.close()
