@@ -163,7 +163,11 @@ class InstanceService:
 
     async def _observe(self, rec: InstanceRecord, state: EngineState) -> None:
         await self._adopt_if_newer(rec, state)
-        if rec.observed is None or state.revision >= rec.observed.revision:
+        # A push reply can arrive after a newer report for the same revision (the engine
+        # made more passes meanwhile): order by (revision, passes), never by arrival.
+        if rec.observed is None or (state.revision, state.passes) >= (
+            rec.observed.revision, rec.observed.passes
+        ):
             rec.observed = state
         rec.last_seen = self._now
         rec.notify()

@@ -117,9 +117,12 @@ class Cluster:
         body: dict[str, Any] = reply.json()
         return body
 
-    def put_limit(self, instance_id: str, limit: int | None) -> dict[str, Any]:
+    def put_limit(self, instance_id: str, limit: int | None, wait_s: float = 0) -> dict[str, Any]:
+        """PUT a limit; with ``wait_s`` long-poll until applied (202 at the deadline is fine)."""
+        params = {"wait": str(wait_s)} if wait_s else None
         reply = self.http.put(
-            f"{self.sidecar_url}/instances/{instance_id}/limit", json={"limit": limit}
+            f"{self.sidecar_url}/instances/{instance_id}/limit", json={"limit": limit},
+            params=params,
         )
         if reply.status_code >= 400:
             raise RuntimeError(f"PUT limit {instance_id}: {reply.status_code} {reply.text}")

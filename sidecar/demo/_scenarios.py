@@ -132,15 +132,15 @@ def elastic_colocation(cluster: Cluster, a: str, b: str, cfg: DemoConfig) -> dic
     budget = cfg.budget_bytes
     probes = _prompts("probe", 2, 40, seed=9000)
     before = {i: [cluster.complete(i, p)["choices"][0]["text"] for p in probes] for i in (a, b)}
-    for i in (a, b):
-        cluster.put_limit(i, budget)
+    for i in (a, b):  # raise both to the budget and wait until the engines hold it
+        cluster.put_limit(i, budget, wait_s=10)
     _run_all(cluster, a, _prompts("a-fill", 10, 300, seed=2000))
     peak_a = int(cluster.instance(a)["mapped_bytes"])
     free_at_peak = budget - peak_a
     cluster.reset_prefix_cache(a)
     released = _wait_until(lambda: cluster.instance(a)["mapped_bytes"] < peak_a // 4, 10)
     a_after_reset = int(cluster.instance(a)["mapped_bytes"])
-    cluster.put_limit(b, budget - a_after_reset)
+    cluster.put_limit(b, budget - a_after_reset, wait_s=10)
     _run_all(cluster, b, _prompts("b-fill", 14, 300, seed=3000))
     peak_b = int(cluster.instance(b)["mapped_bytes"])
     half = budget // 2

@@ -230,3 +230,19 @@ def test_a_client_that_hangs_up_ends_its_long_poll(sidecar: ThreadedSidecar) -> 
     while tasks and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not tasks, "the long-poll outlived its client"
+
+
+def test_a_late_reply_never_overwrites_a_newer_report(client: httpx.Client) -> None:
+    """Observed state is ordered by (revision, engine passes), not by arrival."""
+    def state(status: str, passes: int, mapped: int) -> dict[str, Any]:
+        return {"status": status, "revision": 1, "limit_bytes": GiB, "mapped_bytes": mapped,
+                "passes": passes, "overage_bytes": max(0, mapped - GiB)}  # fmt: skip
+
+    body = {"engine": "vllm", "engine_version": "0.33.0", "state": state("deferred", 1, 2 * GiB)}
+    assert client.post("/instances/late/register", json=body).status_code == 200
+    assert client.post("/instances/late/report", json=state("applied", 5, GiB)).status_code == 200
+    # the answer to an earlier push (same revision, fewer passes) arrives last
+    assert client.post("/instances/late/report", json=state("deferred", 3, 2 * GiB)).status_code == 200
+    view = client.get("/instances/late").json()
+    assert (view["observed"]["status"], view["observed"]["passes"]) == ("applied", 5)
+    assert view["mapped_bytes"] == GiB
