@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from ._cleanup import clear_owner, sweep_stale_runtime_dirs, write_owner
 from ._control import ControlServer
 from ._coordinator import CoordinatorConfig, ShrinkCoordinator
 from ._errors import EngineExtConfigError
@@ -99,6 +100,8 @@ class ElasticInstance:
             return
         self._started = True
         _make_private_dir(self.runtime_dir)
+        write_owner(self.runtime_dir)  # lets a later start tell this dir from a crash's leftover
+        sweep_stale_runtime_dirs(self.runtime_dir.parent, keep=self.instance_id)
         atexit.register(self.close)
         try:
             self.control.start()
@@ -133,6 +136,7 @@ class ElasticInstance:
         if self.sidecar is not None:
             self.sidecar.stop()
         self.control.stop()
+        clear_owner(self.runtime_dir)
         try:
             self.runtime_dir.rmdir()
         except FileNotFoundError:

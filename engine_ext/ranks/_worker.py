@@ -1,0 +1,142 @@
+"""One TP/PP rank process: its own view of the KV memfd, driven by the rank channel.
+
+A rank connects to the scheduler's rank socket, says hello, receives the
+set-up (the owner's ``PageLayout``, the memfd path, its TP/PP coordinates and
+the KV slot geometry), attaches the memfd into a reservation of its own
+(``HostBackend.attach``) and then applies, in order, what the scheduler sends:
+
+* ``map`` -- make pages readable/writable in its view;
+* ``step`` -- the step's KV writes (its TP word, in the regions of its PP
+  stage); ``finished_step`` becomes that step;
+* ``unmap`` -- tagged with the step the pages were freed after; refused (the
+  rank stops) if that step has not finished here, which the in-order channel
+  makes impossible unless the scheduler is buggy;
+* ``probe`` -- nothing, just an ack;
+* ``stop`` -- release the view and exit.
+
+Every op is acknowledged *after* it was applied, with the bytes this rank
+maps measured from ``/proc/self/maps``. ``barrier_delay_s`` delays the ack of
+each ``unmap`` (a slow rank, for tests and drills). The rank exits when the
+socket closes (the engine died), on SIGTERM and on SIGINT.
+
+Thread: one thread, the process's main thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from allocator import HostBackend, PageLayout
+
+from ._procmaps import view_mapped_bytes
+from ._wire import RankChannelError, recv_message, send_message
+
+__all__ = ["RankWorker", "SlotGeometry"]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotGeometry:
+    """Where a token's KV slot lives inside a region (block-major, slot-minor)."""
+
+    block_bytes: int  # bytes of one block in one region
+    slot_bytes: int  # bytes of one token slot in one region
+
+
+class RankWorker:
+    """The rank side of the channel. Owns its attached backend and its socket."""
+
+    def __init__(self, socket_path: str, rank: int, *, barrier_delay_s: float = 0.0) -> None:
+        self.socket_path = socket_path
+        self.rank = rank
+        self.barrier_delay_s = barrier_delay_s
+        self.finished_step = -1
+        self.backend: HostBackend | None = None
+        self._sock: socket.socket | None = None
+        self._geometry: SlotGeometry | None = None
+        self._regions: list[int] = []  # regions this rank writes (its PP stage)
+        self._word = 0  # the 4-byte word of each slot this rank writes (its TP index)
+
+    def run(self) -> int:
+        """Serve until ``stop`` or end of stream; returns the process exit code."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = sock
+        try:
+            sock.connect(self.socket_path)
+            send_message(sock, {"hello": self.rank, "pid": os.getpid()})
+            while True:
+                message = recv_message(sock)
+                if message is None or message.get("op") == "stop":
+                    return 0
+                self._apply(message)
+                send_message(sock, self._ack(int(message["seq"])))
+        except (OSError, RankChannelError) as exc:
+            print(f"kvsidecar rank {self.rank}: channel closed: {exc}", flush=True)
+            return 1
+        finally:
+            sock.close()
+            if self.backend is not None:
+                self.backend.release()
+
+    # -- ops -------------------------------------------------------------------------
+    def _apply(self, message: dict[str, Any]) -> None:
+        op = message.get("op")
+        if op == "setup":
+            self._setup(message)
+        elif op == "map":
+            self._require_backend().map_many(message["pages"])
+        elif op == "unmap":
+            after = int(message["after_step"])
+            if after > self.finished_step:
+                raise RankChannelError(f"unmap after step {after} but this rank finished only "
+                                       f"step {self.finished_step}: the scheduler broke the order")
+            if self.barrier_delay_s > 0:
+                time.sleep(self.barrier_delay_s)
+            self._require_backend().unmap_many(message["pages"])
+        elif op == "step":
+            self._write(message["blocks"], message["offsets"], message["values"])
+            self.finished_step = int(message["step"])
+        elif op != "probe":
+            raise RankChannelError(f"unknown rank op {op!r}")
+
+    def _setup(self, message: dict[str, Any]) -> None:
+        layout = PageLayout(**message["layout"])
+        self.backend = HostBackend.attach(layout, message["fd_path"])
+        self._geometry = SlotGeometry(**message["geometry"])
+        tp, pp = int(message["tp"]), int(message["pp"])
+        tp_rank, pp_rank = self.rank % tp, self.rank // tp
+        per_stage = -(-layout.num_regions // pp)
+        self._regions = list(range(pp_rank * per_stage,
+                                   min(layout.num_regions, (pp_rank + 1) * per_stage)))
+        self._word = tp_rank
+        if (tp_rank + 1) * 4 > self._geometry.slot_bytes:
+            raise RankChannelError(f"a slot of {self._geometry.slot_bytes} bytes has no word for "
+                                   f"TP rank {tp_rank}")
+
+    def _write(self, blocks: list[int], offsets: list[int], values: list[int]) -> None:
+        backend, geometry = self._require_backend(), self._geometry
+        assert geometry is not None
+        base = backend.base_address + self._word * 4
+        region_bytes = backend.layout.region_bytes
+        for region in self._regions:
+            region_base = base + region * region_bytes
+            for block, offset, value in zip(blocks, offsets, values, strict=True):
+                address = region_base + block * geometry.block_bytes + offset * geometry.slot_bytes
+                ctypes.c_int32.from_address(address).value = value
+
+    def _ack(self, seq: int) -> dict[str, Any]:
+        backend = self.backend
+        mapped = 0
+        if backend is not None:
+            mapped = view_mapped_bytes("self", backend.base_address, backend.layout.total_bytes)
+        return {"seq": seq, "finished_step": self.finished_step, "mapped_bytes": mapped,
+                "mapped_pages": len(backend.mapped_pages()) if backend is not None else 0}
+
+    def _require_backend(self) -> HostBackend:
+        if self.backend is None:
+            raise RankChannelError("an op arrived before the set-up")
+        return self.backend
