@@ -38,6 +38,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 if TYPE_CHECKING:
     from allocator import BlockAllocator, ThreadGuard
+    from engine_ext import LimitMailbox
 
 __all__ = ["ElasticBlockPool", "PoolBacking", "PoolHooks"]
 
@@ -48,7 +49,7 @@ class PoolHooks(Protocol):
     """What the pool tells the adapter runtime (busy-loop thread)."""
 
     def before_alloc(self) -> None:
-        """Top of every allocation check: apply a newly published target."""
+        """A target was published: apply it now (top of an allocation check)."""
 
     def after_change(self) -> None:
         """Blocks were freed or evicted: the runtime may need an idle pass."""
@@ -61,6 +62,7 @@ class PoolBacking:
     blocks: BlockAllocator  # block ids <-> pages (its PageAllocator maps the KV memory)
     guard: ThreadGuard  # bound to the busy-loop thread
     hooks: PoolHooks
+    mailbox: LimitMailbox  # has_untaken: a lock-free read on every capacity check
     reclaim: bool  # False: never evict on our own (the "without reclaim" baseline)
     max_cached_tokens: int  # -1 unlimited, 0 evict on free, N keep at most N tokens
 
@@ -89,6 +91,7 @@ class ElasticBlockPool(BlockPool):
         self._blocks = backing.blocks
         self._guard = backing.guard
         self._hooks = backing.hooks
+        self._mailbox = backing.mailbox
         self._block_size_tokens = hash_block_size
         bound = backing.max_cached_tokens
         self._max_cached_blocks = None if bound < 0 else bound // hash_block_size
@@ -105,7 +108,8 @@ class ElasticBlockPool(BlockPool):
 
     # -- counts ---------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
-        self._hooks.before_alloc()
+        if self._mailbox.has_untaken:  # a new target: apply it before capacity is read
+            self._hooks.before_alloc()
         return self._blocks.num_free_blocks + self.free_block_queue.num_free_blocks
 
     @property
@@ -126,15 +130,21 @@ class ElasticBlockPool(BlockPool):
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         self._guard.check()
         num_fresh = min(num_blocks, self._blocks.num_free_blocks)
-        if num_blocks - num_fresh > self.free_block_queue.num_free_blocks:
+        num_reused = num_blocks - num_fresh
+        if num_reused > self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        ids = self._blocks.alloc(num_fresh)
-        assert ids is not None, "num_free_blocks promised these blocks"
-        ret = [self.blocks[i] for i in ids]
-        reused = self.free_block_queue.popleft_n(num_blocks - num_fresh) if num_fresh < num_blocks else []
-        for block in reused:
-            self._maybe_evict_cached_block(block)  # drops the hash, emits BlockRemoved
-        ret.extend(reused)
+        if num_fresh:
+            ids = self._blocks.alloc(num_fresh)
+            assert ids is not None, "num_free_blocks promised these blocks"
+            all_blocks = self.blocks
+            ret = [all_blocks[i] for i in ids]
+        else:
+            ret = []
+        if num_reused:  # evictable blocks, least recently used first (vLLM's order)
+            reused = self.free_block_queue.popleft_n(num_reused)
+            for block in reused:
+                self._maybe_evict_cached_block(block)  # drops the hash, emits BlockRemoved
+            ret.extend(reused)
         if self._reuse_watchers:
             self._notify_reuse(ret)
         collector = self.metrics_collector
@@ -154,7 +164,10 @@ class ElasticBlockPool(BlockPool):
         to_free: list[int] = []
         to_cache: list[KVCacheBlock] = []
         others: dict[BlockPool, list[KVCacheBlock]] = {}
-        evict_now = self._max_cached_blocks == 0
+        # Cached blocks are evicted at once with caching off, with a bound of 0, and
+        # (reclaim on) on retired pages, which must empty to be unmapped.
+        evict_all = not self.enable_caching or self._max_cached_blocks == 0
+        retired = self._backing.reclaim and self._blocks.num_retired_blocks > 0
         for block in ordered_blocks:
             if block.is_null:
                 continue
@@ -166,7 +179,7 @@ class ElasticBlockPool(BlockPool):
                 continue
             if block.block_hash is None:
                 to_free.append(block.block_id)
-            elif not self.enable_caching or evict_now or self._on_retired_page(block):
+            elif evict_all or (retired and self._on_retired_page(block)):
                 self._maybe_evict_cached_block(block)
                 to_free.append(block.block_id)
             else:
@@ -176,7 +189,8 @@ class ElasticBlockPool(BlockPool):
             self._blocks.free(to_free)
         for pool, group in others.items():
             pool.free_blocks(group)
-        self._enforce_cache_bound()
+        if self._max_cached_blocks is not None:
+            self._enforce_cache_bound()
         self._hooks.after_change()
 
     # -- eviction (the reclaimer and the cache bound) ---------------------------------

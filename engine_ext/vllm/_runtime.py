@@ -109,7 +109,8 @@ class VllmRuntime:
         )  # fmt: skip
         self.instance = ElasticInstance(self.engine_settings, binding)
         return PoolBacking(
-            blocks=blocks, guard=guard, hooks=self, reclaim=self.engine_settings.reclaim,
+            blocks=blocks, guard=guard, hooks=self, mailbox=self.instance.mailbox,
+            reclaim=self.engine_settings.reclaim,
             max_cached_tokens=self.vllm_settings.max_cached_tokens,
         )  # fmt: skip
 
@@ -133,16 +134,15 @@ class VllmRuntime:
 
     # -- PoolHooks (busy-loop thread) ------------------------------------------------
     def before_alloc(self) -> None:
-        instance = self.instance
-        if instance is not None and instance.mailbox.has_untaken:
+        if self.instance is not None and self.instance.mailbox.has_untaken:
             self._pass()
 
     def after_change(self) -> None:
+        if self._armed or self._engine_core is None or self.instance is None:
+            return  # an idle pass is already due, or not serving yet
         instance = self.instance
-        if instance is None:
-            return
         mapped = instance.binding.blocks.pages.num_mapped
-        if instance.coordinator.pending or mapped != self._last_mapped:
+        if mapped != self._last_mapped or instance.coordinator.pending:
             self._arm(wakeup=False)
 
     # -- idle application ------------------------------------------------------------

@@ -1,0 +1,216 @@
+"""vLLM adapter overhead: elastic block pool and scheduler step vs native vLLM 0.33, in one run.
+
+1. Block pool ops/s on one allocation trace (vLLM's own ``KVCacheManager``:
+   prefix lookup, ``allocate_slots``, ``free``), native ``BlockPool`` vs
+   ``ElasticBlockPool`` over a host reservation. Goal: ratio >= 0.9.
+2. Scheduler step time: an in-process ``EngineCore`` with the CPU harness's stub
+   executor, same requests, ``scheduler.schedule()`` + ``update_from_output``
+   timed per engine step, without vs with the plugin. Goal: ratio <= 1.05.
+
+Rounds alternate native/elastic; times are this thread's CPU time (other
+processes on a shared machine do not count) and the reported ratio is the
+median of the per-round ratios. Run: ``python bench/bench_vllm.py [--rounds N] [--json OUT]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core import kv_cache_coordinator  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from allocator import HostBackend, PageLayout  # noqa: E402
+from engine_ext import EngineSettings  # noqa: E402
+from engine_ext.vllm import _runtime  # noqa: E402
+from engine_ext.vllm._block_pool import ElasticBlockPool  # noqa: E402
+from engine_ext.vllm._kv_memory import KVMemory, clear_kv_memory, publish_kv_memory  # noqa: E402
+from engine_ext.vllm._settings import VllmSettings  # noqa: E402
+
+BLOCK_TOKENS = 16
+BLOCKS_PER_PAGE = 16
+NUM_PAGES = 64  # 1024 blocks
+
+
+@contextmanager
+def pool_class(elastic: bool) -> Iterator[None]:
+    """Rebind the name KVCacheCoordinator builds its pool by (what the plugin does)."""
+    original = kv_cache_coordinator.BlockPool
+    kv_cache_coordinator.BlockPool = ElasticBlockPool if elastic else BlockPool
+    _runtime.configure(EngineSettings(enable=True), VllmSettings(enable=True))
+    try:
+        yield
+    finally:
+        kv_cache_coordinator.BlockPool = original
+        clear_kv_memory()
+
+
+# -- 1. block pool trace --------------------------------------------------------------
+def _trace(num_requests: int) -> list[list[int]]:
+    """Prompts: 8 shared documents (prefix hits) with distinct tails, 3-40 blocks each."""
+    prompts = []
+    for i in range(num_requests):
+        doc = [(i % 8) * 100_000 + t for t in range(BLOCK_TOKENS * (2 + i % 8))]
+        tail = [5_000_000 + i * 1000 + t for t in range(BLOCK_TOKENS * (1 + i % 32) + 5)]
+        prompts.append(doc + tail)
+    return prompts
+
+
+def _manager(elastic: bool) -> tuple[KVCacheManager, HostBackend | None]:
+    num_blocks = NUM_PAGES * BLOCKS_PER_PAGE
+    backend = None
+    if elastic:
+        block_bytes = 4096
+        layout = PageLayout(page_bytes=block_bytes * BLOCKS_PER_PAGE, num_pages=NUM_PAGES,
+                            num_regions=2)  # fmt: skip
+        backend = HostBackend.reserve(layout, name="kvs-bench-vllm")
+        publish_kv_memory(KVMemory(backend, layout, block_bytes, num_blocks))
+    spec = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=64,
+                             dtype=torch.float16)  # fmt: skip
+    config = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer.0"], spec)])
+    manager = KVCacheManager(config, max_model_len=8192, scheduler_block_size=BLOCK_TOKENS,
+                             hash_block_size=BLOCK_TOKENS, enable_caching=True)  # fmt: skip
+    return manager, backend
+
+
+def run_pool_trace(elastic: bool, prompts: list[list[int]]) -> float:
+    """Ops/s: one op = prefix lookup + allocate_slots, or free (window of 24 live requests)."""
+    with pool_class(elastic):
+        manager, backend = _manager(elastic)
+        init_none_hash(sha256)
+        hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
+        requests = [Request(f"r{i}", p, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+                    for i, p in enumerate(prompts)]  # fmt: skip
+        live: list[Request] = []
+        ops = 0
+        start = time.thread_time()
+        for request in requests:
+            hit, num_hit, _ = manager.get_computed_blocks(request)
+            while manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit) is None:
+                manager.free(live.pop(0))
+                ops += 1
+            ops += 1
+            live.append(request)
+            if len(live) > 24:
+                manager.free(live.pop(0))
+                ops += 1
+        for request in live:
+            manager.free(request)
+            ops += 1
+        elapsed = time.thread_time() - start
+        if backend is not None:
+            backend.release()
+        return ops / elapsed
+
+
+# -- 2. scheduler step -----------------------------------------------------------------
+def _engine(elastic: bool, model_dir: Path) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.core import EngineCore
+
+    from engine_ext.vllm.cpu_harness import StubExecutor
+
+    args = EngineArgs(
+        model=str(model_dir), load_format="dummy", dtype="float16", block_size=16,
+        max_model_len=4096, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
+        distributed_executor_backend="engine_ext.vllm.cpu_harness.StubExecutor",
+        max_num_seqs=16,
+    )  # fmt: skip
+    with pool_class(elastic):
+        config = args.create_engine_config()
+        return EngineCore(config, StubExecutor, log_stats=False)
+
+
+def run_scheduler(elastic: bool, model_dir: Path, num_requests: int) -> float:
+    """Median seconds of scheduler work (schedule + update_from_output) per engine step."""
+    from vllm.v1.engine import EngineCoreRequest
+
+    engine = _engine(elastic, model_dir)
+    scheduler = engine.scheduler
+    timings: list[float] = []
+    for name in ("schedule", "update_from_output"):
+        real = getattr(scheduler, name)
+
+        def wrapper(*a: Any, _real: Callable[..., Any] = real, **k: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return _real(*a, **k)
+            finally:
+                timings.append(time.thread_time() - t0)
+
+        setattr(scheduler, name, wrapper)
+    doc = list(range(10, 10 + 600))
+    for i in range(num_requests):
+        tail = [3000 + (i * 37 + t) % 900 for t in range(40 + i % 50)]
+        request = EngineCoreRequest(
+            f"s{i}", doc + tail, None, SamplingParams(max_tokens=32, ignore_eos=True), None,
+            time.time(), None, None, None,
+        )  # fmt: skip
+        engine.add_request(*engine.preprocess_add_request(request))
+    while engine.scheduler.has_requests():
+        engine.step()
+    engine.shutdown()
+    clear_kv_memory()
+    per_step = [timings[i] + timings[i + 1] for i in range(0, len(timings) - 1, 2)]
+    return statistics.median(per_step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    prompts = _trace(args.requests)
+    native_ops, elastic_ops = [], []
+    for _ in range(args.rounds):
+        native_ops.append(run_pool_trace(False, prompts))
+        elastic_ops.append(run_pool_trace(True, prompts))
+    from engine_ext.vllm import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
+    native_step, elastic_step = [], []
+    for _ in range(args.rounds):
+        native_step.append(run_scheduler(False, model_dir, 64))
+        elastic_step.append(run_scheduler(True, model_dir, 64))
+    result = {
+        "pool_ops_per_s": {"native": statistics.median(native_ops),
+                           "elastic": statistics.median(elastic_ops)},
+        "pool_ratio": statistics.median(e / n for e, n in zip(elastic_ops, native_ops)),
+        "step_s": {"native": statistics.median(native_step),
+                   "elastic": statistics.median(elastic_step)},
+        "step_ratio": statistics.median(e / n for e, n in zip(elastic_step, native_step)),
+    }  # fmt: skip
+    print(f"block pool ops/s   native {result['pool_ops_per_s']['native']:10.0f}   "
+          f"elastic {result['pool_ops_per_s']['elastic']:10.0f}   "
+          f"ratio {result['pool_ratio']:.3f} (goal >= 0.9)")
+    print(f"scheduler step ms  native {1e3 * result['step_s']['native']:10.3f}   "
+          f"elastic {1e3 * result['step_s']['elastic']:10.3f}   "
+          f"ratio {result['step_ratio']:.3f} (goal <= 1.05)")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
