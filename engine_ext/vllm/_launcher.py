@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import httpx
 
@@ -117,7 +118,7 @@ class VllmServer:
         _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers (EngineCore child)
         return int(self.proc.returncode)
 
-    def __enter__(self) -> VllmServer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

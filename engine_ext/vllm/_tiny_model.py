@@ -24,7 +24,7 @@ _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z")
 _VOWELS = ("a", "e", "i", "o", "u")
 _CODAS = ("", "n", "r", "s", "l")
 #: Words every prompt in the tests and the demo may use, besides generated ones.
-_COMMON = (
+_COMMON = (  # noqa: SIM905 - one readable string
     "the of and to in is it that was for on are with as be at by this had not "
     "but from or have an they which one you were all we when there can what "
     "question answer document section page memory cache engine limit request "

@@ -22,7 +22,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
-from engine_ext.vllm import VllmServer, launch_vllm_server, make_document, make_tiny_model_dir  # noqa: E402
+from engine_ext.vllm import (
+    VllmServer,
+    launch_vllm_server,
+    make_document,
+    make_tiny_model_dir,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

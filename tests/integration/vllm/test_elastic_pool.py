@@ -18,26 +18,26 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
-import torch  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core import kv_cache_coordinator  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core import kv_cache_coordinator
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.request import Request  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.request import Request
 
-from allocator import ForeignThreadError, HostBackend, PageLayout  # noqa: E402
-from engine_ext.protocol import Status  # noqa: E402
-from engine_ext import EngineSettings  # noqa: E402
-from engine_ext.vllm import _runtime  # noqa: E402
-from engine_ext.vllm._block_pool import ElasticBlockPool  # noqa: E402
-from engine_ext.vllm._kv_memory import KVMemory, clear_kv_memory, publish_kv_memory  # noqa: E402
-from engine_ext.vllm._settings import VllmSettings  # noqa: E402
+from allocator import ForeignThreadError, HostBackend, PageLayout
+from engine_ext import EngineSettings
+from engine_ext.protocol import Status
+from engine_ext.vllm import _runtime
+from engine_ext.vllm._block_pool import ElasticBlockPool
+from engine_ext.vllm._kv_memory import KVMemory, clear_kv_memory, publish_kv_memory
+from engine_ext.vllm._settings import VllmSettings
 
 pytestmark = pytest.mark.vllm
 

@@ -6,14 +6,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
-import vllm  # noqa: E402
-from vllm.v1.core import block_pool, kv_cache_coordinator  # noqa: E402
-from vllm.v1.engine import core  # noqa: E402
+import vllm
+from vllm.v1.core import block_pool, kv_cache_coordinator
+from vllm.v1.engine import core
 
-from engine_ext.vllm import _runtime, plugin  # noqa: E402
-from engine_ext.vllm._block_pool import ElasticBlockPool  # noqa: E402
-from engine_ext.vllm._instance_id import default_instance_id  # noqa: E402
-from engine_ext.vllm._patches import (  # noqa: E402
+from engine_ext.vllm import _runtime, plugin
+from engine_ext.vllm._block_pool import ElasticBlockPool
+from engine_ext.vllm._instance_id import default_instance_id
+from engine_ext.vllm._patches import (
     PATCHES,
     UnsupportedVllmVersion,
     apply_patches,
