@@ -46,6 +46,25 @@ def init_driver(driver: Any) -> None:
     _call(result, "cuInit")
 
 
+def _device_view(torch: Any, address: int, length: int, device: int, owner: object) -> Any:
+    """A uint8 CUDA tensor over ``[address, address + length)`` on ``device``.
+
+    Preferred: a non-owning storage built with the device given explicitly
+    (``torch._C._construct_storage_from_data_pointer``, what torch's CUDA-graph
+    trees use), because the public path (``__cuda_array_interface__`` ->
+    ``from_blob``) asks the driver which device owns the first byte, and
+    ``cudaPointerGetAttributes`` cannot answer that for a reserved but
+    unmapped page. The public path is the fallback for torch builds without it.
+    """
+    target = torch.device("cuda", device)
+    construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if construct is not None:
+        storage = construct(address, target, length)
+        view = torch.empty(0, dtype=torch.uint8, device=target)
+        return view.set_(storage, 0, (length,), (1,))
+    return torch.as_tensor(_CudaArray(address, length, owner), device=target)
+
+
 class _CudaArray:
     """Exposes a device range through ``__cuda_array_interface__`` (for torch.as_tensor)."""
 
@@ -194,7 +213,10 @@ class CudaBackend:
         return int(free)
 
     def tensor(self, region: int | None = None) -> torch.Tensor:
-        """A flat ``torch.uint8`` CUDA tensor viewing the whole range or one region."""
+        """A flat ``torch.uint8`` CUDA tensor viewing the whole range or one region.
+
+        Touch only mapped pages, and drop the tensor before :meth:`release`.
+        """
         import torch  # lazy: the allocator imports without torch
 
         self._check_live()
@@ -206,7 +228,8 @@ class CudaBackend:
                     f"region {region} is outside 0..{self.layout.num_regions - 1}")
             start = self.base_address + region * self.layout.region_bytes
             length = self.layout.region_bytes
-        return torch.as_tensor(_CudaArray(start, length, self), device=f"cuda:{self.device}")
+        view: torch.Tensor = _device_view(torch, start, length, self.device, self)
+        return view
 
     # ------------------------------------------------------------------ internals
     def _check_live(self) -> None:
