@@ -12,7 +12,7 @@ process (``python -m engine_ext.ranks``).
 
 from ._backend import RankChannelBarrier, RankedBackend
 from ._group import RankGroup
-from ._procmaps import mapped_ranges, view_mapped_bytes
+from ._procmaps import mapped_ranges, memfd_view, view_mapped_bytes
 from ._wire import RankChannelError
 from ._worker import RankWorker, SlotGeometry
 
@@ -24,5 +24,6 @@ __all__ = [
     "RankedBackend",
     "SlotGeometry",
     "mapped_ranges",
+    "memfd_view",
     "view_mapped_bytes",
 ]

@@ -9,7 +9,8 @@ backend makes that hold for every rank:
   returns -- a page is never handed to a request before every rank maps it.
   A rank that is dead or does not ack within ``map_timeout_s`` raises
   :class:`allocator.BackendError` (the engine cannot run a step without it).
-* ``unmap``: tagged with the last step handed to the ranks; sent at once,
+* ``unmap``: tagged with the last step handed to the ranks; collected and
+  sent as one message before the next op to the ranks or at the barrier,
   never waited for. The page leaves the scheduler's view (``is_mapped`` is
   False, the allocator may reuse it) but its memory stays committed in the
   owner until *every* rank acked: only then is it punched out, so
@@ -51,6 +52,9 @@ class RankedBackend:
         self.map_timeout_s = map_timeout_s
         self._pending: dict[int, list[int]] = {}  # unmap seq -> pages sent with it
         self._page_seq: dict[int, int] = {}  # page -> seq of its in-flight unmap
+        self._outbox: list[int] = []  # unmapped by the allocator, not yet sent
+        self._outbox_step = -1  # the step those pages were freed after
+        group.set_flush(self.flush)
 
     @classmethod
     def start(
@@ -91,10 +95,17 @@ class RankedBackend:
     def map_many(self, pages: Sequence[int]) -> None:
         pages = list(pages)
         for page in pages:
-            if self.is_mapped(page):
+            if self.is_mapped(page) and page not in self._outbox:
                 raise AllocatorContractError(f"page {page} is already mapped")
         if len(set(pages)) != len(pages):
             raise AllocatorContractError(f"map_many got a page twice: {sorted(pages)}")
+        unsent = set(pages).intersection(self._outbox)
+        if unsent:  # unmapped and re-mapped before the unmap went out: nothing to tell anyone
+            self._outbox = [p for p in self._outbox if p not in unsent]
+            pages = [p for p in pages if p not in unsent]
+            if not pages:
+                return
+        self.flush()
         revived = [p for p in pages if p in self._page_seq]
         fresh = [p for p in pages if p not in self._page_seq]
         self.owner.map_many(fresh)
@@ -103,18 +114,33 @@ class RankedBackend:
         seq = self.group.broadcast("map", pages=pages)
         outcome = self.group.wait(seq, self.map_timeout_s)
         if outcome is not BarrierOutcome.CONFIRMED:
-            self.owner.unmap_many(fresh)
+            # roll back everywhere: the ranks that mapped unmap again (in order, after the map);
+            # the owner gives the memory back once every live rank acked (settle)
+            undo = self.group.broadcast("unmap", pages=pages, after_step=self.group.step)
+            self._pending[undo] = pages
+            for page in pages:
+                self._page_seq[page] = undo
+            self.group.watch(undo)
             raise BackendError(f"mapping pages {pages} on every rank failed: "
                                f"{self.group.describe(outcome)}")
 
     def unmap_many(self, pages: Sequence[int]) -> None:
         pages = list(pages)
         for page in pages:
-            if not self.is_mapped(page):
+            if not self.is_mapped(page) or page in self._outbox:
                 raise AllocatorContractError(f"page {page} is not mapped")
         if not pages:
             return
-        seq = self.group.broadcast("unmap", pages=pages, after_step=self.group.step)
+        if not self._outbox:
+            self._outbox_step = self.group.step
+        self._outbox.extend(pages)  # sent by flush(): one message per pass, not per page
+
+    def flush(self) -> None:
+        """Send the unmaps collected since the last flush (before any later op to the ranks)."""
+        if not self._outbox:
+            return
+        pages, self._outbox = self._outbox, []
+        seq = self.group.broadcast("unmap", pages=pages, after_step=self._outbox_step)
         self._pending[seq] = pages
         for page in pages:
             self._page_seq[page] = seq
@@ -122,7 +148,8 @@ class RankedBackend:
 
     def is_mapped(self, page: int) -> bool:
         """The scheduler's view: mapped and no unmap in flight."""
-        return self.owner.is_mapped(page) and page not in self._page_seq
+        return (self.owner.is_mapped(page) and page not in self._page_seq
+                and page not in self._outbox)
 
     def mapped_bytes(self) -> int:
         """Committed in the memfd (measured); includes pages whose unmap is not acked yet."""
@@ -136,8 +163,8 @@ class RankedBackend:
     # -- the barrier -----------------------------------------------------------------------
     @property
     def unmaps_in_flight(self) -> int:
-        """Pages sent to the ranks for unmapping and not yet acknowledged by all of them."""
-        return len(self._page_seq)
+        """Pages unmapped by the allocator whose unmap not every rank acknowledged yet."""
+        return len(self._page_seq) + len(self._outbox)
 
     def settle(self, wait_s: float) -> BarrierResult:
         """Wait at most ``wait_s`` for outstanding unmap acks; punch out what all ranks acked.
@@ -146,6 +173,7 @@ class RankedBackend:
         With a dead rank, pages every *live* rank acked are still given back
         (the dead rank maps nothing any more), but the result stays ``FAILED``.
         """
+        self.flush()
         if self._pending:
             self.group.wait(max(self._pending), wait_s)
         for seq in sorted(self._pending):
@@ -157,7 +185,7 @@ class RankedBackend:
             self.owner.unmap_many(done)
         if self.group.any_dead():
             outcome = BarrierOutcome.FAILED
-        elif self._pending:
+        elif self._pending or self._outbox:
             outcome = BarrierOutcome.TIMEOUT
         else:
             outcome = BarrierOutcome.CONFIRMED

@@ -57,6 +57,7 @@ class RankGroup:
         self._seq = 0
         self._watch = 0  # wake the engine when a rank acks this seq (0: nothing watched)
         self._wake: Callable[[], None] | None = None
+        self._flush: Callable[[], None] | None = None
         self._closed = False
         self.step = -1
         self._threads = [
@@ -101,6 +102,10 @@ class RankGroup:
             _unlink(socket_path)
         return cls(ranks, procs)
 
+    def set_flush(self, flush: Callable[[], None] | None) -> None:
+        """Called before every ``call``/``run_step``: the backend sends its queued unmaps first."""
+        self._flush = flush
+
     def set_wake(self, wake: Callable[[], None] | None) -> None:
         """Called (from a reader thread) when a watched ack arrives or a rank dies."""
         self._wake = wake
@@ -143,11 +148,10 @@ class RankGroup:
             return any(not r.alive for r in self._ranks)
 
     def wait(self, seq: int, timeout_s: float) -> BarrierOutcome:
-        """Wait at most ``timeout_s`` until every rank acked ``seq``; a dead rank fails it."""
+        """Wait at most ``timeout_s`` until every live rank acked ``seq``; a dead rank fails it."""
         with self._cond:
             self._cond.wait_for(
-                lambda: any(not r.alive for r in self._ranks)
-                or all(r.acked >= seq for r in self._ranks), timeout_s)
+                lambda: all(r.acked >= seq or not r.alive for r in self._ranks), timeout_s)
             if any(not r.alive for r in self._ranks):
                 return BarrierOutcome.FAILED
             if all(r.acked >= seq for r in self._ranks):
@@ -156,6 +160,8 @@ class RankGroup:
 
     def call(self, op: str, timeout_s: float, **fields: Any) -> None:
         """Broadcast ``op`` and wait for every ack; raise if a rank is dead or too slow."""
+        if self._flush is not None:
+            self._flush()
         seq = self.broadcast(op, **fields)
         outcome = self.wait(seq, timeout_s)
         if outcome is not BarrierOutcome.CONFIRMED:

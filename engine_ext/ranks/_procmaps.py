@@ -8,7 +8,7 @@ what that process maps -- measured by the OS, not counted by us.
 
 from __future__ import annotations
 
-__all__ = ["mapped_ranges", "view_mapped_bytes"]
+__all__ = ["mapped_ranges", "memfd_view", "view_mapped_bytes"]
 
 
 def mapped_ranges(pid: int | str, start: int, length: int) -> list[tuple[int, int]]:
@@ -29,3 +29,21 @@ def mapped_ranges(pid: int | str, start: int, length: int) -> list[tuple[int, in
 def view_mapped_bytes(pid: int | str, start: int, length: int) -> int:
     """Bytes ``pid`` can read inside the range (its mapped KV view)."""
     return sum(high - low for low, high in mapped_ranges(pid, start, length))
+
+
+def memfd_view(pid: int | str, name: str) -> list[tuple[int, int]]:
+    """``(file_offset, length)`` of every readable mapping ``pid`` holds of memfd ``name``.
+
+    Independent of any counter: the kernel's own list of the process's
+    mappings, matched by the memfd's name (``/memfd:<name> (deleted)``).
+    """
+    out: list[tuple[int, int]] = []
+    prefix = f"/memfd:{name}"
+    with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or not parts[5].startswith(prefix) or parts[1][0] != "r":
+                continue
+            low_s, high_s = parts[0].split("-")
+            out.append((int(parts[2], 16), int(high_s, 16) - int(low_s, 16)))
+    return out

@@ -1,0 +1,193 @@
+"""A small engine over the real core pieces and real rank processes (test helper).
+
+Real: ``HostBackend`` memfd, ``RankGroup`` + rank processes (``python -m
+engine_ext.ranks``), ``RankedBackend``, ``PageAllocator``/``BlockAllocator``,
+``ElasticInstance`` (mailbox, coordinator, control socket) with the
+``RankChannelBarrier``. Toy: the prefix cache (a dict of full-block prefixes)
+and the "model": every scheduled token is written by the *ranks* into its KV
+slot (TP rank t writes word t, PP stage p writes its regions), and a sampled
+token is a digest of the KV read back from the scheduler's own view, so a
+rank that skipped a write or a page that lost its data changes the output.
+
+Thread: the test thread is the engine thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from allocator import BlockAllocator, HostBackend, PageAllocator, PageLayout
+from engine_ext import ElasticInstance, EngineBinding, EngineSettings
+from engine_ext.ranks import RankChannelBarrier, RankedBackend, RankGroup, memfd_view
+
+BLOCK_SIZE = 16  # tokens per block
+SLOT_BYTES = 64  # bytes of one token slot in one region
+BLOCK_BYTES = BLOCK_SIZE * SLOT_BYTES
+LAYOUT = PageLayout(page_bytes=4096, num_pages=24, num_regions=4)
+BLOCKS_PER_PAGE = LAYOUT.page_bytes // BLOCK_BYTES
+
+
+class ToyCache:
+    """Prefix cache: full blocks keyed by their whole prefix. A core ``Reclaimer``."""
+
+    name = "toy-prefix-cache"
+
+    def __init__(self, blocks: BlockAllocator) -> None:
+        self.blocks = blocks
+        self.by_key: dict[tuple[int, ...], int] = {}
+        self.key_of: dict[int, tuple[int, ...]] = {}
+        self.refs: dict[int, int] = {}
+
+    def evictable_blocks(self) -> list[int]:
+        return [b for b in self.key_of if self.refs.get(b, 0) == 0]
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self.key_of and self.refs.get(block, 0) == 0
+
+    def evict(self, blocks: list[int]) -> int:
+        done = [b for b in blocks if self.is_evictable(b)]
+        for block in done:
+            del self.by_key[self.key_of.pop(block)]
+        self.blocks.free(done)
+        return len(done)
+
+
+@dataclass
+class Request:
+    tokens: list[int]
+    prompt_len: int
+    table: list[int] = field(default_factory=list)
+    written: int = 0  # tokens whose KV the ranks wrote
+
+
+class ToyEngine:
+    """One instance: scheduler (this process) + ``tp * pp`` rank processes."""
+
+    def __init__(self, tmp: Path, tp: int, pp: int, *, delays: dict[int, float] | None = None,
+                 name: str = "kvsidecar-test-ranks") -> None:
+        self.tp, self.pp, self.name = tp, pp, name
+        owner = HostBackend.reserve(LAYOUT, name=name)
+        group = RankGroup.spawn(str(tmp / "ranks.sock"), tp * pp, barrier_delay_s=delays)
+        self.group = group
+        self.backend = RankedBackend.start(owner, group, tp=tp, pp=pp, block_bytes=BLOCK_BYTES,
+                                           slot_bytes=SLOT_BYTES, timeout_s=30)
+        self.pages = PageAllocator(self.backend)
+        self.blocks = BlockAllocator(self.pages, BLOCKS_PER_PAGE)
+        self.cache = ToyCache(self.blocks)
+        self.woken = threading.Event()
+        settings = EngineSettings(runtime_dir=tmp / "run", instance_id=f"toy-{tp}x{pp}")
+        self.instance = ElasticInstance(settings, EngineBinding(
+            engine="toy", engine_version="0", blocks=self.blocks, reclaimers=(self.cache,),
+            wake=self.woken.set))
+        self.barrier = RankChannelBarrier(self.backend, wait_s=0.05)
+        self.barrier.set_wake(self.woken.set)
+        self.instance.coordinator.set_rank_barrier(self.barrier)
+        self.instance.start()
+
+    def close(self) -> None:
+        self.instance.close()
+        self.backend.release()
+
+    # -- requests ---------------------------------------------------------------------
+    def admit(self, prompt: list[int]) -> Request | None:
+        """Allocate the prompt's blocks (prefix hits first) and prefill; None if it does not fit."""
+        self.instance.step()
+        req = Request(tokens=list(prompt), prompt_len=len(prompt))
+        hits = 0
+        for i in range(len(prompt) // BLOCK_SIZE):
+            block = self.cache.by_key.get(tuple(prompt[: (i + 1) * BLOCK_SIZE]))
+            if block is None:
+                break
+            req.table.append(block)
+            hits += 1
+        needed = -(-len(prompt) // BLOCK_SIZE) - hits
+        fresh = self.blocks.alloc(needed) if needed else []
+        if fresh is None:
+            return None
+        for block in req.table:
+            self.cache.refs[block] = self.cache.refs.get(block, 0) + 1
+        for block in fresh:
+            self.cache.refs[block] = 1
+        req.table.extend(fresh)
+        req.written = hits * BLOCK_SIZE
+        self._write(req)
+        return req
+
+    def decode(self, req: Request, num_tokens: int) -> None:
+        """Sample ``num_tokens`` tokens, each from the KV read back, writing each one."""
+        for _ in range(num_tokens):
+            req.tokens.append(self._sample(req))
+            if len(req.tokens) > len(req.table) * BLOCK_SIZE:
+                self.instance.step()
+                block = self.blocks.alloc(1)
+                assert block is not None, "decode ran out of blocks"
+                self.cache.refs[block[0]] = 1
+                req.table.extend(block)
+            self._write(req)
+
+    def finish(self, req: Request) -> None:
+        """Full blocks go to the prefix cache; the partial tail block is freed."""
+        to_free = []
+        for i, block in enumerate(req.table):
+            self.cache.refs[block] -= 1
+            key = tuple(req.tokens[: (i + 1) * BLOCK_SIZE])
+            full = (i + 1) * BLOCK_SIZE <= req.written
+            if self.cache.refs[block] == 0:
+                if full and key not in self.cache.by_key and block not in self.cache.key_of:
+                    self.cache.by_key[key] = block
+                    self.cache.key_of[block] = key
+                elif block not in self.cache.key_of:
+                    to_free.append(block)
+        for block in to_free:
+            del self.cache.refs[block]
+        if to_free:
+            self.blocks.free(to_free)
+        req.table = []
+
+    abort = finish
+
+    # -- the "model" ------------------------------------------------------------------
+    def _write(self, req: Request) -> None:
+        start, stop = req.written, len(req.tokens)
+        positions = range(start, stop)
+        fields = {
+            "blocks": [req.table[p // BLOCK_SIZE] for p in positions],
+            "offsets": [p % BLOCK_SIZE for p in positions],
+            "values": req.tokens[start:stop],
+        }
+        self.group.run_step(fields, timeout_s=30)
+        req.written = stop
+
+    def read_slot(self, region: int, block: int, offset: int, word: int) -> int:
+        address = (self.backend.base_address + region * LAYOUT.region_bytes + block * BLOCK_BYTES
+                   + offset * SLOT_BYTES + word * 4)
+        return int(ctypes.c_int32.from_address(address).value)
+
+    def _sample(self, req: Request) -> int:
+        seen = []
+        for position in range(req.written):
+            block, offset = req.table[position // BLOCK_SIZE], position % BLOCK_SIZE
+            for region in range(LAYOUT.num_regions):
+                for word in range(self.tp):
+                    seen.append(self.read_slot(region, block, offset, word))
+        digest = hashlib.blake2b(repr(seen).encode(), digest_size=4).digest()
+        return 3 + int.from_bytes(digest, "little") % 30000
+
+    # -- measurements -----------------------------------------------------------------
+    def rank_pages(self, pid: int) -> set[int]:
+        """Pages a process maps in EVERY region, from its /proc/<pid>/maps (all-or-none checked)."""
+        per_region: list[set[int]] = [set() for _ in range(LAYOUT.num_regions)]
+        for offset, length in memfd_view(pid, self.name):
+            for byte in range(offset, offset + length, LAYOUT.page_bytes):
+                region, rest = divmod(byte, LAYOUT.region_bytes)
+                per_region[region].add(rest // LAYOUT.page_bytes)
+        first = per_region[0]
+        assert all(s == first for s in per_region), f"pid {pid} maps a page in some regions only"
+        return first
+
+    def scheduler_pages(self) -> set[int]:
+        return {p for p in range(LAYOUT.num_pages) if self.backend.is_mapped(p)}
