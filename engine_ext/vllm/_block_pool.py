@@ -92,6 +92,10 @@ class ElasticBlockPool(BlockPool):
         self._guard = backing.guard
         self._hooks = backing.hooks
         self._mailbox = backing.mailbox
+        # Cache of self._blocks.num_free_blocks (-1: stale). Every path that changes the
+        # allocator resets it: this pool's own methods and, via invalidate_capacity(),
+        # the runtime after a coordinator pass.
+        self._fresh_free = -1
         self._block_size_tokens = hash_block_size
         bound = backing.max_cached_tokens
         self._max_cached_blocks = None if bound < 0 else bound // hash_block_size
@@ -110,7 +114,14 @@ class ElasticBlockPool(BlockPool):
     def get_num_free_blocks(self) -> int:
         if self._mailbox.has_untaken:  # a new target: apply it before capacity is read
             self._hooks.before_alloc()
-        return self._blocks.num_free_blocks + self.free_block_queue.num_free_blocks
+        fresh = self._fresh_free
+        if fresh < 0:
+            fresh = self._fresh_free = self._blocks.num_free_blocks
+        return fresh + self.free_block_queue.num_free_blocks
+
+    def invalidate_capacity(self) -> None:
+        """The allocator changed outside this pool's methods (a coordinator pass)."""
+        self._fresh_free = -1
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -129,6 +140,7 @@ class ElasticBlockPool(BlockPool):
     # -- allocation -----------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         self._guard.check()
+        self._fresh_free = -1
         num_fresh = min(num_blocks, self._blocks.num_free_blocks)
         num_reused = num_blocks - num_fresh
         if num_reused > self.free_block_queue.num_free_blocks:
@@ -186,6 +198,7 @@ class ElasticBlockPool(BlockPool):
                 to_cache.append(block)
         self.free_block_queue.append_n(to_cache)
         if to_free:
+            self._fresh_free = -1
             self._blocks.free(to_free)
         for pool, group in others.items():
             pool.free_blocks(group)
@@ -206,6 +219,7 @@ class ElasticBlockPool(BlockPool):
             self._maybe_evict_cached_block(block)
             freed.append(block_id)
         if freed:
+            self._fresh_free = -1
             self._blocks.free(freed)
         return len(freed)
 
@@ -238,6 +252,7 @@ class ElasticBlockPool(BlockPool):
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         if evictable:
+            self._fresh_free = -1
             self._blocks.free(evictable)
         _log.info("Reset the prefix cache: %d cached blocks freed", len(evictable))
         self._hooks.after_change()

@@ -174,8 +174,10 @@ class VllmRuntime:
         instance = self.instance
         assert instance is not None and self.pool is not None
         state = instance.step()
+        self.pool.invalidate_capacity()
         if self.pool.evict_on_retired_pages():
             state = instance.step()
+            self.pool.invalidate_capacity()
         self._last_mapped = instance.binding.blocks.pages.num_mapped
         return state
 
