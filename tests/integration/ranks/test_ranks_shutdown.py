@@ -1,0 +1,115 @@
+"""Clean shutdown of an instance with rank processes (issue 7).
+
+Real processes: the instance host (``_host.py``: ``ElasticInstance``, control
+socket, ``RankGroup`` with two rank processes sharing a memfd) in its own
+process group. Nothing of it may survive SIGINT or SIGTERM to the group: no
+file in its runtime dir, no memfd in any ``/proc/*/fd`` or ``/proc/*/maps``,
+no ``/dev/shm`` segment. A ``kill -9`` leftover is swept at the next start,
+and a live neighbour's files are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from engine_ext._cleanup import OWNER_FILE
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _start(root: Path, instance_id: str, memfd: str) -> tuple[subprocess.Popen[str], dict]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.ranks._host", str(root), instance_id, memfd],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("READY "), f"host did not start (exit {proc.poll()}): {line!r}"
+    return proc, json.loads(line[6:])
+
+
+def _memfd_holders(name: str) -> list[str]:
+    """Every /proc/<pid>/fd or /proc/<pid>/maps entry that still refers to memfd ``name``."""
+    found: list[str] = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/memfd:{name} "):
+                    found.append(f"{pid}/fd/{fd}")
+            with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
+                if f"/memfd:{name} " in maps.read():
+                    found.append(f"{pid}/maps")
+        except OSError:
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_twenty_start_stop_cycles_leave_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    shm_before = set(os.listdir("/dev/shm"))
+    for cycle in range(20):
+        memfd = f"kvs-cycle-{os.getpid()}-{cycle}"
+        proc, info = _start(root, "cyc", memfd)
+        run_dir = root / "cyc"
+        assert sorted(p.name for p in run_dir.iterdir()) == [OWNER_FILE, "control.sock"]
+        assert _memfd_holders(memfd), "the memfd should be mapped while the instance runs"
+        with httpx.Client(transport=httpx.HTTPTransport(uds=info["socket"])) as client:
+            assert client.get("http://engine/state").json()["num_ranks"] == 2
+        sig = signal.SIGINT if cycle % 2 == 0 else signal.SIGTERM
+        os.killpg(proc.pid, sig)
+        proc.wait(20)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in info["ranks"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not any(_alive(p) for p in info["ranks"]), f"cycle {cycle}: a rank outlived {sig!r}"
+        assert not run_dir.exists() or not list(run_dir.iterdir()), \
+            f"cycle {cycle} ({sig.name}) left {list(run_dir.iterdir())}"
+        assert not run_dir.exists(), f"cycle {cycle} ({sig.name}) left the empty runtime dir"
+        assert _memfd_holders(memfd) == [], f"cycle {cycle} ({sig.name}): memfd still held"
+    new_shm = set(os.listdir("/dev/shm")) - shm_before
+    assert not [n for n in new_shm if "kvs" in n or "cyc" in n], new_shm
+
+
+def test_kill9_leftover_is_swept_at_next_start_live_neighbour_untouched(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    neighbour, _ = _start(root, "alive", f"kvs-alive-{os.getpid()}")
+    crashed, info = _start(root, "crashed", f"kvs-crashed-{os.getpid()}")
+    try:
+        os.killpg(crashed.pid, signal.SIGKILL)
+        crashed.wait(10)
+        assert sorted(p.name for p in (root / "crashed").iterdir()) == [OWNER_FILE, "control.sock"]
+        deadline = time.monotonic() + 10  # ranks notice the end of the stream and exit
+        while any(_alive(p) for p in info["ranks"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not any(_alive(p) for p in info["ranks"])
+        (root / "foreign").mkdir()  # no owner record: not ours to judge, left alone
+        nxt, _ = _start(root, "next", f"kvs-next-{os.getpid()}")
+        try:
+            assert not (root / "crashed").exists(), "the kill -9 leftover was not swept"
+            assert sorted(p.name for p in (root / "alive").iterdir()) == [OWNER_FILE, "control.sock"]
+            assert (root / "foreign").is_dir()
+        finally:
+            os.killpg(nxt.pid, signal.SIGTERM)
+            nxt.wait(20)
+    finally:
+        os.killpg(neighbour.pid, signal.SIGTERM)
+        neighbour.wait(20)
+    assert sorted(p.name for p in root.iterdir()) == ["foreign"]
