@@ -159,7 +159,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         pages = self._take(needed)
         if pages is None:
             return None
-        parent = super(ElasticTokenAllocator, self).alloc_extend
+        parent = super().alloc_extend
         return self._run_with(pages, lambda: parent(
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
             num_new_pages=needed))
@@ -173,7 +173,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         pages = self._take(needed)
         if pages is None:
             return None
-        parent = super(ElasticTokenAllocator, self).alloc_decode
+        parent = super().alloc_decode
         return self._run_with(pages, lambda: parent(seq_lens, seq_lens_cpu, last_loc))
 
     # -- freeing -----------------------------------------------------------------------

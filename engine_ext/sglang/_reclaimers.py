@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .. import count_reclaimable_pages
+
 if TYPE_CHECKING:
     from allocator import BlockAllocator
 
@@ -73,8 +75,10 @@ class _TreeReclaimer:
         pages = self.blocks.pages
         key = self._state_key() + (pages.num_retired, pages.num_mapped)
         if key != self._retired_key:
+            # Every unlocked block, read-only: this runs inside SGLang's own eviction walk
+            # (via available_size()), where a second walk must not start.
             page_of = self.blocks.page_of
-            self._retired_count = sum(1 for b in self._snapshot() if pages.is_retired(page_of(b)))
+            self._retired_count = sum(1 for b in self._scan() if pages.is_retired(page_of(b)))
             self._retired_key = key
         return self._retired_count
 
@@ -85,13 +89,26 @@ class _TreeReclaimer:
                 int(cache.evictable_size()), int(cache.protected_size()))
 
     def _snapshot(self) -> frozenset[int]:
+        """Blocks of unlocked *leaves* if they fill a page, else of every unlocked node.
+
+        Leaves first: evicting an inner node takes its whole subtree with it, so a
+        page of a shared prefix is offered only once its descendants are gone (or
+        when no page can be freed from leaves alone).
+        """
         key = self._state_key()
         if key != self._key:
-            self._evictable = frozenset(self._scan())
+            leaves = frozenset(self._scan_leaves())
+            if count_reclaimable_pages(leaves, self.blocks) > 0:
+                self._evictable = leaves
+            else:
+                self._evictable = frozenset(self._scan())
             self._key = key
         return self._evictable
 
     def _scan(self) -> Iterable[int]:
+        raise NotImplementedError
+
+    def _scan_leaves(self) -> Iterable[int]:
         raise NotImplementedError
 
     def _evict_pages(self, pages: set[int]) -> None:
@@ -115,6 +132,12 @@ class RadixTreeReclaimer(_TreeReclaimer):
         ps = self.page_size
         for node in self._unlocked():
             yield from (int(s) // ps for s in node.value[::ps].tolist())
+
+    def _scan_leaves(self) -> Iterable[int]:
+        ps = self.page_size
+        for node in self._unlocked():
+            if not node.children:
+                yield from (int(s) // ps for s in node.value[::ps].tolist())
 
     def _evict_pages(self, pages: set[int]) -> None:
         ps = self.page_size
@@ -161,6 +184,28 @@ class UnifiedTreeReclaimer(_TreeReclaimer):
         walk = self.cache.tree_core.walk_for_kv_canary(True, False)
         ps = self.page_size
         return {int(s) // ps for s in walk.slot_indices.tolist()}
+
+    def _scan_leaves(self) -> Iterable[int]:
+        """Walk the core's eviction order without evicting: its unlocked device leaves."""
+        cache = self.cache
+        core = cache.tree_core
+        tracker = {ct: 0 for ct in cache.tree_components}
+        ps = self.page_size
+        out: set[int] = set()
+        core.evict_device_start(self._full, max(1, int(core.full_evictable_size())))
+        try:
+            while True:
+                node_id, progressed = cache._evict_device_next_node(self._full, tracker)
+                if node_id is None:
+                    if not progressed:
+                        break
+                    continue
+                value = core.get_component_device_value(node_id, self._full)
+                if value is not None:
+                    out.update(int(s) // ps for s in value[::ps].tolist())
+        finally:
+            core.evict_device_end(self._full)
+        return out
 
     def _holds_victim(self, leaf: int, pages: set[int]) -> bool:
         core = self.cache.tree_core

@@ -30,8 +30,8 @@ from ._reclaimers import make_reclaimer
 if TYPE_CHECKING:
     import httpx
 
-    from ..protocol import EngineState
     from .._mailbox import PublishResult
+    from ..protocol import EngineState
 
 __all__ = ["ElasticPool", "pool_of"]
 

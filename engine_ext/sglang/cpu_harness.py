@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -13,12 +13,12 @@ if importlib.util.find_spec("sglang") is None:  # pragma: no cover - scripts/dev
     pytest.skip("sglang 0.5.23 is not installed (bash scripts/dev.sh env installs it)",
                 allow_module_level=True)
 
-from engine_ext import EngineSettings  # noqa: E402
-from engine_ext.sglang._cpu_imports import prepare_cpu_imports  # noqa: E402
+from engine_ext import EngineSettings
+from engine_ext.sglang._cpu_imports import prepare_cpu_imports
 
 prepare_cpu_imports()
 
-from engine_ext.sglang.cpu_harness import CpuHarness, HarnessConfig  # noqa: E402
+from engine_ext.sglang.cpu_harness import CpuHarness, HarnessConfig
 
 
 @pytest.fixture(params=["unified", "radix"])

@@ -207,3 +207,23 @@ def test_limit_retained_before_start_applies_before_first_request(make_harness: 
     assert all(r.done for r in reqs)
     assert small.mapped_bytes() <= 5 * small.bundle_bytes
     assert small.pool.state().status is Status.APPLIED
+
+
+def test_shrink_keeps_a_shared_prefix_and_evicts_whole_pages(make_harness: Make,
+                                                             cache_kind: str) -> None:
+    """Leaves go first: a system prompt shared by every request survives a moderate shrink."""
+    h = make_harness(cache_kind)
+    system = [5] * 32
+    for i in range(30):
+        h.submit(system + prompt(i, length=12), max_new_tokens=5)
+    h.run_until_idle()
+    before = h.pages.num_mapped
+    h.pool.set_limit(10 * h.bundle_bytes)
+    h.on_idle()
+    assert h.pool.state().status is Status.APPLIED and h.pages.num_mapped == 10
+    freed = before - h.pages.num_mapped
+    evicted = h.pool.reclaimer.num_evicted_blocks
+    assert evicted <= freed * h.blocks.blocks_per_page * 1.25  # near the minimum: whole pages
+    again = h.submit(system + prompt(99, length=12), max_new_tokens=2)
+    h.run_until_idle()
+    assert again.prefix_len == 32  # the shared prompt was still cached (KV read back)
