@@ -1,15 +1,18 @@
 """The real ``vllm serve`` (OpenAI server + EngineCore process) with kvsidecar on CPU.
 
 Two servers for the whole module, started side by side: ``elastic`` (the
-plugin with reclamation) and ``main`` (the plugin with ``KVSIDECAR_RECLAIM=0``:
-limits are recorded, nothing is evicted -- the "main" column of the reference
-table). Both run the CPU harness's stub executor (KV tensors on a memfd
-``HostBackend``: what the engine reports is checked against ``/proc``) with
-the thread guard on. Limits go through the engine's real unix control socket.
+plugin with reclamation, registered with a real sidecar) and ``main`` (the
+plugin with ``KVSIDECAR_RECLAIM=0``: limits are recorded, nothing is evicted
+-- the "main" column of the reference table). Both run the CPU harness's stub
+executor (KV tensors on a memfd ``HostBackend``: what the engine reports is
+checked against ``/proc``) with the thread guard on. The first test steers
+``elastic`` through the sidecar's REST API; the others use the engine's unix
+control socket directly.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
@@ -28,8 +32,10 @@ from engine_ext.vllm import (
     make_document,
     make_tiny_model_dir,
 )
+from sidecar import SidecarSettings, create_app
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+RETAINED_LIMIT = 4 << 20  # PUT before the engine exists: applied before its first request
 
 DOC = make_document(1300, seed=1)
 QUESTIONS = ["first question", "second question", "third question", "fourth question"]
@@ -82,6 +88,26 @@ class Engine:
         self.wait_state(revision, status="applied")
 
 
+@pytest.fixture(scope="module")
+def sidecar_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The real sidecar app on uvicorn, loopback, in a thread of this process."""
+    settings = SidecarSettings(db_path=tmp_path_factory.mktemp("sidecar") / "s.db")
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0,
+                                           log_level="warning", access_log=False))  # fmt: skip
+    thread = threading.Thread(target=server.run, name="sidecar", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not (server.started and server.servers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started, "the sidecar did not start"
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
 def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine:
     runtime_dir = tmp / name
     server = launch_vllm_server(
@@ -101,11 +127,16 @@ def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+def engines(
+    tmp_path_factory: pytest.TempPathFactory, sidecar_url: str
+) -> Iterator[tuple[Engine, Engine]]:
     tmp = tmp_path_factory.mktemp("vllm-serve")
     model_dir = make_tiny_model_dir(tmp / "model")
+    retained = httpx.put(f"{sidecar_url}/instances/elastic/limit", json={"limit": RETAINED_LIMIT})
+    assert retained.status_code in (200, 202) and retained.json()["status"] == "pending"
+    to_sidecar = {"KVSIDECAR_SIDECAR_URL": sidecar_url, "KVSIDECAR_HEARTBEAT_S": "0.5"}
     with ThreadPoolExecutor(2) as pool:
-        elastic_f = pool.submit(_start, tmp, model_dir, "elastic", {})
+        elastic_f = pool.submit(_start, tmp, model_dir, "elastic", to_sidecar)
         main_f = pool.submit(_start, tmp, model_dir, "main", {"KVSIDECAR_RECLAIM": "0"})
         elastic, main = elastic_f.result(), main_f.result()
     try:
@@ -116,6 +147,25 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, 
             engine.server.stop()
             assert "ForeignThreadError" not in log, "the block pool was mutated off its thread"
             assert not engine.socket_path.exists(), "control socket left behind after SIGTERM"
+
+
+def test_sidecar_retained_limit_then_push_applies(
+    engines: tuple[Engine, Engine], sidecar_url: str
+) -> None:
+    elastic, _ = engines
+    api = httpx.Client(base_url=sidecar_url, timeout=30)
+    state = elastic.state()  # retained limit taken before the first request
+    assert (state["revision"], state["limit_bytes"], state["status"]) == (1, RETAINED_LIMIT, "applied")
+    _fill_prefix_cache(elastic)
+    full = elastic.state()["mapped_bytes"]
+    reply = api.put("/instances/elastic/limit", params={"wait": "20"}, json={"limit": full // 2})
+    assert reply.status_code == 200 and reply.json()["status"] == "applied", reply.text
+    assert elastic.server.kv_memfd_bytes() <= full // 2
+    body = api.get("/instances/elastic").json()
+    assert body["observed"]["mapped_bytes"] <= full // 2
+    assert body["engine"]["engine"] == "vllm"
+    assert api.delete("/instances/elastic/limit").status_code in (200, 202)
+    elastic.wait_state(3, status="applied")
 
 
 def _fill_prefix_cache(engine: Engine) -> None:
