@@ -60,6 +60,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
     ) -> None:
         self.blocks = blocks
         self._padding_held = False
+        self._initialized = False  # clear() ran once (the constructor calls it)
         self._before_alloc: Callable[[], None] | None = None
         self._retired_evictable: Callable[[], int] | None = None
         self.num_failed_allocs = 0  # allocations that returned None (SGLang then waits/evicts)
@@ -187,10 +188,11 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         self._free_blocks(ids)
 
     def clear(self) -> None:
-        """Free every block but the padding page (``flush_cache``); claim it on first use."""
-        if not self._padding_held:
+        """First call (construction): hold the padding page. Later (``flush_cache``):
+        free every block but the padding page."""
+        if not self._initialized:
             _claim_block(self.blocks, PADDING_BLOCK)
-            self._padding_held = True
+            self._padding_held = self._initialized = True
         else:
             held = [b for b in range(1, self.blocks.num_blocks) if self.blocks.is_allocated(b)]
             if held:
