@@ -10,15 +10,19 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine_ext._barrier import BarrierOutcome
+from engine_ext._cleanup import clear_owner, write_owner
 from engine_ext.protocol import RankState
 
 from ._wire import RankChannelError, recv_message, send_message
@@ -101,6 +105,26 @@ class RankGroup:
             listener.close()
             _unlink(socket_path)
         return cls(ranks, procs)
+
+    @classmethod
+    def spawn_private(
+        cls, runtime_root: Path, label: str, world_size: int, *, timeout_s: float = 60.0,
+        barrier_delay_s: Mapping[int, float] | None = None,
+    ) -> RankGroup:
+        """:meth:`spawn` with the rank socket in a fresh private dir under ``runtime_root``.
+
+        The dir (mode 0700, with an owner record so a crash's leftover is
+        swept) and the socket exist only while the ranks connect.
+        """
+        runtime_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private = Path(tempfile.mkdtemp(prefix=f".ranks-{label}-", dir=runtime_root))
+        try:
+            write_owner(private)
+            return cls.spawn(str(private / "r.sock"), world_size, timeout_s=timeout_s,
+                             barrier_delay_s=barrier_delay_s)
+        finally:
+            clear_owner(private)
+            shutil.rmtree(private, ignore_errors=True)
 
     def set_flush(self, flush: Callable[[], None] | None) -> None:
         """Called before every ``call``/``run_step``: the backend sends its queued unmaps first."""

@@ -17,7 +17,7 @@ the busy-loop thread); nothing here is touched afterwards by another thread.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from allocator import Backend, PageLayout
@@ -38,6 +38,7 @@ class KVMemory:
     block_bytes: int  # bytes of one block in ONE region
     num_blocks: int  # vLLM's block count (block 0 is vLLM's null block)
     claimed: bool = field(default=False)  # True once an elastic block pool owns mapping
+    rank_barrier: Any = field(default=None)  # TP/PP ranks (_multirank): the coordinator's RankBarrier
 
     @property
     def blocks_per_page(self) -> int:

@@ -29,9 +29,11 @@ import os
 import signal
 import threading
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from engine_ext._cleanup import clear_owner
 from engine_ext.protocol import EngineState, Status
 from engine_ext.vllm._block_pool import PoolBacking
 from engine_ext.vllm._kv_memory import claim_kv_memory
@@ -108,6 +110,9 @@ class VllmRuntime:
             reclaimers=(PoolReclaimer(pool),), wake=self.wake,
         )  # fmt: skip
         self.instance = ElasticInstance(self.engine_settings, binding)
+        if memory.rank_barrier is not None:  # rank processes (engine_ext.vllm._multirank)
+            memory.rank_barrier.set_wake(self.wake)
+            self.instance.coordinator.set_rank_barrier(memory.rank_barrier)
         return PoolBacking(
             blocks=blocks, guard=guard, hooks=self, mailbox=self.instance.mailbox,
             reclaim=self.engine_settings.reclaim,
@@ -195,6 +200,7 @@ def _unlink_first_on_signal(socket_path: str) -> None:
         def handler(sig: int, frame: FrameType | None, previous: Any = previous) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(socket_path)
+                clear_owner(Path(os.path.dirname(socket_path)))  # engine_ext._cleanup
                 os.rmdir(os.path.dirname(socket_path))
             if callable(previous):
                 previous(sig, frame)

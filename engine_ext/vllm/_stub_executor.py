@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.executor.abstract import Executor
 
+from engine_ext.vllm._multirank import make_stub_worker
 from engine_ext.vllm._settings import VllmSettings
 from engine_ext.vllm._stub_worker import StubWorker
 
@@ -37,7 +38,7 @@ class StubExecutor(Executor):
                 "StubExecutor runs one in-process worker: use tensor/pipeline parallel size 1"
             )
         settings = VllmSettings()
-        self.worker = StubWorker(self.vllm_config, settings.page_bytes)
+        self.worker = make_stub_worker(self.vllm_config, settings.page_bytes)
 
     def collective_rpc(  # type: ignore[override]
         self,

@@ -1,8 +1,8 @@
 """A whole instance in one process tree, for the shutdown tests (run as a script).
 
 ``python -m tests.integration.ranks._host RUNTIME_ROOT INSTANCE_ID MEMFD_NAME``
-builds what the vLLM harness builds -- the rank socket in the instance's
-runtime dir, two rank processes attached to a memfd, an ``ElasticInstance``
+builds what the vLLM harness builds -- two rank processes (connected through
+a short-lived private socket dir under the runtime root) attached to a memfd, an ``ElasticInstance``
 with its control socket and the rank barrier, a few pages mapped on every
 rank -- installs the instance's SIGINT/SIGTERM cleanup, prints one ``READY``
 line (JSON) and waits for a signal.
@@ -23,11 +23,9 @@ from engine_ext.ranks import RankChannelBarrier, RankedBackend, RankGroup
 
 def main() -> int:
     root, instance_id, memfd_name = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    run_dir = root / instance_id
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     layout = PageLayout(page_bytes=4096, num_pages=8, num_regions=2)
     owner = HostBackend.reserve(layout, name=memfd_name)
-    group = RankGroup.spawn(str(run_dir / "ranks.sock"), 2)
+    group = RankGroup.spawn_private(root, instance_id, 2)
     backend = RankedBackend.start(owner, group, tp=2, pp=1, block_bytes=1024, slot_bytes=64)
     try:
         blocks = BlockAllocator(PageAllocator(backend), 4)

@@ -68,24 +68,42 @@ def test_twenty_start_stop_cycles_leave_nothing(tmp_path: Path) -> None:
     for cycle in range(20):
         memfd = f"kvs-cycle-{os.getpid()}-{cycle}"
         proc, info = _start(root, "cyc", memfd)
-        run_dir = root / "cyc"
-        assert sorted(p.name for p in run_dir.iterdir()) == [OWNER_FILE, "control.sock"]
-        assert _memfd_holders(memfd), "the memfd should be mapped while the instance runs"
-        with httpx.Client(transport=httpx.HTTPTransport(uds=info["socket"])) as client:
-            assert client.get("http://engine/state").json()["num_ranks"] == 2
-        sig = signal.SIGINT if cycle % 2 == 0 else signal.SIGTERM
-        os.killpg(proc.pid, sig)
-        proc.wait(20)
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in info["ranks"]) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not any(_alive(p) for p in info["ranks"]), f"cycle {cycle}: a rank outlived {sig!r}"
-        assert not run_dir.exists() or not list(run_dir.iterdir()), \
-            f"cycle {cycle} ({sig.name}) left {list(run_dir.iterdir())}"
-        assert not run_dir.exists(), f"cycle {cycle} ({sig.name}) left the empty runtime dir"
-        assert _memfd_holders(memfd) == [], f"cycle {cycle} ({sig.name}): memfd still held"
+        try:
+            _stop_cycle(root / "cyc", proc, info, memfd, cycle)
+        finally:
+            _kill_group(proc)
+    assert list(root.iterdir()) == [], "the rank sockets' private dirs must be gone too"
     new_shm = set(os.listdir("/dev/shm")) - shm_before
     assert not [n for n in new_shm if "kvs" in n or "cyc" in n], new_shm
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """Test teardown: nothing of a failed cycle may outlive the test."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
+def _stop_cycle(run_dir: Path, proc: subprocess.Popen[str], info: dict, memfd: str,
+                cycle: int) -> None:
+    """Check the running instance, signal its group, check nothing is left."""
+    assert sorted(p.name for p in run_dir.iterdir()) == [OWNER_FILE, "control.sock"]
+    assert _memfd_holders(memfd), "the memfd should be mapped while the instance runs"
+    with httpx.Client(transport=httpx.HTTPTransport(uds=info["socket"])) as client:
+        assert client.get("http://engine/state").json()["num_ranks"] == 2
+    sig = signal.SIGINT if cycle % 2 == 0 else signal.SIGTERM
+    os.killpg(proc.pid, sig)
+    proc.wait(20)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in info["ranks"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(_alive(p) for p in info["ranks"]), f"cycle {cycle}: a rank outlived {sig!r}"
+    assert not run_dir.exists() or not list(run_dir.iterdir()), \
+        f"cycle {cycle} ({sig.name}) left {list(run_dir.iterdir())}"
+    assert not run_dir.exists(), f"cycle {cycle} ({sig.name}) left the empty runtime dir"
+    assert _memfd_holders(memfd) == [], f"cycle {cycle} ({sig.name}): memfd still held"
 
 
 def test_kill9_leftover_is_swept_at_next_start_live_neighbour_untouched(tmp_path: Path) -> None:
