@@ -11,8 +11,11 @@ Thread: the process's main thread, before SGLang builds its engine/scheduler.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from typing import Any
+
+from pydantic import SecretStr
 
 from .. import EngineSettings, load_engine_settings
 from .._errors import EngineExtConfigError
@@ -20,7 +23,7 @@ from ._cpu_imports import prepare_cpu_imports
 from ._patches import PATCHES, Patch, Session
 from ._version import check_version, installed_sglang_version
 
-__all__ = ["install", "installed_patches", "uninstall"]
+__all__ = ["export_settings", "install", "installed_patches", "uninstall"]
 
 _lock = threading.Lock()
 _applied: list[tuple[Patch, Any, Any]] = []  # (patch, owner class, original attribute)
@@ -34,6 +37,7 @@ def install(settings: EngineSettings | None = None, *, version: str | None = Non
     Raises :class:`EngineExtConfigError` for an unsupported SGLang.
     """
     global _session
+    explicit = settings is not None
     settings = settings if settings is not None else load_engine_settings()
     if not settings.enable:
         return False
@@ -47,6 +51,8 @@ def install(settings: EngineSettings | None = None, *, version: str | None = Non
     with _lock:
         if _session is not None:
             return True
+        if explicit:
+            export_settings(settings)  # spawned scheduler processes read the environment
         prepare_cpu_imports()
         session = Session(settings, engine_version, [])
         resolved = [(p, _owner(p)) for p in PATCHES]  # resolve all before changing any
@@ -57,6 +63,14 @@ def install(settings: EngineSettings | None = None, *, version: str | None = Non
             _applied.append((patch, owner, original))
         _session = session
     return True
+
+
+def export_settings(settings: EngineSettings) -> None:
+    """Write ``settings`` to ``KVSIDECAR_*`` so processes SGLang spawns read the same ones."""
+    for name, value in settings.model_dump(exclude_none=True).items():
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        os.environ[f"KVSIDECAR_{name.upper()}"] = str(value)
 
 
 def uninstall() -> None:

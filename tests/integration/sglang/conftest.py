@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,16 @@ from engine_ext.sglang._cpu_imports import prepare_cpu_imports
 prepare_cpu_imports()
 
 from engine_ext.sglang.cpu_harness import CpuHarness, HarnessConfig
+
+
+@pytest.fixture(autouse=True)
+def _restore_kvsidecar_env() -> Iterator[None]:
+    """install(settings) exports KVSIDECAR_* for spawned schedulers; undo it per test."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("KVSIDECAR_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("KVSIDECAR_")]:
+        del os.environ[key]
+    os.environ.update(saved)
 
 
 @pytest.fixture(params=["unified", "radix"])

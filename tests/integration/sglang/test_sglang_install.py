@@ -55,6 +55,12 @@ def test_unsupported_versions_are_refused_and_nothing_is_patched(version: str) -
     assert str(check_version("0.5.23")) == "0.5.23" and "0.5.23" in SUPPORTED
 
 
+def test_install_exports_its_settings_for_spawned_schedulers(installed: EngineSettings) -> None:
+    from engine_ext import load_engine_settings
+
+    assert load_engine_settings() == installed  # what _child.run_scheduler_process reads
+
+
 def test_disabled_install_patches_nothing() -> None:
     before = originals()
     assert install(EngineSettings(enable=False)) is False
