@@ -228,9 +228,9 @@ def backing_for_pool(pool: ElasticBlockPool, num_gpu_blocks: int) -> PoolBacking
     global _runtime
     if _configured is None:
         from engine_ext import load_engine_settings
-        from engine_ext.vllm._settings import VllmSettings
+        from engine_ext.vllm._settings import load_vllm_settings
 
-        configure(load_engine_settings(), VllmSettings())
+        configure(load_engine_settings(), load_vllm_settings())
     assert _configured is not None
     _runtime = VllmRuntime(*_configured)
     return _runtime.build_backing(pool, num_gpu_blocks)

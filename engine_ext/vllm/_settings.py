@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine_ext import EngineExtConfigError
 from engine_ext.protocol import parse_size
 
-__all__ = ["VllmSettings"]
+__all__ = ["VllmSettings", "load_vllm_settings"]
 
 Size = Annotated[int, BeforeValidator(parse_size)]
 
@@ -33,3 +34,15 @@ class VllmSettings(BaseSettings):
     #: Bound on prefix-cache tokens kept after their requests finish:
     #: -1 unlimited (vLLM's behaviour), 0 evict on free, N keep at most N tokens.
     max_cached_tokens: int = Field(default=-1, ge=-1)
+
+
+def load_vllm_settings() -> VllmSettings:
+    """Read ``KVSIDECAR_*`` now; a bad value raises a config error naming the variable."""
+    try:
+        return VllmSettings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"KVSIDECAR_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
+            for e in exc.errors()
+        )
+        raise EngineExtConfigError(f"bad kvsidecar vLLM settings: {problems}") from None

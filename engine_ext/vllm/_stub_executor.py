@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.executor.abstract import Executor
 
 from engine_ext.vllm._multirank import make_stub_worker
-from engine_ext.vllm._settings import VllmSettings
+from engine_ext.vllm._settings import load_vllm_settings
 from engine_ext.vllm._stub_worker import StubWorker
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class StubExecutor(Executor):
             raise ValueError(
                 "StubExecutor runs one in-process worker: use tensor/pipeline parallel size 1"
             )
-        settings = VllmSettings()
+        settings = load_vllm_settings()
         self.worker = make_stub_worker(self.vllm_config, settings.page_bytes)
 
     def collective_rpc(  # type: ignore[override]

@@ -32,14 +32,15 @@ def register() -> None:
     from engine_ext.vllm._instance_id import export_default_instance_id
     from engine_ext.vllm._patches import apply_patches
     from engine_ext.vllm._runtime import configure
-    from engine_ext.vllm._settings import VllmSettings
+    from engine_ext.vllm._settings import load_vllm_settings
 
+    vllm_settings = load_vllm_settings()  # bad values refuse to start before anything changes
     changed = apply_patches(vllm.__version__)
     if engine.thread_guard:
         ThreadGuard.set_default_enabled(True)
     if engine.instance_id is None:
         export_default_instance_id(sys.argv, os.environ)
         engine = load_engine_settings()
-    configure(engine, VllmSettings())
+    configure(engine, vllm_settings)
     if changed:
         _log.info("kvsidecar enabled for vLLM %s (patched %s)", vllm.__version__, ", ".join(changed))

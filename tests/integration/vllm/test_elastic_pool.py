@@ -177,6 +177,8 @@ def test_lower_limit_evicts_whole_pages(
     # Whole pages went: the 4 pages left are full (null block + 15 cached blocks), and
     # the scheduler now sees exactly those cached blocks as capacity.
     assert e.pool.num_evictable_blocks == 4 * BLOCKS_PER_PAGE - 1
+    removed = [ev for ev in e.pool.take_events() if type(ev).__name__ == "BlockRemoved"]
+    assert sum(len(ev.block_hashes) for ev in removed) == 24 - 15  # KV events still flow
     assert free_seen == e.pool.get_num_free_blocks() == e.pool.num_evictable_blocks
     # A request that cannot be backed under the limit waits (None), never raises.
     big = e.make_request("big", tokens(99, 8 * PAGE_TOKENS))

@@ -10,6 +10,7 @@ import vllm
 from vllm.v1.core import block_pool, kv_cache_coordinator
 from vllm.v1.engine import core
 
+from engine_ext import EngineExtConfigError
 from engine_ext.vllm import _runtime, plugin
 from engine_ext.vllm._block_pool import ElasticBlockPool
 from engine_ext.vllm._instance_id import default_instance_id
@@ -70,8 +71,18 @@ def test_register_is_a_no_op_unless_enabled(monkeypatch: pytest.MonkeyPatch) -> 
 def test_bad_setting_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSIDECAR_ENABLE", "1")
     monkeypatch.setenv("KVSIDECAR_INSTANCE_ID", "not valid!")
-    with pytest.raises(Exception, match="KVSIDECAR_INSTANCE_ID"):
+    with pytest.raises(EngineExtConfigError, match="KVSIDECAR_INSTANCE_ID"):
         plugin.register()
+
+
+@pytest.mark.usefixtures("restore_vllm")
+def test_bad_vllm_setting_refuses_before_patching(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSIDECAR_ENABLE", "1")
+    monkeypatch.setenv("KVSIDECAR_INSTANCE_ID", "plugin-test")
+    monkeypatch.setenv("KVSIDECAR_MAX_CACHED_TOKENS", "-2")
+    with pytest.raises(EngineExtConfigError, match="KVSIDECAR_MAX_CACHED_TOKENS"):
+        plugin.register()
+    assert kv_cache_coordinator.BlockPool is block_pool.BlockPool
 
 
 @pytest.mark.parametrize(
