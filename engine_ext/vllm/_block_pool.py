@@ -241,12 +241,12 @@ class ElasticBlockPool(BlockPool):
         for block_id in evictable:
             self.blocks[block_id].prev_free_block = self.blocks[block_id].next_free_block = None
         self.free_block_queue = FreeKVCacheBlockQueue([])
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hash_to_block = BlockHashToBlockMap()  # type: ignore[no-untyped-call]
         self.cached_block_hashes_by_block.clear()
         if self._reuse_watchers:
             self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
         for block in self.blocks:
-            block.reset_hash()
+            block.reset_hash()  # type: ignore[no-untyped-call]
         if self.metrics_collector:
             self.metrics_collector.reset()
         if self.enable_kv_cache_events:

@@ -67,7 +67,7 @@ class VllmServer:
         Independent of the engine's own report: looks for the stub worker's memfd
         among the open files of the server's process tree.
         """
-        import psutil
+        import psutil  # type: ignore[import-untyped]
 
         total = 0
         for proc in [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(True)]:

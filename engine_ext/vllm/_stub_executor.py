@@ -40,7 +40,7 @@ class StubExecutor(Executor):
         settings = load_vllm_settings()
         self.worker = make_stub_worker(self.vllm_config, settings.page_bytes)
 
-    def collective_rpc(  # type: ignore[override]
+    def collective_rpc(
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
