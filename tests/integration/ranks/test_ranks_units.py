@@ -1,0 +1,116 @@
+"""Small pieces of the rank layer: owner records, the stale-dir sweep, framing, bad input."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from allocator import AllocatorContractError, HostBackend, PageLayout
+from engine_ext._cleanup import OWNER_FILE, owner_alive, sweep_stale_runtime_dirs, write_owner
+from engine_ext.ranks import RankChannelError, RankedBackend, RankGroup
+from engine_ext.ranks._wire import recv_message, send_message
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_owner_record_live_dead_reused_missing(tmp_path: Path) -> None:
+    write_owner(tmp_path)
+    assert owner_alive(tmp_path) is True
+    (tmp_path / OWNER_FILE).write_text(f"{_dead_pid()} 12345\n")
+    assert owner_alive(tmp_path) is False
+    (tmp_path / OWNER_FILE).write_text(f"{os.getpid()} 1\n")  # our pid, another start time
+    assert owner_alive(tmp_path) is False
+    (tmp_path / OWNER_FILE).unlink()
+    assert owner_alive(tmp_path) is None
+
+
+def test_sweep_removes_only_dead_owners_sockets(tmp_path: Path) -> None:
+    def instance_dir(name: str, pid: int) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        write_owner(path, pid)
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path / "control.sock"))
+        sock.close()
+        return path
+
+    dead = _dead_pid()
+    stale = instance_dir("stale", os.getpid())
+    (stale / OWNER_FILE).write_text(f"{dead} 1\n")
+    live = instance_dir("live", os.getpid())
+    odd = instance_dir("odd", os.getpid())
+    (odd / OWNER_FILE).write_text(f"{dead} 1\n")
+    (odd / "notes.txt").write_text("not ours")  # anything else: left alone
+    kept = instance_dir("me", os.getpid())
+    (kept / OWNER_FILE).write_text(f"{dead} 1\n")
+    removed = sweep_stale_runtime_dirs(tmp_path, keep="me")
+    assert removed == [stale] and not stale.exists()
+    assert (live / "control.sock").exists() and (odd / "notes.txt").exists() and kept.exists()
+
+
+def test_framing_rejects_garbage() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        send_message(a, {"seq": 1})
+        assert recv_message(b) == {"seq": 1}
+        a.sendall(struct.pack(">I", 1 << 30))
+        with pytest.raises(RankChannelError, match="limit"):
+            recv_message(b)
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(struct.pack(">I", 3) + b"{x]")
+        with pytest.raises(RankChannelError, match="not JSON"):
+            recv_message(b)
+        a.sendall(struct.pack(">I", 10) + b"{}")
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(RankChannelError, match="middle"):
+            recv_message(b)
+        assert recv_message(b) is None  # clean end of stream
+
+
+def test_foreign_connection_is_ignored_and_bad_topology_refused(tmp_path: Path) -> None:
+    path = tmp_path / "r.sock"
+
+    def intruder() -> None:
+        deadline = time.monotonic() + 20
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(str(path))
+            send_message(sock, {"hello": 7, "pid": 1})  # not a rank of this group
+
+    thread = threading.Thread(target=intruder)
+    thread.start()
+    group = RankGroup.spawn(str(path), 2, timeout_s=30)
+    thread.join()
+    layout = PageLayout(page_bytes=4096, num_pages=4, num_regions=2)
+    owner = HostBackend.reserve(layout, name="kvs-units")
+    try:
+        assert not path.exists()  # the listening socket is gone once the ranks connected
+        with pytest.raises(ValueError, match="must equal"):
+            RankedBackend.start(owner, group, tp=2, pp=2, block_bytes=1024, slot_bytes=64)
+        backend = RankedBackend.start(owner, group, tp=2, pp=1, block_bytes=1024, slot_bytes=64)
+        backend.map(1)
+        with pytest.raises(AllocatorContractError, match="already mapped"):
+            backend.map(1)
+        with pytest.raises(AllocatorContractError, match="not mapped"):
+            backend.unmap(2)
+        backend.unmap(1)
+        assert backend.unmaps_in_flight == 1 and owner.is_mapped(1)  # counted until acked
+        assert backend.settle(5.0).outcome.value == "confirmed"
+        assert backend.unmaps_in_flight == 0 and not owner.is_mapped(1)
+    finally:
+        group.close()
+        owner.release()
