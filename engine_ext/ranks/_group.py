@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile

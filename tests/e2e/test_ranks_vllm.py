@@ -23,11 +23,11 @@ import uvicorn
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
-import psutil  # noqa: E402
+import psutil
 
-from engine_ext.ranks import memfd_view  # noqa: E402
-from engine_ext.vllm import VllmServer, launch_vllm_server, make_document, make_tiny_model_dir  # noqa: E402
-from sidecar import SidecarSettings, create_app  # noqa: E402
+from engine_ext.ranks import memfd_view
+from engine_ext.vllm import VllmServer, launch_vllm_server, make_document, make_tiny_model_dir
+from sidecar import SidecarSettings, create_app
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

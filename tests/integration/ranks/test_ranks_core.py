@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.protocol import EngineState, Status
-
 from allocator import BackendError
+from engine_ext.protocol import EngineState, Status
 
 from ._toy import BLOCK_SIZE, BLOCKS_PER_PAGE, LAYOUT, Request, ToyEngine
 
