@@ -44,9 +44,10 @@ PADDING_BLOCK = 0  # SGLang page 0 absorbs padded writes; never handed out
 class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
     """A ``PagedTokenToKVPoolAllocator`` whose pages are blocks of a :class:`BlockAllocator`.
 
-    Owns the padding block (held for the pool's life) and the mapping
-    between SGLang page ids and block ids (the identity). Does not own the
-    block allocator's life cycle.
+    Owns the padding block (held while work may run; given back when the
+    scheduler is fully idle under a limit that needs its page) and the
+    mapping between SGLang page ids and block ids (the identity). Does not
+    own the block allocator's life cycle. Scheduler thread only.
     """
 
     def __init__(
@@ -73,7 +74,8 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
     # -- wiring (before the scheduler runs) ------------------------------------------
 
     def set_before_alloc(self, hook: Callable[[], None] | None) -> None:
-        """Called at the top of every allocation (the coordinator's step)."""
+        """Called at the top of every allocation; it must never take a new target
+        (see :mod:`._runtime`): the pool only makes sure its first pass ran."""
         self._before_alloc = hook
 
     def set_retired_evictable(self, count: Callable[[], int] | None) -> None:
