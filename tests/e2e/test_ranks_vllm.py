@@ -125,10 +125,13 @@ def engines(tmp_path_factory: pytest.TempPathFactory, sidecar_url: str) -> Itera
     try:
         yield started
     finally:
-        for name, engine in started.items():
+        left: dict[str, tuple[list[int], str]] = {}
+        for name, engine in started.items():  # stop every server before asserting anything
             pids = engine.rank_pids()
             log = engine.server.log_tail(200_000)
             engine.server.stop()
+            left[name] = (pids, log)
+        for name, (pids, log) in left.items():
             assert "ForeignThreadError" not in log
             assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
                            for p in pids), f"{name}: a rank process outlived SIGTERM"
