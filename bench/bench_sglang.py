@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_ext import EngineSettings  # noqa: E402
-from engine_ext.sglang.cpu_harness import CpuHarness, HarnessConfig  # noqa: E402
+from engine_ext import EngineSettings
+from engine_ext.sglang.cpu_harness import CpuHarness, HarnessConfig
 
 LIMIT_PAGES = 10
 

@@ -26,6 +26,7 @@ from .. import ElasticInstance, EngineBinding, EngineSettings, Reclaimer
 from ._accounting import sync_capacity
 from ._allocator import ElasticTokenAllocator
 from ._reclaimers import make_reclaimer
+from ._wake import PipeWaker
 
 if TYPE_CHECKING:
     import httpx
@@ -49,6 +50,7 @@ class ElasticPool:
         self.instance = instance
         self.allocator = allocator
         self.reclaimer = reclaimer
+        self.waker: PipeWaker | None = None  # wakes --sleep-on-idle polls on publish
         self.num_idle_passes = 0  # on_idle calls that ran a coordinator pass
         self._stepped = False
 
@@ -62,9 +64,13 @@ class ElasticPool:
             raise TypeError(f"the scheduler's allocator is {type(allocator).__name__}, not the "
                             "kvsidecar allocator; call install() before building the scheduler")
         reclaimer = make_reclaimer(scheduler.tree_cache, allocator)
-        binding = EngineBinding("sglang", engine_version, allocator.blocks, (reclaimer,))
+        waker = PipeWaker()
+        waker.attach(scheduler)
+        binding = EngineBinding("sglang", engine_version, allocator.blocks, (reclaimer,),
+                                wake=waker.wake)
         instance = ElasticInstance(settings, binding, sidecar_transport=sidecar_transport)
         pool = cls(scheduler, instance, allocator, reclaimer)
+        pool.waker = waker
         allocator.set_retired_evictable(reclaimer.retired_evictable)
         allocator.set_before_alloc(pool._ensure_started)
         instance.start()
@@ -85,6 +91,8 @@ class ElasticPool:
 
     def on_idle(self) -> None:
         """Fully or partly idle iteration: a pass if a limit waits; totals synced."""
+        if self.waker is not None and self.waker.attached:
+            self.waker.drain()
         if not self.instance.coordinator.pending:
             self.instance.step()  # cheap: only refreshes the state if mapped memory moved
         else:
@@ -126,6 +134,8 @@ class ElasticPool:
 
     def close(self) -> None:
         self.instance.close()
+        if self.waker is not None:
+            self.waker.close()
 
 
 def pool_of(scheduler: Any) -> ElasticPool | None:

@@ -52,6 +52,7 @@ class HarnessConfig:
     cache: str = "unified"  # "unified" (SGLang's default) or "radix"
     max_running: int = 16  # ReqToTokenPool rows
     max_context: int = 1024
+    sleep_on_idle: bool = False  # build SGLang's IdleSleeper (the adapter registers its waker)
 
 
 @dataclass(slots=True, eq=False)
@@ -111,6 +112,11 @@ class CpuHarness:
         self.tree_cache = self._make_cache()
         self.max_total_num_tokens = self.token_to_kv_pool_allocator.size
         self.pool_stats_observer, self.invariant_checker = self._make_checks()
+        self.idle_sleeper: Any = None
+        if cfg.sleep_on_idle:
+            from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
+
+            self.idle_sleeper = IdleSleeper(sockets=[])
         self.waiting: list[HarnessRequest] = []
         self.running: list[HarnessRequest] = []
         self.finished: list[HarnessRequest] = []

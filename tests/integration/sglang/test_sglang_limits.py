@@ -227,3 +227,22 @@ def test_shrink_keeps_a_shared_prefix_and_evicts_whole_pages(make_harness: Make,
     again = h.submit(system + prompt(99, length=12), max_new_tokens=2)
     h.run_until_idle()
     assert again.prefix_len == 32  # the shared prompt was still cached (KV read back)
+
+
+def test_publish_wakes_a_scheduler_sleeping_on_idle(make_harness: Make) -> None:
+    """--sleep-on-idle: SGLang's IdleSleeper poll returns at once when a limit arrives."""
+    import threading
+
+    h = make_harness(sleep_on_idle=True)
+    poller = h.idle_sleeper.poller  # SGLang's IdleSleeper; the adapter registered its pipe
+    fill(h, 10)
+    assert poller.poll(0) == []  # nothing to wake for
+    publisher = threading.Thread(target=lambda: h.pool.set_limit(2 * h.bundle_bytes),
+                                 name="control-handler")
+    publisher.start()
+    publisher.join(10)
+    assert [fd for fd, _ in poller.poll(0)] == [h.pool.waker.fileno]  # the poll returns now
+    h.on_idle()  # the woken loop's idle hook: the pass runs, the wake-up is consumed
+    assert poller.poll(0) == []
+    assert h.pool.state().status is Status.APPLIED
+    assert h.mapped_bytes() <= 2 * h.bundle_bytes
