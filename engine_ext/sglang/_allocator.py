@@ -95,7 +95,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         free = self.blocks.num_free_blocks
         if self._retired_evictable is not None and self.blocks.num_retired_blocks:
             free -= self._retired_evictable()
-        return free * self.page_size
+        return int(free * self.page_size)
 
     def capacity_tokens(self) -> int:
         """Token capacity under the current limit (what the leak check's total must be)."""
@@ -104,7 +104,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         usable = self.blocks.num_free_blocks + self.blocks.num_allocated_blocks - 1
         if self._retired_evictable is not None and self.blocks.num_retired_blocks:
             usable -= self._retired_evictable()
-        return usable * self.page_size
+        return int(usable * self.page_size)
 
     def get_all_free_pages(self) -> torch.Tensor:
         """Not enumerable (free pages are virtual until mapped); an empty census."""
@@ -201,8 +201,8 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
                 self._free_blocks(held)
         self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.free_group = None
-        self.free_page_ids_group = []
-        self.staged_pages = []
+        self.free_page_ids_group: list[torch.Tensor] = []
+        self.staged_pages: list[torch.Tensor] = []
         self.num_staged_pages = 0
 
     # -- internals ---------------------------------------------------------------------

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from allocator import Backend, CudaBackend, HostBackend, PageLayout
+from allocator import CudaBackend, HostBackend, PageLayout
 
 from .._errors import EngineExtConfigError
 
@@ -60,7 +60,7 @@ class KVGeometry:
 class KVReservation:
     """A reservation cut for one KV pool; SGLang page *p* is block *p*."""
 
-    backend: Backend  # maps/unmaps pages in all 2 x layers regions at once
+    backend: HostBackend | CudaBackend  # maps/unmaps pages in all 2 x layers regions at once
     geometry: KVGeometry
     blocks_per_page: int  # SGLang pages per allocator page
     num_blocks: int  # SGLang pages incl. the padding page 0
@@ -82,7 +82,7 @@ class KVReservation:
         rows = self.num_blocks * geo.page_size
         views = []
         for region in range(2 * geo.layer_num):
-            raw = self.backend.tensor(region)  # type: ignore[attr-defined]
+            raw = self.backend.tensor(region)
             views.append(raw.view(dtype).view(rows, geo.head_num, geo.head_dim))
         return views[0::2], views[1::2]
 
@@ -114,7 +114,7 @@ def plan_layout(geometry: KVGeometry, granularity: int) -> tuple[PageLayout, int
 def reserve_kv(geometry: KVGeometry, *, device: str, name: str = "kvsidecar-sglang"
                ) -> KVReservation:
     """Reserve (not map) the KV memory for ``geometry`` on ``device`` ("cpu" or "cuda[:n]")."""
-    backend: Backend
+    backend: HostBackend | CudaBackend
     if device == "cpu":
         layout, bpp = plan_layout(geometry, HOST_GRANULARITY)
         backend = HostBackend.reserve(layout, name=name)

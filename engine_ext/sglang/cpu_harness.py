@@ -384,11 +384,11 @@ class CpuHarness:
 
     def mapped_bytes(self) -> int:
         """Measured from the memfd (st_blocks), not from a counter."""
-        return self.reservation.backend.mapped_bytes()
+        return int(self.reservation.backend.mapped_bytes())
 
     @property
     def bundle_bytes(self) -> int:
-        return self.reservation.backend.layout.bundle_bytes
+        return int(self.reservation.backend.layout.bundle_bytes)
 
     def close(self) -> None:
         self.pool.close()
