@@ -140,18 +140,22 @@ class ElasticBlockPool(BlockPool):
     # -- allocation -----------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         self._guard.check()
-        self._fresh_free = -1
-        num_fresh = min(num_blocks, self._blocks.num_free_blocks)
+        fresh_free = self._fresh_free
+        if fresh_free < 0:
+            fresh_free = self._blocks.num_free_blocks
+        num_fresh = min(num_blocks, fresh_free)
         num_reused = num_blocks - num_fresh
         if num_reused > self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         if num_fresh:
+            self._fresh_free = -1  # stale if alloc raises (a failed map is rolled back)
             ids = self._blocks.alloc(num_fresh)
             assert ids is not None, "num_free_blocks promised these blocks"
             all_blocks = self.blocks
             ret = [all_blocks[i] for i in ids]
         else:
             ret = []
+        self._fresh_free = fresh_free - num_fresh  # alloc(k) lowers the free count by k
         if num_reused:  # evictable blocks, least recently used first (vLLM's order)
             reused = self.free_block_queue.popleft_n(num_reused)
             for block in reused:
