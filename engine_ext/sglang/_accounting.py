@@ -4,7 +4,8 @@ When fully idle, SGLang checks ``available + evictable + protected +
 session_held == total`` and, with ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE``
 (on by default), raises on a mismatch. ``total`` is a copy of
 ``max_total_num_tokens`` taken when the scheduler was built, in the
-invariant checker and in the (frozen) pool-stats observer. Under a limit the
+invariant checker and in the (frozen) pool-stats observer, which the (frozen)
+load inquirer also holds. Under a limit the
 allocator's ``available`` is smaller by what the limit took away, so
 :func:`sync_capacity` replaces ``total`` with the allocator's
 :meth:`~ElasticTokenAllocator.capacity_tokens` right before every check: the
@@ -36,6 +37,11 @@ def sync_capacity(scheduler: Any, capacity_tokens: int, page_size: int) -> None:
         return
     fresh = dataclasses.replace(observer, max_total_num_tokens=observed)
     scheduler.pool_stats_observer = fresh
-    for holder in (checker, getattr(scheduler, "load_inquirer", None)):
-        if holder is not None and getattr(holder, "pool_stats_observer", None) is observer:
+    for attr in ("invariant_checker", "load_inquirer"):  # they hold the observer too
+        holder = getattr(scheduler, attr, None)
+        if holder is None or getattr(holder, "pool_stats_observer", None) is not observer:
+            continue
+        if getattr(getattr(holder, "__dataclass_params__", None), "frozen", False):
+            setattr(scheduler, attr, dataclasses.replace(holder, pool_stats_observer=fresh))
+        else:
             holder.pool_stats_observer = fresh

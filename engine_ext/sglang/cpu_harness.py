@@ -112,6 +112,7 @@ class CpuHarness:
         self.tree_cache = self._make_cache()
         self.max_total_num_tokens = self.token_to_kv_pool_allocator.size
         self.pool_stats_observer, self.invariant_checker = self._make_checks()
+        self.load_inquirer = self._make_load_inquirer()
         self.idle_sleeper: Any = None
         if cfg.sleep_on_idle:
             from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
@@ -166,6 +167,27 @@ class CpuHarness:
             get_last_batch=lambda: None, get_running_batch=lambda: None,
             scheduler_stage_metrics=None)
         return observer, checker
+
+    def _make_load_inquirer(self) -> Any:
+        """SGLang's (frozen) load inquirer: it holds the observer the adapter replaces."""
+        from dataclasses import fields
+
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+        from sglang.srt.managers.scheduler_components.load_inquirer import (
+            SchedulerLoadInquirer,
+        )
+
+        given = {
+            "disaggregation_mode": DisaggregationMode.NULL, "server_args": None,
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_running_requests": self.config.max_running,
+            "pool_stats_observer": self.pool_stats_observer, "tp_worker": None,
+            "token_to_kv_pool_allocator": self.token_to_kv_pool_allocator,
+            "spec_algorithm": None,
+        }
+        unused = {f.name: None for f in fields(SchedulerLoadInquirer)
+                  if f.name not in given and f.default is f.default_factory}  # callables
+        return SchedulerLoadInquirer(**given, **unused)
 
     # -- requests ----------------------------------------------------------------------
 

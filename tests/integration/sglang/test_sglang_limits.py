@@ -113,6 +113,9 @@ def test_leak_check_stays_on_through_shrinks_and_growths(make_harness: Make,
             + h.tree_cache.protected_size() == checker_total
         if limit is None:
             assert checker_total == configured
+        # every holder of SGLang's (frozen) pool-stats observer sees the same one
+        assert h.load_inquirer.pool_stats_observer is h.pool_stats_observer
+        assert h.invariant_checker.pool_stats_observer is h.pool_stats_observer
     # The check is live: against SGLang's configured total, a shrunk pool is a "leak".
     h.pool.set_limit(5 * bundle)
     h.on_idle()
