@@ -130,7 +130,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         if self._padding_held:
             return True
         try:
-            _claim_block(self.blocks, PADDING_BLOCK)
+            claim_block(self.blocks, PADDING_BLOCK)
         except RuntimeError:
             return False
         self.num_allocs += 1
@@ -193,7 +193,8 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         """First call (construction): hold the padding page. Later (``flush_cache``):
         free every block but the padding page."""
         if not self._initialized:
-            _claim_block(self.blocks, PADDING_BLOCK)
+            if not self.blocks.is_allocated(PADDING_BLOCK):  # placed pools claim it earlier
+                claim_block(self.blocks, PADDING_BLOCK)
             self._padding_held = self._initialized = True
         else:
             held = [b for b in range(1, self.blocks.num_blocks) if self.blocks.is_allocated(b)]
@@ -245,7 +246,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         return out
 
 
-def _claim_block(blocks: BlockAllocator, wanted: int) -> None:
+def claim_block(blocks: BlockAllocator, wanted: int) -> None:
     """Allocate exactly block ``wanted`` (at start-up; gives back what it took on the way)."""
     taken: list[int] = []
     try:

@@ -3,8 +3,9 @@
 ``KVCacheConfigurator`` builds the KV pool (``MHATokenToKVPool``, whose
 ``_create_buffers_normal`` allocates the tensors) and then the token-to-KV
 allocator. :func:`place_kv_buffers` replaces the tensor allocation with views
-on a reservation (nothing mapped yet) and remembers the reservation on the
-pool; :func:`build_elastic_allocator` finds it there and builds the
+on a reservation, builds the page/block allocators over it, maps the padding
+page at once (SGLang's KV-copy warm-up writes slot 0 right after) and
+remembers them on the pool; :func:`build_elastic_allocator` finds it there and builds the
 :class:`ElasticTokenAllocator` over it. Pools the adapter does not
 understand (quantized, vectorized, MLA with different K/V widths) refuse to
 start with the reason, rather than run without limits.
@@ -20,7 +21,7 @@ from allocator import BlockAllocator, PageAllocator, ThreadGuard
 
 from .. import EngineSettings
 from .._errors import EngineExtConfigError
-from ._allocator import ElasticTokenAllocator
+from ._allocator import PADDING_BLOCK, ElasticTokenAllocator, claim_block
 from ._kv_memory import KVGeometry, KVReservation, reserve_kv
 
 __all__ = ["build_elastic_allocator", "place_kv_buffers"]
@@ -45,24 +46,26 @@ def place_kv_buffers(pool: Any, settings: EngineSettings) -> KVReservation:
         page_size=pool.page_size, head_num=pool.head_num, head_dim=pool.head_dim,
         layer_num=pool.layer_num, dtype_bytes=pool.store_dtype.itemsize, max_tokens=pool.size)
     reservation = reserve_kv(geometry, device=str(pool.device))
+    guard = ThreadGuard("sglang-kv-pool", enabled=settings.thread_guard or None)
+    pages = PageAllocator(reservation.backend, reserve_pages=settings.reserve_pages, guard=guard)
+    blocks = BlockAllocator(pages, reservation.blocks_per_page)
+    claim_block(blocks, PADDING_BLOCK)  # mapped now: SGLang's warm-ups write slot 0 at once
     pool.size = reservation.size_tokens  # rounded down to whole mapping pages
     pool.k_buffer, pool.v_buffer = reservation.buffers(pool.store_dtype)
-    setattr(pool, ATTR, reservation)
+    setattr(pool, ATTR, (reservation, blocks))
     return reservation
 
 
 def build_elastic_allocator(configurator: Any, kv_pool: Any, settings: EngineSettings
                             ) -> ElasticTokenAllocator:
     """``_build_token_to_kv_pool_allocator``: the elastic allocator over the pool's reservation."""
-    reservation: KVReservation | None = getattr(kv_pool, ATTR, None)
-    if reservation is None:
+    placed: tuple[KVReservation, BlockAllocator] | None = getattr(kv_pool, ATTR, None)
+    if placed is None:
         raise EngineExtConfigError(
             f"kvsidecar supports SGLang's MHATokenToKVPool, not {type(kv_pool).__name__} "
             "(hybrid SWA/Mamba and MLA pools are not elastic yet); start without kvsidecar "
             "(KVSIDECAR_ENABLE=0)")
-    guard = ThreadGuard("sglang-kv-pool", enabled=settings.thread_guard or None)
-    pages = PageAllocator(reservation.backend, reserve_pages=settings.reserve_pages, guard=guard)
-    blocks = BlockAllocator(pages, reservation.blocks_per_page)
+    _reservation, blocks = placed
     return ElasticTokenAllocator(blocks, page_size=kv_pool.page_size,
                                  dtype=configurator.kv_cache_dtype, device=configurator.device,
                                  kvcache=kv_pool)

@@ -97,20 +97,22 @@ def test_kv_buffers_live_on_the_reservation(installed: EngineSettings) -> None:
     _single_rank_runtime()
     pool = MHATokenToKVPool(size=1000, page_size=16, dtype=torch.float16, head_num=2,
                             head_dim=64, layer_num=3, device="cpu", enable_memory_saver=False)
-    res = pool._kvsidecar_reservation
+    res, blocks = pool._kvsidecar_reservation
     backend = res.backend
     region = backend.layout.region_bytes
     assert pool.size == res.size_tokens <= 1000  # rounded down to whole pages
     assert pool.k_buffer[0].data_ptr() == backend.base_address
     assert pool.v_buffer[0].data_ptr() - pool.k_buffer[0].data_ptr() == region  # K|V pairs
     assert pool.k_buffer[2].shape == (pool.size + 16, 2, 64)
-    assert backend.mapped_bytes() == 0  # reserved, nothing mapped yet
+    # reserved; only the padding page is mapped (SGLang's warm-ups write slot 0 at once)
+    assert backend.mapped_bytes() == backend.layout.bundle_bytes and blocks.is_allocated(0)
 
     conf = SimpleNamespace(kv_cache_dtype=torch.float16, device="cpu")
     allocator = KVCacheConfigurator._build_token_to_kv_pool_allocator(
         conf, sizes=None, token_to_kv_pool=pool, is_dsv4_model=False,
         req_to_token_pool=None, token_to_kv_pool_allocator=None)
     assert isinstance(allocator, ElasticTokenAllocator) and allocator.size == pool.size
+    assert allocator.blocks is blocks and allocator.padding_held
     assert backend.mapped_bytes() == backend.layout.bundle_bytes  # the padding page only
     pool.k_buffer[1][:16] = 1.0  # page 0 is writable (padded writes land there)
     out = allocator.alloc(32)  # two SGLang pages; here one SGLang page per mapping page
