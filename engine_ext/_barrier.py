@@ -37,3 +37,9 @@ class RankBarrier(Protocol):
     """
 
     def sync(self) -> BarrierResult: ...
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever a rank's liveness changes (a rank died). Cheap: read on every
+        idle pass, so a rank that dies while nothing is pending is still reported."""
+        ...

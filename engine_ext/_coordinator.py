@@ -76,6 +76,7 @@ class ShrinkCoordinator:
         self._reclaimers: list[Reclaimer] = []
         self._reporter: Reporter | None = None
         self._barrier: RankBarrier | None = None
+        self._barrier_epoch = 0  # the barrier's liveness epoch at the last pass
         self._target = Target(None, 0)
         self._passes = 0
         self._seen_num_mapped = -1  # allocator's mapped-page count at the last state
@@ -120,10 +121,11 @@ class ShrinkCoordinator:
         target = self._mailbox.take()
         if target is None:
             moved = self._pages.num_mapped != self._seen_num_mapped
-            if self._settled:
+            rank_died = self._barrier is not None and self._barrier.epoch != self._barrier_epoch
+            if self._settled and not rank_died:
                 # nothing waits; the common case returns here without a syscall
                 return self._update(_Pass(), None) if moved else self._state
-            if not moved and self._state.reason != DeferReason.EVICTING.value:
+            if not (moved or rank_died) and self._state.reason != DeferReason.EVICTING.value:
                 now = time.monotonic()
                 if now - self._tried_at < self._config.deferred_retry_s:
                     return self._state
@@ -132,7 +134,10 @@ class ShrinkCoordinator:
         self._tried_at = time.monotonic()
         self._passes += 1
         done = self._shrink()
-        barrier = self._barrier.sync() if self._barrier is not None else None
+        barrier = None
+        if self._barrier is not None:
+            self._barrier_epoch = self._barrier.epoch
+            barrier = self._barrier.sync()
         return self._update(done, barrier)
 
     def _apply_target(self, target: Target) -> None:
@@ -206,7 +211,9 @@ class ShrinkCoordinator:
         limit = self._target.limit_bytes
         over = 0 if limit is None else max(0, mapped - limit)
         reclaimable = self._scan_reclaimable(force=done.requested_pages > 0)
-        reason = None if limit is None else self._reason(over, reclaimable, barrier)
+        # a slow or dead rank keeps the status deferred even with no limit: never "applied"
+        # while a rank has not confirmed (DESIGN.md, Statuses)
+        reason = self._reason(over, reclaimable, barrier)
         bundle = self._bundle_bytes
         return EngineState(
             status=Status.APPLIED if reason is None else Status.DEFERRED,

@@ -217,3 +217,8 @@ class RankChannelBarrier:
 
     def sync(self) -> BarrierResult:
         return self.backend.settle(self.wait_s)
+
+    @property
+    def epoch(self) -> int:
+        """Number of ranks that died so far (read without a lock: an int read is atomic)."""
+        return self.backend.group.deaths

@@ -63,6 +63,7 @@ class RankGroup:
         self._wake: Callable[[], None] | None = None
         self._flush: Callable[[], None] | None = None
         self._closed = False
+        self.deaths = 0  # ranks that died so far; the barrier's liveness epoch
         self.step = -1
         self._threads = [
             threading.Thread(target=self._read, args=(r,), name=f"rank-{r.rank}-reader", daemon=True)
@@ -266,6 +267,7 @@ class RankGroup:
                 return
             rank.alive = False
             rank.error = why
+            self.deaths += 1
             closing = self._closed
             self._cond.notify_all()
         if not closing:

@@ -234,6 +234,7 @@ class _Barrier:
         self.outcome = outcome
         self.rank1_bytes = rank1_bytes
         self.calls = 0
+        self.epoch = 0  # bumped when a rank dies
 
     def sync(self) -> BarrierResult:
         self.calls += 1
@@ -260,6 +261,23 @@ def test_rank_barrier_forces_deferred(pool: Pool) -> None:
     assert state.status is Status.DEFERRED and state.mapped_bytes == 3 * BUNDLE
     barrier.rank1_bytes = 2 * BUNDLE
     assert coord.step().status is Status.APPLIED
+
+
+def test_a_rank_dying_while_idle_is_reported_on_the_next_idle_pass(pool: Pool) -> None:
+    pool.fill(2)
+    mailbox, coord = make(pool)
+    reports: list[EngineState] = []
+    coord.set_reporter(reports.append)
+    barrier = _Barrier(BarrierOutcome.CONFIRMED, 0)
+    coord.set_rank_barrier(barrier)
+    mailbox.publish_next(None)
+    assert coord.step().status is Status.APPLIED
+    calls = barrier.calls
+    assert coord.step().status is Status.APPLIED and barrier.calls == calls  # idle: no sync
+    barrier.outcome, barrier.epoch = BarrierOutcome.FAILED, 1  # rank 1 died, nothing pending
+    state = coord.step()
+    assert (state.status, state.reason) == (Status.DEFERRED, "rank_failed")
+    assert reports[-1].reason == "rank_failed"
 
 
 def test_foreign_thread_mutation_fails(pool: Pool) -> None:
