@@ -67,7 +67,8 @@ class ElasticPool:
         waker = PipeWaker()
         waker.attach(scheduler)
         binding = EngineBinding("sglang", engine_version, allocator.blocks, (reclaimer,),
-                                wake=waker.wake)
+                                wake=waker.wake,
+                                device_total_bytes=_device_total_bytes(allocator.device))
         instance = ElasticInstance(settings, binding, sidecar_transport=sidecar_transport)
         pool = cls(scheduler, instance, allocator, reclaimer)
         pool.waker = waker
@@ -136,6 +137,15 @@ class ElasticPool:
         self.instance.close()
         if self.waker is not None:
             self.waker.close()
+
+
+def _device_total_bytes(device: Any) -> int | None:
+    """Memory of this rank's GPU (for ``kvctl limit-percent``); None on CPU."""
+    if not str(device).startswith("cuda"):
+        return None
+    import torch
+
+    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
 
 
 def pool_of(scheduler: Any) -> ElasticPool | None:
