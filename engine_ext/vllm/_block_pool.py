@@ -96,7 +96,6 @@ class ElasticBlockPool(BlockPool):
         # allocator resets it: this pool's own methods and, via invalidate_capacity(),
         # the runtime after a coordinator pass.
         self._fresh_free = -1
-        self._block_size_tokens = hash_block_size
         bound = backing.max_cached_tokens
         self._max_cached_blocks = None if bound < 0 else bound // hash_block_size
         # Evictable blocks only (none yet): unlink what BlockPool linked.
