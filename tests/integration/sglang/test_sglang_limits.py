@@ -249,3 +249,30 @@ def test_publish_wakes_a_scheduler_sleeping_on_idle(make_harness: Make) -> None:
     assert poller.poll(0) == []
     assert h.pool.state().status is Status.APPLIED
     assert h.mapped_bytes() <= 2 * h.bundle_bytes
+
+
+def test_only_the_scheduler_thread_may_touch_the_pool(make_harness: Make) -> None:
+    """The one rule: a control thread publishes; allocation or a pass from it raises."""
+    import threading
+
+    from allocator import ForeignThreadError
+
+    h = make_harness()
+    fill(h, 4)
+    errors: list[BaseException] = []
+
+    def foreign() -> None:
+        for call in (lambda: h.token_to_kv_pool_allocator.alloc(16), h.pool.before_schedule):
+            try:
+                call()
+            except ForeignThreadError as exc:
+                errors.append(exc)
+        h.pool.set_limit(h.bundle_bytes * 3)  # publishing is allowed from any thread
+
+    thread = threading.Thread(target=foreign, name="control-handler")
+    thread.start()
+    thread.join(10)
+    assert len(errors) == 2
+    assert h.pages.target_pages is None  # nothing applied off the scheduler thread
+    h.on_idle()
+    assert h.pages.target_pages == 3
