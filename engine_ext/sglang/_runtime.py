@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from allocator import BackendError
+
 from .. import ElasticInstance, EngineBinding, EngineSettings, Reclaimer
 from ._accounting import sync_capacity
 from ._allocator import ElasticTokenAllocator
@@ -86,7 +88,7 @@ class ElasticPool:
         self._stepped = True
         if not self.allocator.padding_held and not self.scheduler.is_fully_idle():
             self.allocator.claim_padding()  # work arrived: padded writes need page 0 again
-        state = self.instance.step()
+        state = self._step()
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
         return state
 
@@ -95,14 +97,23 @@ class ElasticPool:
         if self.waker is not None and self.waker.attached:
             self.waker.drain()
         if not self.instance.coordinator.pending:
-            self.instance.step()  # cheap: only refreshes the state if mapped memory moved
+            self._step()  # cheap: only refreshes the state if mapped memory moved
         else:
-            self.instance.step()
+            self._step()
             self.num_idle_passes += 1
             if self._over_target() and self.scheduler.is_fully_idle() \
                     and self._drain_padding_page():
-                self.instance.step()  # page 0 unmapped: recompute the status
+                self._step()  # page 0 unmapped: recompute the status
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
+
+    def _step(self) -> EngineState:
+        """A coordinator pass; a failed map/unmap (driver, OS) is logged, never fatal here:
+        the limit stays deferred and the next pass retries."""
+        try:
+            return self.instance.step()
+        except BackendError:
+            _log.exception("kvsidecar: a map/unmap failed during a limit pass; retrying later")
+            return self.instance.state()
 
     def _drain_padding_page(self) -> bool:
         """Fully idle and still over the target: only page 0 can be left (it holds the
