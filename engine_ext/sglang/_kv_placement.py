@@ -32,6 +32,8 @@ ATTR = "_kvsidecar_reservation"
 def place_kv_buffers(pool: Any, settings: EngineSettings) -> KVReservation:
     """``MHATokenToKVPool._create_buffers_normal``: K/V views on a fresh reservation."""
     problems = []
+    if pool.page_size < 2:
+        problems.append("page size 1 (pass --page-size 16 or larger)")
     if getattr(pool, "kv_cache_layout", "nhd") != "nhd" or getattr(pool, "use_hnd", False):
         problems.append(f"KV layout {getattr(pool, 'kv_cache_layout', '?')!r} (only 'nhd')")
     if getattr(pool, "v_head_dim", pool.head_dim) != pool.head_dim:

@@ -145,6 +145,8 @@ def _refuse_unsupported(server_args: Any) -> None:
         problems.append("--enable-hierarchical-cache")
     if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
         problems.append("--disaggregation-mode")
+    if int(getattr(server_args, "page_size", None) or 1) < 2:
+        problems.append("--page-size 1 (pass --page-size 16 or larger)")
     if problems:
         raise EngineExtConfigError(
             "kvsidecar's SGLang adapter does not support: " + ", ".join(problems)

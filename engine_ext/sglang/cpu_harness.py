@@ -97,6 +97,8 @@ class CpuHarness:
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         self.config = cfg = config or HarnessConfig()
+        if cfg.page_size < 2:
+            raise ValueError("the adapter needs SGLang page size >= 2 (see docs/sglang.md)")
         _single_rank_runtime()
         geometry = KVGeometry(cfg.page_size, cfg.head_num, cfg.head_dim, cfg.layer_num, 2,
                               cfg.max_tokens)

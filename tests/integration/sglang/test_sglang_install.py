@@ -139,8 +139,9 @@ def test_scheduler_init_refuses_multi_rank_before_building_anything(
         installed: EngineSettings) -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
-    args = SimpleNamespace(tp_size=2, pp_size=1, dp_size=1, enable_hierarchical_cache=True)
-    with pytest.raises(EngineExtConfigError, match="tp-size.*hierarchical"):
+    args = SimpleNamespace(tp_size=2, pp_size=1, dp_size=1, enable_hierarchical_cache=True,
+                           page_size=1)
+    with pytest.raises(EngineExtConfigError, match="tp-size.*hierarchical.*page-size 1"):
         Scheduler(args, None)
 
 
