@@ -34,6 +34,11 @@ class CoordinatorConfig:
     # rank), retry at most this often unless the mapped page count moved: a retry scans
     # every evictable block, and step() runs at the top of every allocation.
     deferred_retry_s: float = 0.005
+    # Pages the engine itself keeps mapped whatever the limit (vLLM's null block 0 lives on
+    # page 0): the status compares mapped bytes with max(limit, floor), so a limit of 0 can
+    # be applied. The allocator's target stays limit // bundle: a floor page takes no new
+    # blocks under a limit that excludes it.
+    floor_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +214,9 @@ class ShrinkCoordinator:
             ranks = [RankState(rank=0, mapped_bytes=local_mapped)]
         mapped = max(r.mapped_bytes for r in ranks)
         limit = self._target.limit_bytes
-        over = 0 if limit is None else max(0, mapped - limit)
+        floor = self._config.floor_pages * self._bundle_bytes
+        effective = None if limit is None else max(limit, floor)
+        over = 0 if effective is None else max(0, mapped - effective)
         reclaimable = self._scan_reclaimable(force=done.requested_pages > 0)
         # a slow or dead rank keeps the status deferred even with no limit: never "applied"
         # while a rank has not confirmed (DESIGN.md, Statuses)
@@ -219,6 +226,8 @@ class ShrinkCoordinator:
             status=Status.APPLIED if reason is None else Status.DEFERRED,
             revision=self._target.revision,
             limit_bytes=limit,
+            effective_limit_bytes=effective,
+            floor_bytes=floor,
             mapped_bytes=mapped,
             overage_bytes=over,
             reason=None if reason is None else reason.value,

@@ -44,6 +44,7 @@ class EngineBinding:
     reclaimers: tuple[Reclaimer, ...] = ()  # the prefix caches of the pool
     wake: Callable[[], None] | None = None  # wakes the engine thread after a publish
     device_total_bytes: int | None = None  # device memory of one rank (limit-percent)
+    floor_pages: int = 0  # pages the engine keeps mapped whatever the limit (vLLM: null block)
 
 
 class ElasticInstance:
@@ -70,7 +71,8 @@ class ElasticInstance:
         self.instance_id = settings.resolved_instance_id(binding.engine)
         self.mailbox = LimitMailbox(binding.wake)
         config = CoordinatorConfig(
-            reclaim=settings.reclaim, max_evict_pages_per_step=settings.max_evict_pages_per_step
+            reclaim=settings.reclaim, max_evict_pages_per_step=settings.max_evict_pages_per_step,
+            floor_pages=binding.floor_pages,
         )
         self.coordinator = ShrinkCoordinator(self.mailbox, binding.blocks, config)
         for reclaimer in binding.reclaimers:

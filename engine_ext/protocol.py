@@ -150,9 +150,13 @@ class EngineState(BaseModel):
 
     status: Status
     revision: int = 0  # newest revision the engine accepted (0 = none yet)
-    limit_bytes: int | None = None  # the target the engine works towards
+    limit_bytes: int | None = None  # the limit the engine holds (as requested)
+    # what the engine works towards: max(limit, floor), the floor being memory the engine
+    # itself can never give back (vLLM's null block keeps its page mapped); None: unlimited
+    effective_limit_bytes: int | None = None
+    floor_bytes: int = 0
     mapped_bytes: int = 0  # largest per-rank mapped KV bytes (page bundles)
-    overage_bytes: int = 0  # mapped - limit while deferred, else 0
+    overage_bytes: int = 0  # mapped - effective limit while deferred, else 0
     reason: str | None = None  # why deferred: evicting, running_requests, rank_timeout, ...
     capacity_bytes: int = 0  # KV bytes the instance could map with no limit
     page_bundle_bytes: int = 0  # bytes one page costs (all layers and K/V buffers)

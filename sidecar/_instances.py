@@ -57,7 +57,9 @@ class InstanceRecord:
             id=row.id, status=status, reason=reason,
             desired=DesiredLimit(limit_bytes=row.limit_bytes, revision=row.revision,
                                  updated_at=row.updated_at),
-            effective_limit_bytes=None if obs is None else obs.limit_bytes,
+            effective_limit_bytes=None if obs is None else (
+                obs.effective_limit_bytes if obs.effective_limit_bytes is not None
+                else obs.limit_bytes),
             mapped_bytes=0 if obs is None else obs.mapped_bytes,
             overage_bytes=0 if obs is None or status is not Status.DEFERRED
             else obs.overage_bytes,

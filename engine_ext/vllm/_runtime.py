@@ -108,6 +108,7 @@ class VllmRuntime:
         binding = EngineBinding(
             engine="vllm", engine_version=vllm.__version__, blocks=blocks,
             reclaimers=(PoolReclaimer(pool),), wake=self.wake,
+            floor_pages=1,  # vLLM's null block 0 keeps page 0 mapped for the engine's life
         )  # fmt: skip
         self.instance = ElasticInstance(self.engine_settings, binding)
         if memory.rank_barrier is not None:  # rank processes (engine_ext.vllm._multirank)

@@ -266,8 +266,10 @@ def test_limit_zero_drains_and_serves_after_raise(engines: tuple[Engine, Engine]
     elastic.reset()
     _fill_prefix_cache(elastic)
     revision = elastic.set_limit(0)
-    drained = elastic.wait_state(revision, status="deferred")
+    drained = elastic.wait_state(revision, status="applied")  # applied against the floor
     assert drained["evictable_bytes"] == 0
+    assert drained["floor_bytes"] == drained["page_bundle_bytes"]  # the null block's page
+    assert drained["effective_limit_bytes"] == drained["floor_bytes"]
     assert elastic.server.kv_memfd_bytes() == drained["page_bundle_bytes"]  # the null page
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(elastic.complete, f"{DOC} after the drain", 8)

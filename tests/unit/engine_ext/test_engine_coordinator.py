@@ -334,3 +334,26 @@ def test_deferred_retries_are_throttled_until_something_moves(pool: Pool) -> Non
     mailbox.publish_next(0)  # a new target is never throttled
     state = coord.step()
     assert state.reason == "running_requests" and state.revision == 2
+
+
+def test_limit_zero_is_applied_against_the_engine_floor(pool: Pool) -> None:
+    """An engine page that can never go (vLLM's null block) sets the effective limit."""
+    pinned = pool.run(1)  # the engine's own block, never finished
+    pool.fill(3)
+    mailbox, coord = make(pool, floor_pages=1)
+    mailbox.publish_next(0)
+    state = coord.step()
+    assert pool.backend.mapped_bytes() == BUNDLE  # only the floor page is left
+    assert (state.status, state.limit_bytes) == (Status.APPLIED, 0)
+    assert (state.floor_bytes, state.effective_limit_bytes, state.overage_bytes) == (BUNDLE, BUNDLE, 0)
+    assert pool.blocks.alloc(1) is None  # a limit of 0 still admits nothing new
+    assert pinned is not None
+
+
+def test_without_a_floor_a_pinned_page_keeps_limit_zero_deferred(pool: Pool) -> None:
+    pool.run(1)
+    mailbox, coord = make(pool)
+    mailbox.publish_next(0)
+    state = coord.step()
+    assert (state.status, state.reason, state.overage_bytes) == (
+        Status.DEFERRED, "running_requests", BUNDLE)
