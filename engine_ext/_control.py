@@ -227,14 +227,16 @@ class ControlServer:
         server, self._server = self._server, None
         if server is None:
             return
-        server.shutdown()
-        server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        # the file first: shutdown() waits up to one poll interval, and a process that is
+        # being killed (vLLM ends its EngineCore right after SIGTERM) must not leave it behind
         try:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
 
 def _clear_stale_socket(path: str) -> None:
