@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from allocator import HostBackend, PageLayout  # noqa: E402
-from engine_ext.ranks import RankedBackend, RankGroup  # noqa: E402
+from allocator import HostBackend, PageLayout
+from engine_ext.ranks import RankedBackend, RankGroup
 
 LAYOUT = PageLayout(page_bytes=64 << 10, num_pages=64, num_regions=8)
 ROUNDS = 300

@@ -78,7 +78,7 @@ def _run(args: argparse.Namespace, console: Console) -> bool:
         checks = results["limit_table"]["checks"] + results["elastic"]["checks"]
         print_checks(console, checks)
         ok = all(c["ok"] for c in checks)
-    except Exception as exc:  # last resort: record why, fail the demo, keep the logs
+    except Exception as exc:  # noqa: BLE001 -- last resort: record why, fail the demo, keep logs
         results["error"] = f"{type(exc).__name__}: {exc}"
         console.print(f"[red]demo failed:[/red] {results['error']}\nlogs in {workdir}")
         args.keep_workdir = True

@@ -95,7 +95,7 @@ def limit_table(cluster: Cluster, sampler: Sampler, without: str, with_: str,
         idle = {i: cluster.instance(i) for i in ids}
         traffic = _prompts(f"burst{n}", cfg.traffic_requests, cfg.traffic_words, seed=5000 + 100 * n)
         with ThreadPoolExecutor(max_workers=2) as pool:
-            list(pool.map(lambda i: _run_all(cluster, i, traffic), ids))
+            list(pool.map(lambda i, t=traffic: _run_all(cluster, i, t), ids))
         _wait_until(lambda: cluster.instance(with_)["status"] == "applied", timeout_s=10)
         time.sleep(1.0)
         after = {i: cluster.instance(i) for i in ids}

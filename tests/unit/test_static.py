@@ -1,0 +1,29 @@
+"""Static checks as tests: ruff (lint) and mypy --strict on our packages (pyproject config)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, check=False)  # fmt: skip
+
+
+def test_ruff_is_clean() -> None:
+    pytest.importorskip("ruff", reason="ruff is in the dev extra (scripts/dev.sh installs it)")
+    proc = _run("ruff", "check", "allocator", "engine_ext", "sidecar", "tests", "bench")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_mypy_strict_is_clean() -> None:
+    pytest.importorskip("mypy", reason="mypy is in the dev extra (scripts/dev.sh installs it)")
+    proc = _run("mypy")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
