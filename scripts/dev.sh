@@ -45,12 +45,12 @@ build_env() {
     "$py" -m venv "$venv"
     # 1. CPU torch (a local wheel on these machines; PyPI elsewhere).
     pipi --upgrade "pip>=24"
-    pipi -r requirements/torch-cpu.txt
+    pipi -r requirements/torch-cpu.txt -c requirements/constraints-cpu.txt
     # 2. The engines themselves, without their CUDA dependency trees.
     pipi --no-deps -r requirements/engines-nodeps.txt
     # 3. What the engines' CPU code paths import, then this project with its dev tools.
-    pipi -r requirements/engines-cpu.txt
-    pipi -e ".[dev]"
+    pipi -r requirements/engines-cpu.txt -c requirements/constraints-cpu.txt
+    pipi -e ".[dev]" -c requirements/constraints-cpu.txt
     "$venv/bin/python" -c "import allocator, engine_ext, sidecar" || {
         echo "kvsidecar: the project did not install into $venv" >&2; exit 1; }
     VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -c \
