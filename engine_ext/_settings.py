@@ -60,7 +60,7 @@ class EngineSettings(BaseSettings):
         if value is None or value.strip() == "":
             return None
         if not value.startswith(("http://", "https://")):
-            raise ValueError(f"{value!r} is not an http(s) URL, e.g. http://127.0.0.1:8420")
+            raise ValueError(f"{value!r} is not an http(s) URL, e.g. http://127.0.0.1:8570")
         return value.rstrip("/")
 
     def apply_thread_guard(self) -> None:
