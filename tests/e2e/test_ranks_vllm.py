@@ -10,7 +10,6 @@ KV, and the sampler reads it back. What each rank maps is read from its
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,15 +18,15 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
 import psutil
+from live_sidecar import ThreadedSidecar
 
 from engine_ext.ranks import memfd_view
 from engine_ext.vllm import VllmServer, launch_vllm_server, make_document, make_tiny_model_dir
-from sidecar import SidecarSettings, create_app
+from sidecar import SidecarSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -86,20 +85,8 @@ class Engine:
 @pytest.fixture(scope="module")
 def sidecar_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     settings = SidecarSettings(db_path=tmp_path_factory.mktemp("sidecar") / "s.db")
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0,
-                                           log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, name="sidecar", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not (server.started and server.servers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "the sidecar did not start"
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
+    with ThreadedSidecar(settings) as server:
+        yield server.url
 
 
 def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine:

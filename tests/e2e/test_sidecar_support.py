@@ -1,6 +1,6 @@
 """Helpers for the sidecar e2e tests (no tests here): real servers on loopback / unix sockets.
 
-* :class:`ThreadedSidecar` runs the real app under uvicorn in a thread, on a free port;
+* :class:`ThreadedSidecar` (from ``tests/live_sidecar.py``): the real app in a thread;
 * :class:`SidecarProcess` runs ``kvsidecar serve`` as a child process (for ``kill -9``);
 * :class:`SocketEngine` is the real engine control socket (:class:`engine_ext.ControlServer`)
   and mailbox, with the engine thread's pass played by the test.
@@ -20,39 +20,12 @@ from pathlib import Path
 from typing import Any, Self
 
 import httpx
-import uvicorn
+from live_sidecar import ThreadedSidecar  # noqa: F401 -- re-exported for the sidecar tests
 
 from engine_ext import ControlServer, LimitMailbox, PublishResult
 from engine_ext.protocol import EngineState, RegisterBody, Status
-from sidecar import SidecarSettings, create_app
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class ThreadedSidecar:
-    """The real app under uvicorn, in a daemon thread, on 127.0.0.1 and a free port."""
-
-    def __init__(self, settings: SidecarSettings) -> None:
-        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=0,
-                                log_level="warning", access_log=False, lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = ""
-
-    def __enter__(self) -> Self:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the sidecar did not start")
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=20)
 
 
 def free_port() -> int:

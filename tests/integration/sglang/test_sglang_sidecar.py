@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,13 +9,13 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+from live_sidecar import ThreadedSidecar
 from sglang_support import fill, prompt
 
 from engine_ext import EngineSettings
 from engine_ext.protocol import Status
 from engine_ext.sglang.cpu_harness import CpuHarness, HarnessConfig
-from sidecar import SidecarSettings, create_app
+from sidecar import SidecarSettings
 
 pytestmark = pytest.mark.sglang
 
@@ -27,25 +26,8 @@ BUNDLE = 16384  # the harness pool's page bundle (HarnessConfig defaults)
 def sidecar_url(tmp_path: Path) -> Iterator[str]:
     settings = SidecarSettings(db_path=tmp_path / "s.db", push_backoff_initial_s=0.02,
                                push_backoff_max_s=0.2)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0,
-                                           log_level="warning", access_log=False))
-    started = threading.Event()
-    real_startup = server.startup
-
-    async def startup(*args: Any, **kwargs: Any) -> None:
-        await real_startup(*args, **kwargs)
-        started.set()
-
-    server.startup = startup  # type: ignore[method-assign]
-    thread = threading.Thread(target=server.run, name="sidecar", daemon=True)
-    thread.start()
-    assert started.wait(20), "the sidecar did not start"
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
+    with ThreadedSidecar(settings) as server:
+        yield server.url
 
 
 def wait_for(api: httpx.Client, path: str, done: Any, harness: CpuHarness) -> dict[str, Any]:

@@ -15,38 +15,20 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from engine_pool import BLOCKS_PER_PAGE, BUNDLE, Pool
+from live_sidecar import ThreadedSidecar
 
 from engine_ext import ElasticInstance, EngineBinding, load_engine_settings
 from engine_ext.protocol import Status
-from sidecar import SidecarSettings, create_app
+from sidecar import SidecarSettings
 
 
 @pytest.fixture
 def sidecar_url(tmp_path: Path) -> Iterator[str]:
     settings = SidecarSettings(db_path=tmp_path / "s.db", push_backoff_initial_s=0.02,
                                push_backoff_max_s=0.2)
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=0,
-                            log_level="warning", access_log=False, lifespan="on")
-    server = uvicorn.Server(config)
-    started = threading.Event()
-    real_startup = server.startup
-
-    async def startup(*args: Any, **kwargs: Any) -> None:
-        await real_startup(*args, **kwargs)
-        started.set()
-
-    server.startup = startup  # type: ignore[method-assign]
-    thread = threading.Thread(target=server.run, name="sidecar", daemon=True)
-    thread.start()
-    assert started.wait(20), "the sidecar did not start"
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
+    with ThreadedSidecar(settings) as server:
+        yield server.url
 
 
 def start_instance(pool: Pool, tmp_path: Path, url: str, woken: threading.Event

@@ -1,0 +1,355 @@
+"""The GPU KV path's CPU-checkable parts, against vLLM's own planner and views.
+
+Everything here runs without a GPU: the geometry and rounding are computed
+from ``KVCacheConfig`` objects made by vLLM's planner
+(``get_kv_cache_config_from_groups``); the views are compared with what
+vLLM's ``allocate_kv_cache`` builds for the same config; the allocation path
+runs end to end over a real ``HostBackend`` (a write to an unmapped page
+would SIGSEGV) and under vLLM's real ``KVCacheManager`` + ``ElasticBlockPool``.
+Only the ``CudaBackend`` reservation and ``torch.cuda.synchronize`` are
+swapped for their host equivalents; tests/gpu/test_vllm_gpu_kv.py runs the real
+ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
+
+import torch
+from packaging.specifiers import SpecifierSet
+from vllm.config import CacheConfig, ParallelConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core import kv_cache_coordinator
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher, UniProcExecutor
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.request import Request
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from allocator import AllocatorContractError, HostBackend, PageLayout
+from engine_ext import EngineSettings
+from engine_ext.vllm import _gpu_kv, _runtime
+from engine_ext.vllm._block_pool import ElasticBlockPool
+from engine_ext.vllm._gpu_kv import (
+    CUDA_GRANULARITY,
+    PrimedBackend,
+    UnsupportedKvCache,
+    allocate_on_reservation,
+    engine_refusal,
+    kv_geometry,
+    place_kv_cache,
+    whole_page_config,
+)
+from engine_ext.vllm._kv_memory import claim_kv_memory, clear_kv_memory
+from engine_ext.vllm._patches import PATCHES
+from engine_ext.vllm._settings import VllmSettings
+
+pytestmark = pytest.mark.vllm
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn",
+          "model.layers.2.self_attn.attn"]  # fmt: skip
+BLOCK_TOKENS = 16
+SPEC = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=64,
+                         dtype=torch.float16)  # fmt: skip
+BLOCK_BYTES = SPEC.page_size_bytes  # 16 tokens x 2 heads x (64 + 64) x 2 bytes = 8 KiB
+HOST_GRANULARITY = 32 << 10  # host stand-in for the CUDA granularity: 4 blocks per page
+
+
+def vllm_config(layout: str = "LBNHC") -> VllmConfig:
+    config = VllmConfig(cache_config=CacheConfig(block_size=BLOCK_TOKENS))
+    config.cache_config.kv_cache_layout = layout
+    return config
+
+
+def planned(num_blocks: int, layout: str = "LBNHC", spec: object = SPEC) -> KVCacheConfig:
+    """vLLM's own planner: a config of exactly ``num_blocks`` blocks."""
+    groups = [KVCacheGroupSpec(list(LAYERS), spec)]  # type: ignore[arg-type]
+    bytes_per_block = BLOCK_BYTES * len(LAYERS)
+    return get_kv_cache_config_from_groups(vllm_config(layout), groups,
+                                           bytes_per_block * num_blocks + 5)  # fmt: skip
+
+
+# -- geometry and rounding ---------------------------------------------------------------
+
+
+def test_geometry_follows_vllms_placement_and_cuda_granularity() -> None:
+    config = planned(1000)
+    geometry = kv_geometry(config, KVCacheLayout.LBNHC)
+    tensor = config.kv_cache_tensors[0]
+    assert geometry.block_bytes == tensor.block_stride == BLOCK_BYTES
+    assert geometry.page_bytes == CUDA_GRANULARITY  # lcm(2 MiB, 8 KiB)
+    assert geometry.blocks_per_page == 256
+    assert geometry.num_pages == 4  # ceil(1000 / 256)
+    assert geometry.layer_names == tuple(LAYERS)
+    layout = geometry.layout
+    assert (layout.num_regions, layout.page_bytes) == (3, CUDA_GRANULARITY)
+    moved = geometry.placement(tensor)
+    assert moved.layer_stride == layout.region_bytes and moved.block_stride == BLOCK_BYTES
+    assert moved.size == layout.total_bytes and moved.offset == 0
+
+
+def test_odd_block_bytes_give_pages_that_hold_whole_blocks() -> None:
+    spec = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=3, head_size=64,
+                             dtype=torch.float16)  # 12 KiB blocks  # fmt: skip
+    geometry = kv_geometry(planned(900, spec=spec), KVCacheLayout.LBNHC)
+    assert geometry.page_bytes % CUDA_GRANULARITY == 0
+    assert geometry.page_bytes % spec.page_size_bytes == 0
+    assert geometry.page_bytes == 6 << 20  # lcm(2 MiB, 12 KiB)
+
+
+def test_rounding_down_keeps_vllms_invariants() -> None:
+    config = planned(1000)
+    rounded, geometry = whole_page_config(config, KVCacheLayout.LBNHC)
+    assert rounded.num_blocks == 768 == geometry.num_blocks  # 3 whole pages of 256 blocks
+    assert rounded.num_blocks % geometry.blocks_per_page == 0
+    assert config.num_blocks == 1000  # the input is not changed
+    # What vLLM's planner would have produced for 768 blocks, field for field.
+    assert rounded.kv_cache_tensors == planned(768).kv_cache_tensors
+    again, _ = whole_page_config(rounded, KVCacheLayout.LBNHC)
+    assert again.num_blocks == 768  # whole pages stay as they are
+
+
+def test_too_few_blocks_for_two_pages_is_refused() -> None:
+    with pytest.raises(UnsupportedKvCache, match=r"300 blocks.*256 blocks.*more KV memory"):
+        whole_page_config(planned(300), KVCacheLayout.LBNHC)
+
+
+@pytest.mark.parametrize(
+    ("config", "layout", "match"),
+    [
+        pytest.param(planned(1000, "BLNHC"), KVCacheLayout.BLNHC, r"layout BLNHC.*LBNHC",
+                     id="block-outermost"),
+        pytest.param(planned(1000, "LHBNC"), KVCacheLayout.LHBNC, r"layout LHBNC",
+                     id="head-outside-block"),
+        pytest.param(planned(1000, spec=SlidingWindowSpec(
+            block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=64, dtype=torch.float16,
+            sliding_window=128)), KVCacheLayout.LBNHC, r"SlidingWindowSpec", id="sliding"),
+        pytest.param(planned(1000, spec=MLAAttentionSpec(
+            block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=576, dtype=torch.float16)),
+            KVCacheLayout.LBNHC, r"MLAAttentionSpec", id="mla"),
+    ],
+)  # fmt: skip
+def test_unsupported_caches_are_refused_by_name(
+    config: KVCacheConfig, layout: KVCacheLayout, match: str
+) -> None:
+    with pytest.raises(UnsupportedKvCache, match=match):
+        kv_geometry(config, layout)
+
+
+def test_two_groups_are_refused() -> None:
+    config = planned(1000)
+    config.kv_cache_groups.append(KVCacheGroupSpec(["other"], SPEC))
+    with pytest.raises(UnsupportedKvCache, match=r"2 KV cache groups"):
+        kv_geometry(config, KVCacheLayout.LBNHC)
+
+
+def test_engine_refusals_name_the_setting() -> None:
+    config = vllm_config()
+    assert engine_refusal(config, UniProcExecutor) is None
+    assert "MultiprocExecutor" in str(engine_refusal(config, MultiprocExecutor))
+    assert "--distributed-executor-backend uni" in str(
+        engine_refusal(config, ExecutorWithExternalLauncher))
+    tp = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=2))
+    assert "world size 2" in str(engine_refusal(tp, UniProcExecutor))
+    config.cache_config.num_gpu_blocks_override = 100
+    assert "--num-gpu-blocks-override" in str(engine_refusal(config, UniProcExecutor))
+
+
+def test_patch_rows_are_declared_for_033() -> None:
+    rows = {p.target: p for p in PATCHES}
+    for target in ("vllm.v1.engine.core:get_kv_cache_configs",
+                   "vllm.v1.worker.gpu_model_runner:allocate_kv_cache"):  # fmt: skip
+        assert rows[target].versions == SpecifierSet(">=0.33.0,<0.34")
+        assert "0.33.0" in rows[target].versions and "0.34.0" not in rows[target].versions
+
+
+# -- views, over real host memory -------------------------------------------------------
+
+
+@pytest.fixture
+def reservations(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[HostBackend]]:
+    made: list[HostBackend] = []
+    yield made
+    for backend in made:
+        backend.release()
+    clear_kv_memory()
+    monkeypatch.setattr(_gpu_kv, "_state", _gpu_kv._State())
+
+
+def host_reserve(made: list[HostBackend]) -> Callable[[PageLayout, torch.device], HostBackend]:
+    def reserve(layout: PageLayout, device: torch.device) -> HostBackend:
+        assert device.type == "cpu"
+        backend = HostBackend.reserve(layout, name="kvs-test-gpu-kv")
+        made.append(backend)
+        return backend
+
+    return reserve
+
+
+def test_views_match_vllms_own_allocation(reservations: list[HostBackend]) -> None:
+    config = planned(64)
+    layout = KVCacheLayout.LBNHC
+    native = allocate_kv_cache(config, torch.device("cpu"), layout, None)
+    plan = kv_geometry(config, layout, HOST_GRANULARITY)
+    ours = allocate_on_reservation(config, torch.device("cpu"), layout, None, plan=plan,
+                                   granularity=HOST_GRANULARITY,
+                                   reserve=host_reserve(reservations),
+                                   synchronize=lambda: None)  # fmt: skip
+    assert list(ours) == list(native) == LAYERS
+    region_elems = plan.layout.region_bytes // SPEC.dtype.itemsize
+    for index, name in enumerate(LAYERS):
+        mine, theirs = ours[name], native[name]
+        assert (mine.shape, mine.stride(), mine.dtype) == (theirs.shape, theirs.stride(),
+                                                           theirs.dtype)  # fmt: skip
+        assert mine.storage_offset() == index * region_elems
+        assert mine.data_ptr() == reservations[0].base_address + index * plan.layout.region_bytes
+    # 64 blocks = 16 whole pages of 4: regions are exactly vLLM's layer stride.
+    assert plan.layout.region_bytes == config.kv_cache_tensors[0].layer_stride
+
+
+def test_kernel_block_split_views_match(reservations: list[HostBackend]) -> None:
+    config = planned(64)
+    native = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBNHC, [8])
+    plan = kv_geometry(config, KVCacheLayout.LBNHC, HOST_GRANULARITY)
+    ours = allocate_on_reservation(config, torch.device("cpu"), KVCacheLayout.LBNHC, [8],
+                                   plan=plan, granularity=HOST_GRANULARITY,
+                                   reserve=host_reserve(reservations),
+                                   synchronize=lambda: None)  # fmt: skip
+    for name in LAYERS:
+        assert ours[name].shape == native[name].shape == (128, 2, 8, 128)
+        assert ours[name].stride() == native[name].stride()
+
+
+def test_a_worker_config_that_differs_from_the_plan_is_refused(
+    reservations: list[HostBackend],
+) -> None:
+    plan = kv_geometry(planned(64), KVCacheLayout.LBNHC, HOST_GRANULARITY)
+    with pytest.raises(UnsupportedKvCache, match=r"differs from the EngineCore's plan"):
+        allocate_on_reservation(planned(60), torch.device("cpu"), KVCacheLayout.LBNHC, None,
+                                plan=plan, granularity=HOST_GRANULARITY,
+                                reserve=host_reserve(reservations))  # fmt: skip
+    assert reservations == [] and claim_kv_memory() is None  # nothing reserved or published
+
+
+def test_without_a_plan_the_patch_is_vllms_allocation(reservations: list[HostBackend]) -> None:
+    calls: list[int] = []
+
+    def original(config: KVCacheConfig, device: torch.device, layout: KVCacheLayout,
+                 kernel_block_sizes: list[int] | None = None) -> dict[str, torch.Tensor]:
+        calls.append(config.num_blocks)
+        return allocate_kv_cache(config, device, layout, kernel_block_sizes)  # fmt: skip
+
+    patched = place_kv_cache(original)
+    views = patched(planned(8), torch.device("cpu"), KVCacheLayout.LBNHC, None)
+    assert calls == [8] and views[LAYERS[0]].shape[0] == 8  # the profiling run's cache
+    assert claim_kv_memory() is None
+
+
+def test_a_plan_with_a_cpu_device_is_refused(
+    reservations: list[HostBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = planned(64)
+    monkeypatch.setattr(_gpu_kv, "_state", _gpu_kv._State(
+        plan=kv_geometry(config, KVCacheLayout.LBNHC)))  # fmt: skip
+    patched = place_kv_cache(allocate_kv_cache)
+    with pytest.raises(UnsupportedKvCache, match=r"device cpu"):
+        patched(config, torch.device("cpu"), KVCacheLayout.LBNHC, None)
+    assert claim_kv_memory() is None
+
+
+# -- the primed page and the synchronized unmap --------------------------------------------
+
+
+def test_primed_page_is_adopted_and_unmap_synchronizes_first(
+    reservations: list[HostBackend],
+) -> None:
+    backend = host_reserve(reservations)(PageLayout(32 << 10, 4, 2), torch.device("cpu"))
+    events: list[str] = []
+    primed = PrimedBackend(backend, lambda: events.append(f"sync:{backend.mapped_pages()}"))
+    primed.prime(0)
+    assert backend.is_mapped(0) and not primed.is_mapped(0)
+    assert primed.mapped_bytes() == backend.layout.bundle_bytes  # measured, not declared
+    primed.map_many([0, 1])  # adopts page 0, maps page 1
+    assert primed.is_mapped(0) and primed.is_mapped(1)
+    with pytest.raises(AllocatorContractError):
+        primed.map(1)  # the inner backend's contract still holds
+    primed.unmap(1)
+    assert events == ["sync:[0, 1]"]  # synchronized while page 1 was still mapped
+    assert backend.mapped_pages() == [0]
+
+
+def test_unmapping_a_primed_page_is_refused(reservations: list[HostBackend]) -> None:
+    backend = host_reserve(reservations)(PageLayout(32 << 10, 4, 2), torch.device("cpu"))
+    primed = PrimedBackend(backend, lambda: None)
+    primed.prime(0)
+    with pytest.raises(AllocatorContractError, match=r"not mapped by the pool"):
+        primed.unmap(0)
+    assert backend.is_mapped(0)
+
+
+# -- end to end on the CPU: reservation -> vLLM's KVCacheManager -> writes -> limit ------------
+
+
+def test_pool_maps_before_handing_out_and_unmaps_after_sync(
+    reservations: list[HostBackend], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = planned(64)  # 16 pages of 4 blocks
+    layout = KVCacheLayout.LBNHC
+    syncs: list[int] = []
+    plan = kv_geometry(config, layout, HOST_GRANULARITY)
+    views = allocate_on_reservation(config, torch.device("cpu"), layout, None, plan=plan,
+                                    granularity=HOST_GRANULARITY,
+                                    reserve=host_reserve(reservations),
+                                    synchronize=lambda: syncs.append(1))  # fmt: skip
+    backend = reservations[0]
+    assert backend.mapped_pages() == [0]  # the null block's page, before any pool exists
+    views[LAYERS[0]][0].fill_(1)  # warm-up may read/write block 0: mapped
+
+    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
+    monkeypatch.setattr(_runtime, "_configured", None)
+    monkeypatch.setattr(_runtime, "_runtime", None)
+    _runtime.configure(EngineSettings(enable=True, thread_guard=True, runtime_dir=tmp_path),
+                       VllmSettings(enable=True))  # fmt: skip
+    manager = KVCacheManager(config, max_model_len=1024, scheduler_block_size=BLOCK_TOKENS,
+                             hash_block_size=BLOCK_TOKENS, enable_caching=True)  # fmt: skip
+    assert isinstance(manager.block_pool, ElasticBlockPool)
+    runtime = _runtime.current_runtime()
+    assert runtime is not None and runtime.instance is not None
+    assert backend.mapped_pages() == [0]  # the pool adopted page 0, mapped nothing else
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
+    prompt = [(i * 31) % 3000 + 10 for i in range(10 * BLOCK_TOKENS)]
+    request = Request("r", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    blocks = manager.allocate_slots(request, request.num_tokens)
+    assert blocks is not None
+    block_ids = blocks.get_block_ids()[0]
+    assert len(block_ids) == 10
+    for name in LAYERS:  # a write to an unmapped page would kill the process (SIGSEGV)
+        views[name][block_ids].fill_(7)
+    assert len(backend.mapped_pages()) == 3  # 11 blocks incl. null in pages of 4
+    request.num_computed_tokens = request.num_tokens
+    manager.free(request)
+
+    runtime.instance.set_limit(backend.layout.bundle_bytes)  # one page: the floor
+    manager.block_pool.get_num_free_blocks()  # top of an allocation: applies the target
+    assert backend.mapped_pages() == [0]
+    assert syncs  # every unmap ran after a device synchronize
+    assert int(views[LAYERS[0]][0].flatten()[0]) != 0  # the null block's page kept its data
+    runtime.close()

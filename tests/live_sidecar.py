@@ -1,0 +1,43 @@
+"""The real sidecar app under uvicorn in a thread, for any test that needs a live sidecar.
+
+``tests/`` is on ``sys.path`` (it holds the root conftest), so tests import it
+as ``from live_sidecar import ThreadedSidecar``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Self
+
+import uvicorn
+
+from sidecar import SidecarSettings, create_app
+
+__all__ = ["ThreadedSidecar"]
+
+
+class ThreadedSidecar:
+    """The real app under uvicorn, in a daemon thread, on 127.0.0.1 and a free port."""
+
+    def __init__(self, settings: SidecarSettings) -> None:
+        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=0,
+                                log_level="warning", access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = ""
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the sidecar did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
