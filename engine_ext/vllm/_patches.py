@@ -64,6 +64,18 @@ def _run_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
     return run_busy_loop
 
 
+def _plan_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    from engine_ext.vllm._gpu_kv import plan_kv_cache
+
+    return plan_kv_cache(original)
+
+
+def _place_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    from engine_ext.vllm._gpu_kv import place_kv_cache
+
+    return place_kv_cache(original)
+
+
 _V033 = SpecifierSet(">=0.33.0,<0.34")
 
 PATCHES: tuple[Patch, ...] = (
@@ -75,6 +87,16 @@ PATCHES: tuple[Patch, ...] = (
         "vllm.v1.engine.core:EngineCoreProc.run_busy_loop", _V033, _run_busy_loop,
         "start the control socket/registration on the busy-loop thread (after any fork); "
         "close them when the loop ends",
+    ),
+    Patch(
+        "vllm.v1.engine.core:get_kv_cache_configs", _V033, _plan_kv_cache,
+        "GPU path (CUDA, uni executor): refuse unsupported set-ups, round num_blocks down to "
+        "whole CudaBackend pages before the scheduler is built (ENGINES.md 1.10)",
+    ),
+    Patch(
+        "vllm.v1.worker.gpu_model_runner:allocate_kv_cache", _V033, _place_kv_cache,
+        "GPU path: KV tensors as vLLM's own views over a CudaBackend reservation, published "
+        "for the ElasticBlockPool, which maps pages on demand (ENGINES.md 1.10)",
     ),
 )  # fmt: skip
 

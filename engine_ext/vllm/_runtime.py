@@ -90,8 +90,10 @@ class VllmRuntime:
         if memory is None:
             raise RuntimeError(
                 "kvsidecar: the KV cache is not on a kvsidecar reservation. On CPU run vLLM with "
-                "--distributed-executor-backend engine_ext.vllm.cpu_harness.StubExecutor; the GPU "
-                "worker hook (CudaBackend) is not wired in this version. Or unset KVSIDECAR_ENABLE."
+                "--distributed-executor-backend engine_ext.vllm.cpu_harness.StubExecutor; on a "
+                "GPU the worker must run in the EngineCore process (world size 1, "
+                "--distributed-executor-backend uni) so the CudaBackend hook can publish it. "
+                "Or unset KVSIDECAR_ENABLE."
             )
         if memory.num_blocks != num_gpu_blocks or num_gpu_blocks % memory.blocks_per_page:
             raise RuntimeError(

@@ -164,7 +164,8 @@ def test_engine_refusals_name_the_setting() -> None:
     assert engine_refusal(config, UniProcExecutor) is None
     assert "MultiprocExecutor" in str(engine_refusal(config, MultiprocExecutor))
     assert "--distributed-executor-backend uni" in str(
-        engine_refusal(config, ExecutorWithExternalLauncher))
+        engine_refusal(config, ExecutorWithExternalLauncher)
+    )
     tp = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=2))
     assert "world size 2" in str(engine_refusal(tp, UniProcExecutor))
     config.cache_config.num_gpu_blocks_override = 100
@@ -250,10 +251,14 @@ def test_a_worker_config_that_differs_from_the_plan_is_refused(
 def test_without_a_plan_the_patch_is_vllms_allocation(reservations: list[HostBackend]) -> None:
     calls: list[int] = []
 
-    def original(config: KVCacheConfig, device: torch.device, layout: KVCacheLayout,
-                 kernel_block_sizes: list[int] | None = None) -> dict[str, torch.Tensor]:
+    def original(
+        config: KVCacheConfig,
+        device: torch.device,
+        layout: KVCacheLayout,
+        kernel_block_sizes: list[int] | None = None,
+    ) -> dict[str, torch.Tensor]:
         calls.append(config.num_blocks)
-        return allocate_kv_cache(config, device, layout, kernel_block_sizes)  # fmt: skip
+        return allocate_kv_cache(config, device, layout, kernel_block_sizes)
 
     patched = place_kv_cache(original)
     views = patched(planned(8), torch.device("cpu"), KVCacheLayout.LBNHC, None)
