@@ -11,10 +11,16 @@ patches (``_patches.PATCHES``) replace that with a reservation whose pages the
    vLLM's ``num_blocks`` *down* to whole pages (the pool requires
    ``num_gpu_blocks % blocks_per_page == 0``) and remember the plan;
 2. the worker, same process and thread (``allocate_kv_cache`` as imported by
-   ``vllm.v1.worker.gpu_model_runner``): reserve a ``CudaBackend`` of one region
-   per layer, map page 0 (vLLM's null block, read by warm-up and CUDA-graph
-   capture), build the per-layer views with vLLM's own
-   ``create_kv_cache_views`` and publish a :class:`~._kv_memory.KVMemory`.
+   ``vllm.v1.worker.gpu_model_runner`` and, for the default model runner V2,
+   by ``vllm.v1.worker.gpu.attn_utils``): reserve a ``CudaBackend`` of one
+   region per layer, map every page for the warm-up (runner V2's warm-up
+   writes KV into blocks 1..n with made-up requests, ``gpu/warmup.py``; the
+   native cache is fully resident then too), build the per-layer views with
+   vLLM's own ``create_kv_cache_views`` and publish a
+   :class:`~._kv_memory.KVMemory`;
+3. the scheduler's ``ElasticBlockPool`` claims it after the warm-up; its
+   first map (page 0, the null block) keeps page 0 and unmaps every other
+   page, which from then on is mapped on demand.
 
 Geometry. vLLM 0.33 stores K and V of a layer together (``C`` = (head_size +
 head_size_v) x dtype bytes of the logical ``[B, H, N, C]`` page), so a layer
@@ -212,14 +218,15 @@ def engine_refusal(vllm_config: VllmConfig, executor_class: type) -> str | None:
 class PrimedBackend:
     """The block pool's view of the worker's reservation.
 
-    Owns the reservation (``inner``) and the set of pages the worker mapped
-    before the pool existed (page 0: the null block, read by warm-up and
-    CUDA-graph capture). Those report unmapped, so the pool's
-    ``PageAllocator`` accepts the backend as fresh; the pool's first ``map``
-    of such a page adopts the live mapping instead of mapping it twice.
-    Every unmap (and the release) first runs ``synchronize`` so no queued
-    kernel touches a page after it is gone. Thread: the EngineCore busy-loop
-    thread only (the one that reserved it: its CUDA context is current there).
+    Owns the reservation (``inner``) and the set of *primed* pages: mapped
+    by the worker before the pool existed, for vLLM's warm-up. Primed pages
+    report unmapped, so the pool's ``PageAllocator`` accepts the backend as
+    fresh. The pool's first ``map_many`` adopts the primed pages it asks for
+    (page 0, the null block) and unmaps the others: from then on the pool
+    alone decides what is mapped. Every unmap (and the release) first runs
+    ``synchronize`` so no queued kernel touches a page after it is gone.
+    Thread: the EngineCore busy-loop thread only (the one that reserved it:
+    its CUDA context is current there).
     """
 
     def __init__(self, inner: ReservedBackend, synchronize: Callable[[], None]) -> None:
@@ -229,10 +236,10 @@ class PrimedBackend:
         self._synchronize = synchronize
         self._primed: set[int] = set()
 
-    def prime(self, page: int) -> None:
-        """Map ``page`` now, before the pool exists (worker, at allocation)."""
-        self.inner.map(page)
-        self._primed.add(page)
+    def prime(self, pages: Sequence[int]) -> None:
+        """Map ``pages`` now, before the pool exists (worker, at allocation)."""
+        self.inner.map_many(pages)
+        self._primed.update(pages)
 
     def map(self, page: int) -> None:
         self.map_many([page])
@@ -241,11 +248,16 @@ class PrimedBackend:
         self.unmap_many([page])
 
     def map_many(self, pages: Sequence[int]) -> None:
-        adopted = [page for page in pages if page in self._primed]
+        wanted = set(pages)
+        stale = sorted(self._primed - wanted)
+        if stale:  # the pool's first call: the warm-up's pages go, except those it asks for
+            self._synchronize()
+            self.inner.unmap_many(stale)
+            self._primed.difference_update(stale)
         rest = [page for page in pages if page not in self._primed]
         if rest:
-            self.inner.map_many(rest)  # validates; raises before anything is adopted
-        self._primed.difference_update(adopted)
+            self.inner.map_many(rest)
+        self._primed.difference_update(wanted)
 
     def unmap_many(self, pages: Sequence[int]) -> None:
         from allocator import AllocatorContractError
@@ -308,7 +320,7 @@ def allocate_on_reservation(
     backend = reserve(geometry.layout, device)
     try:
         primed = PrimedBackend(backend, synchronize or _cuda_synchronize(device))
-        primed.prime(0)
+        primed.prime(range(geometry.num_pages))  # resident for the warm-up, as vLLM's own
         raw = backend.tensor().view(torch.int8)
         tensor = config.kv_cache_tensors[0]
         spec = config.kv_cache_groups[0].kv_cache_spec
@@ -320,7 +332,7 @@ def allocate_on_reservation(
         raise
     publish_kv_memory(KVMemory(primed, geometry.layout, geometry.block_bytes, config.num_blocks))
     _log.info("kvsidecar: KV cache of %d blocks x %d layers on a reservation of %d pages of %d "
-              "bytes (%d blocks/page); page 0 mapped", config.num_blocks,
+              "bytes (%d blocks/page); mapped until the block pool takes over", config.num_blocks,
               len(geometry.layer_names), geometry.num_pages, geometry.page_bytes,
               geometry.blocks_per_page)  # fmt: skip
     return dict(zip(tensor.layers, views, strict=True))
@@ -388,7 +400,7 @@ def plan_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def place_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Patch factory for ``vllm.v1.worker.gpu_model_runner:allocate_kv_cache``."""
+    """Patch factory for ``allocate_kv_cache`` as imported by the GPU model runners."""
 
     def allocate_kv_cache(
         kv_cache_config: KVCacheConfig,

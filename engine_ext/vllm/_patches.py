@@ -98,6 +98,10 @@ PATCHES: tuple[Patch, ...] = (
         "GPU path: KV tensors as vLLM's own views over a CudaBackend reservation, published "
         "for the ElasticBlockPool, which maps pages on demand (ENGINES.md 1.10)",
     ),
+    Patch(
+        "vllm.v1.worker.gpu.attn_utils:allocate_kv_cache", _V033, _place_kv_cache,
+        "the same for model runner V2 (vLLM 0.33's default), which calls it by this name",
+    ),
 )  # fmt: skip
 
 
