@@ -186,12 +186,12 @@ def test_patch_rows_are_declared_for_033() -> None:
 
 @pytest.fixture
 def reservations(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[HostBackend]]:
+    monkeypatch.setattr(_gpu_kv, "_state", _gpu_kv._State())  # a fresh plan slot per test
     made: list[HostBackend] = []
     yield made
     for backend in made:
         backend.release()
     clear_kv_memory()
-    monkeypatch.setattr(_gpu_kv, "_state", _gpu_kv._State())
 
 
 def host_reserve(made: list[HostBackend]) -> Callable[[PageLayout, torch.device], HostBackend]:
@@ -365,3 +365,50 @@ def test_pool_maps_before_handing_out_and_unmaps_after_sync(
     assert len(syncs) >= 2  # these unmaps ran after a device synchronize too
     assert int(views[LAYERS[0]][0].flatten()[0]) != 0  # the null block's page kept its data
     runtime.close()
+
+
+# -- the planning patch (EngineCore), with the platform check forced on --------------------
+
+
+@pytest.fixture
+def engine_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reservations: list[HostBackend]
+) -> VllmConfig:
+    """A real VllmConfig of the tiny model, as a uni-executor CUDA engine would have it."""
+    from vllm.config import ModelConfig
+
+    from engine_ext.vllm._tiny_model import make_tiny_model_dir
+
+    model = ModelConfig(model=str(make_tiny_model_dir(tmp_path / "model")), max_model_len=1024)
+    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK_TOKENS))
+    config.cache_config.kv_cache_layout = "LBNHC"
+    config.parallel_config.distributed_executor_backend = "uni"  # CPU vLLM forces "mp"
+    monkeypatch.setattr(_gpu_kv, "_gpu_path_applies", lambda vllm_config: True)
+    return config
+
+
+def test_planning_rounds_down_before_the_scheduler_and_leaves_a_plan(
+    engine_config: VllmConfig,
+) -> None:
+    calls: list[int] = []
+
+    def original(*args: object) -> list[KVCacheConfig]:
+        calls.append(len(args))
+        return [planned(1000)]
+
+    configs = _gpu_kv.plan_kv_cache(original)(engine_config, [{}], [0], [])
+    assert calls == [4] and [c.num_blocks for c in configs] == [768]
+    plan = _gpu_kv._state.plan
+    assert plan is not None and plan.num_blocks == 768 and plan.blocks_per_page == 256
+
+
+def test_planning_refuses_what_the_gpu_path_cannot_serve(engine_config: VllmConfig) -> None:
+    plan = _gpu_kv.plan_kv_cache(lambda *args: [planned(1000)])
+    engine_config.model_config.max_model_len = 16384  # 1024 blocks > 768 after rounding
+    with pytest.raises(UnsupportedKvCache, match=r"max_model_len 16384 in 768.*needs 1024"):
+        plan(engine_config, [{}], [0], [])
+    engine_config.model_config.max_model_len = 1024
+    engine_config.parallel_config.distributed_executor_backend = "mp"
+    with pytest.raises(UnsupportedKvCache, match=r"MultiprocExecutor"):
+        plan(engine_config, [{}], [0], [])
+    assert _gpu_kv._state.plan is None  # nothing planned, nothing reserved
