@@ -220,14 +220,8 @@ class CudaBackend:
         import torch  # lazy: the allocator imports without torch
 
         self._check_live()
-        if region is None:
-            start, length = self.base_address, self.layout.total_bytes
-        else:
-            if not 0 <= region < self.layout.num_regions:
-                raise AllocatorContractError(
-                    f"region {region} is outside 0..{self.layout.num_regions - 1}")
-            start = self.base_address + region * self.layout.region_bytes
-            length = self.layout.region_bytes
+        offset, length = self.layout.span(region)
+        start = self.base_address + offset
         view: torch.Tensor = _device_view(torch, start, length, self.device, self)
         return view
 

@@ -206,14 +206,8 @@ class HostBackend:
         import torch  # lazy: the allocator imports without torch
 
         self._check_live()
-        if region is None:
-            start, length = self.base_address, self.layout.total_bytes
-        else:
-            if not 0 <= region < self.layout.num_regions:
-                raise AllocatorContractError(
-                    f"region {region} is outside 0..{self.layout.num_regions - 1}")
-            start = self.base_address + region * self.layout.region_bytes
-            length = self.layout.region_bytes
+        offset, length = self.layout.span(region)
+        start = self.base_address + offset
         buffer = (ctypes.c_uint8 * length).from_address(start)
         buffer.kvsidecar_backend = self  # type: ignore[attr-defined]  # keeps us alive
         return torch.frombuffer(buffer, dtype=torch.uint8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._errors import AllocatorConfigError
+from ._errors import AllocatorConfigError, AllocatorContractError
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,14 @@ class PageLayout:
         if not 0 <= page < self.num_pages:
             raise IndexError(f"page {page} is outside 0..{self.num_pages - 1}")
         return region * self.region_bytes + page * self.page_bytes
+
+    def span(self, region: int | None = None) -> tuple[int, int]:
+        """``(offset, length)`` of one region, or of the whole reservation for ``None``."""
+        if region is None:
+            return 0, self.total_bytes
+        if not 0 <= region < self.num_regions:
+            raise AllocatorContractError(f"region {region} is outside 0..{self.num_regions - 1}")
+        return region * self.region_bytes, self.region_bytes
 
     def blocks_per_page(self, block_bytes: int) -> int:
         """How many engine blocks of ``block_bytes`` fit in one page (per region).
