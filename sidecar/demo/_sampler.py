@@ -28,7 +28,7 @@ class Sampler:
 
     sidecar_url: str
     t0: float
-    period_s: float = 0.2
+    period_s: float = 0.05
     samples: list[Sample] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None

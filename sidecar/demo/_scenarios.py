@@ -99,7 +99,13 @@ def limit_table(cluster: Cluster, sampler: Sampler, without: str, with_: str,
         _wait_until(lambda: cluster.instance(with_)["status"] == "applied", timeout_s=10)
         time.sleep(1.0)
         after = {i: cluster.instance(i) for i in ids}
-        timelines[f"row{n}"] = {i: sampler.transitions(i, since) for i in ids}
+        # the PUT's own answer is the first step (the engine may apply within one sample)
+        timelines[f"row{n}"] = {
+            i: _dedupe([{"t_s": 0.0, "status": put[i]["status"], "reason": put[i].get("reason"),
+                         "mapped_mib": _mib(put[i]["mapped_bytes"])},
+                        *sampler.transitions(i, since)])
+            for i in ids
+        }  # fmt: skip
         rows.append({
             "limit_bytes": limit, "limit_mib": _mib(limit),
             "put_status": {i: put[i]["status"] for i in ids},
@@ -181,6 +187,15 @@ def elastic_colocation(cluster: Cluster, a: str, b: str, cfg: DemoConfig) -> dic
             "free_at_a_peak_mib": _mib(free_at_peak), "a_after_reset_mib": _mib(a_after_reset),
             "peak_b_mib": _mib(peak_b), "end_mapped_mib": {i: _mib(v) for i, v in end_mapped.items()},
             "completed": completed, "probes_identical": before == after, "checks": checks}  # fmt: skip
+
+
+def _dedupe(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop a step whose status repeats the previous one."""
+    out: list[dict[str, Any]] = []
+    for step in steps:
+        if not out or out[-1]["status"] != step["status"]:
+            out.append(step)
+    return out
 
 
 def _check(name: str, ok: bool, detail: str) -> dict[str, Any]:
