@@ -74,9 +74,22 @@ ensure_compose() {
     fi
 }
 
+# The environment is shared by every checkout with the same requirements: make
+# its editable install (console scripts, subprocesses) point at THIS checkout.
+ensure_editable() {
+    local where
+    where="$(cd / && "$venv/bin/python" -c \
+        'import os, sidecar; print(os.path.dirname(os.path.dirname(os.path.realpath(sidecar.__file__))))' \
+        2>/dev/null || true)"
+    if [[ "$where" != "$(realpath "$root")" ]]; then
+        pipi --no-deps -e .
+    fi
+}
+
 cmd="${1:-test}"
 shift || true
 build_env
+ensure_editable
 export PATH="$venv/bin:$PATH"
 export VLLM_TARGET_DEVICE="${VLLM_TARGET_DEVICE:-cpu}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
