@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -140,10 +141,15 @@ def limit(ctx: typer.Context, instance_id: IdArg,
 @app.command("limit-percent")
 def limit_percent(ctx: typer.Context, instance_id: IdArg,
                   percent: Annotated[float, typer.Argument(
-                      min=0, max=100, help="percent of the device memory the engine registered")],
+                      help="percent (0 to 100) of the device memory the engine registered")],
                   wait: WaitOpt = None, as_json: JsonOpt = False) -> None:
     """Set the limit as a percentage of the engine's device memory (per GPU)."""
     _sidecar_only(ctx, "limit-percent")
+    # checked here, not by click's range: NaN slips through a range check, and a usage
+    # error here is one line like every other kvctl error
+    if not (math.isfinite(percent) and 0 <= percent <= 100):
+        raise _fail(f"percent must be a number from 0 to 100; got {percent!r} "
+                    "(e.g. 'kvctl limit-percent ID 12.5')", EXIT_USAGE)
 
     def call(api: SidecarApi) -> Reply:
         view = api.status(instance_id, None).body

@@ -70,11 +70,22 @@ def test_limit_percent_uses_the_registered_device_memory(sidecar: ThreadedSideca
     code, out = kvctl(sidecar, "limit-percent", "llama-a", "12.5", "--json")
     assert code == 0 and json.loads(out)["desired"]["limit_bytes"] == 10 * GiB
     code, out = kvctl(sidecar, "limit-percent", "llama-a", "150")
-    assert code == 2
+    assert code == 2 and "percent must be a number from 0 to 100; got 150.0" in out
     httpx.put(f"{sidecar.url}/instances/other/limit", json={"limit": 1},
               headers={"Authorization": "Bearer tok"})
     code, out = kvctl(sidecar, "limit-percent", "other", "10")
     assert code == 2 and "has not registered its device memory" in out
+
+
+@pytest.mark.parametrize("percent", ["nan", "NaN", "inf", "-inf", "infinity", "-0.5"])
+def test_limit_percent_rejects_non_finite_values(sidecar: ThreadedSidecar, engine: SocketEngine,
+                                                 percent: str) -> None:
+    before = httpx.get(f"{sidecar.url}/instances/llama-a").json()["desired"]
+    code, out = kvctl(sidecar, "limit-percent", "llama-a", "--", percent)
+    assert code == 2, out
+    assert len(out.strip().splitlines()) == 1 and "Traceback" not in out
+    assert "percent must be a number from 0 to 100" in out, out
+    assert httpx.get(f"{sidecar.url}/instances/llama-a").json()["desired"] == before
 
 
 def test_wait_exit_codes(sidecar: ThreadedSidecar, engine: SocketEngine) -> None:
