@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from allocator import BackendError
+
 from ._barrier import BarrierOutcome, BarrierResult, RankBarrier
 from ._mailbox import LimitMailbox, Target
 from ._reasons import DeferReason
@@ -82,6 +84,7 @@ class ShrinkCoordinator:
         self._reporter: Reporter | None = None
         self._barrier: RankBarrier | None = None
         self._barrier_epoch = 0  # the barrier's liveness epoch at the last pass
+        self._backend_failed = False  # the last pass hit a map/unmap error
         self._target = Target(None, 0)
         self._passes = 0
         self._seen_num_mapped = -1  # allocator's mapped-page count at the last state
@@ -129,16 +132,29 @@ class ShrinkCoordinator:
             rank_died = self._barrier is not None and self._barrier.epoch != self._barrier_epoch
             if self._settled and not rank_died:
                 # nothing waits; the common case returns here without a syscall
-                return self._update(_Pass(), None) if moved else self._state
+                if not moved:
+                    return self._state
+                # pages moved (traffic): with ranks, settle acked unmaps and keep the
+                # per-rank figures (sync waits only while unmaps are in flight)
+                barrier = self._barrier.sync() if self._barrier is not None else None
+                return self._update(_Pass(), barrier)
             if not (moved or rank_died) and self._state.reason != DeferReason.EVICTING.value:
                 now = time.monotonic()
                 if now - self._tried_at < self._config.deferred_retry_s:
                     return self._state
-        else:
-            self._apply_target(target)
         self._tried_at = time.monotonic()
         self._passes += 1
-        done = self._shrink()
+        try:
+            if target is not None:
+                self._apply_target(target)
+            done = self._shrink()
+            self._backend_failed = False
+        except BackendError:
+            # The target is held; the status says why it is not met and the next pass
+            # retries. Raising here would end the engine (idle callbacks, allocation path).
+            _log.exception("kvsidecar: a map/unmap failed during a limit pass; retrying")
+            self._backend_failed = True
+            done = _Pass(self._overage_pages(), 0)
         barrier = None
         if self._barrier is not None:
             self._barrier_epoch = self._barrier.epoch
@@ -220,7 +236,7 @@ class ShrinkCoordinator:
         reclaimable = self._scan_reclaimable(force=done.requested_pages > 0)
         # a slow or dead rank keeps the status deferred even with no limit: never "applied"
         # while a rank has not confirmed (DESIGN.md, Statuses)
-        reason = self._reason(over, reclaimable, barrier)
+        reason = self._reason(over, reclaimable, barrier, limited=limit is not None)
         bundle = self._bundle_bytes
         return EngineState(
             status=Status.APPLIED if reason is None else Status.DEFERRED,
@@ -241,14 +257,17 @@ class ShrinkCoordinator:
         )
 
     def _reason(
-        self, over: int, reclaimable: int, barrier: BarrierResult | None
+        self, over: int, reclaimable: int, barrier: BarrierResult | None, *, limited: bool
     ) -> DeferReason | None:
-        if barrier is not None and barrier.outcome is not BarrierOutcome.CONFIRMED:
-            if barrier.outcome is BarrierOutcome.TIMEOUT:
-                return DeferReason.RANK_TIMEOUT
-            return DeferReason.RANK_FAILED
+        if barrier is not None:
+            if barrier.outcome is BarrierOutcome.FAILED:
+                return DeferReason.RANK_FAILED  # a dead rank: never applied, limit or not
+            if barrier.outcome is BarrierOutcome.TIMEOUT and limited:
+                return DeferReason.RANK_TIMEOUT  # unmaps not confirmed by every rank yet
         if over == 0:
             return None
+        if self._backend_failed:
+            return DeferReason.BACKEND_ERROR
         if not self._config.reclaim:
             return DeferReason.RECLAIM_DISABLED
         if reclaimable > 0:

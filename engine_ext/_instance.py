@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from allocator import BackendError
+
 from ._cleanup import clear_owner, sweep_stale_runtime_dirs, write_owner
 from ._control import ControlServer
 from ._coordinator import CoordinatorConfig, ShrinkCoordinator
@@ -121,8 +123,18 @@ class ElasticInstance:
         return self.mailbox.publish_next(limit_bytes)
 
     def step(self) -> EngineState:
-        """Engine thread: one coordinator pass (see :meth:`ShrinkCoordinator.step`)."""
-        return self.coordinator.step()
+        """Engine thread: one coordinator pass (see :meth:`ShrinkCoordinator.step`).
+
+        A failed map/unmap (driver, OS) during the pass is logged, never fatal: the
+        pass runs inside the engine's idle callbacks and allocation path, where an
+        exception would end the engine. The limit stays deferred and the next pass
+        retries.
+        """
+        try:
+            return self.coordinator.step()
+        except BackendError:
+            _log.exception("kvsidecar: a map/unmap failed during a limit pass; retrying later")
+            return self.state()
 
     def state(self) -> EngineState:
         """The latest state snapshot (any thread)."""

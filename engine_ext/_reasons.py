@@ -14,3 +14,4 @@ class DeferReason(str, Enum):
     RECLAIM_DISABLED = "reclaim_disabled"  # reclaim is off: the target is recorded, nothing evicted
     RANK_TIMEOUT = "rank_timeout"  # a TP/PP rank did not confirm its unmaps in time
     RANK_FAILED = "rank_failed"  # a TP/PP rank is dead or reported an error
+    BACKEND_ERROR = "backend_error"  # a map/unmap failed (OS/driver); the next pass retries

@@ -22,8 +22,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from allocator import BackendError
-
 from .. import ElasticInstance, EngineBinding, EngineSettings, Reclaimer
 from ._accounting import sync_capacity
 from ._allocator import ElasticTokenAllocator
@@ -96,10 +94,9 @@ class ElasticPool:
         """Fully or partly idle iteration: a pass if a limit waits; totals synced."""
         if self.waker is not None and self.waker.attached:
             self.waker.drain()
-        if not self.instance.coordinator.pending:
-            self._step()  # cheap: only refreshes the state if mapped memory moved
-        else:
-            self._step()
+        pending = self.instance.coordinator.pending
+        self._step()  # not pending: cheap, only refreshes the state if mapped memory moved
+        if pending:
             self.num_idle_passes += 1
             if self._over_target() and self.scheduler.is_fully_idle() \
                     and self._drain_padding_page():
@@ -107,13 +104,8 @@ class ElasticPool:
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
 
     def _step(self) -> EngineState:
-        """A coordinator pass; a failed map/unmap (driver, OS) is logged, never fatal here:
-        the limit stays deferred and the next pass retries."""
-        try:
-            return self.instance.step()
-        except BackendError:
-            _log.exception("kvsidecar: a map/unmap failed during a limit pass; retrying later")
-            return self.instance.state()
+        """A coordinator pass (a failed map/unmap is logged by the instance, never fatal)."""
+        return self.instance.step()
 
     def _drain_padding_page(self) -> bool:
         """Fully idle and still over the target: only page 0 can be left (it holds the

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,31 @@ def test_failed_start_leaves_nothing_behind(pool: Pool, tmp_path: Path) -> None:
     finally:
         first.close()
     assert not first.runtime_dir.exists()
+
+
+def test_a_failed_unmap_during_a_pass_is_logged_not_fatal(
+    pool: Pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass runs in the engine's idle callbacks: an OS/driver error must not end it."""
+    from allocator import BackendError
+
+    pool.fill(4)
+    inst = make(pool, tmp_path)
+    real_unmap_many = pool.backend.unmap_many
+
+    def failing(pages: object) -> None:
+        raise BackendError("punch hole failed (injected)")
+
+    monkeypatch.setattr(pool.backend, "unmap_many", failing)
+    monkeypatch.setattr(pool.backend, "unmap", failing)
+    revision = inst.set_limit(BUNDLE).revision
+    state = inst.step()  # no exception
+    assert (state.status, state.reason, state.revision) == (
+        Status.DEFERRED, "backend_error", revision)  # the target is held, truthfully
+    monkeypatch.undo()
+    assert pool.backend.unmap_many == real_unmap_many
+    deadline = time.monotonic() + 5
+    while inst.step().status is not Status.APPLIED and time.monotonic() < deadline:
+        time.sleep(0.01)  # the next passes retry on their own (no new revision)
+    assert inst.state().status is Status.APPLIED
+    assert pool.backend.mapped_bytes() <= BUNDLE
