@@ -9,7 +9,8 @@
 #
 # The virtualenv lives outside the repo, keyed by a hash of everything that
 # decides its contents (requirements/*.txt, pyproject.toml), so CI and later
-# runs reuse it: $KVSIDECAR_CACHE (default ~/.cache/kvsidecar)/venv-<hash>.
+# runs reuse it: $KVSIDECAR_CACHE (default ~/.cache/kvsidecar)/venv-<hash>
+# (hash of requirements/*.txt, pyproject.toml and $env_version below).
 # vLLM 0.33 and SGLang 0.5.23 pin CUDA builds of torch 2.14; on a CPU machine
 # we install them --no-deps next to the CPU build of torch 2.13 plus the
 # modules their core imports (requirements/*-cpu.txt). See docs/engines.md.
@@ -19,7 +20,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py="${PYTHON:-python3}"
 cache="${KVSIDECAR_CACHE:-$HOME/.cache/kvsidecar}"
-key="$(cat requirements/*.txt pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)"
+# Bump when the install steps in build_env change (edits elsewhere here need no rebuild).
+env_version=3
+key="$( (echo "$env_version"; cat requirements/*.txt pyproject.toml) | sha256sum | cut -c1-16)"
 venv="$cache/venv-$key"
 
 # pip, quietly: hides the find-links noise and the resolver's complaints about
@@ -88,6 +91,10 @@ ensure_editable() {
 
 cmd="${1:-test}"
 shift || true
+case "$cmd" in
+    env|test|demo|run) ;;
+    *) echo "usage: bash scripts/dev.sh {test|demo|env|run CMD...}" >&2; exit 2 ;;
+esac
 build_env
 ensure_editable
 export PATH="$venv/bin:$PATH"
@@ -98,5 +105,4 @@ case "$cmd" in
     test) ensure_compose; exec python -m pytest "$@" ;;
     demo) exec kvsidecar demo "$@" ;;
     run)  exec "$@" ;;
-    *)    echo "usage: bash scripts/dev.sh {test|demo|env|run CMD...}" >&2; exit 2 ;;
 esac

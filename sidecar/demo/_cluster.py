@@ -49,14 +49,14 @@ class Cluster:
 
     # -- sidecar -----------------------------------------------------------
     def start_sidecar(self, timeout_s: float = 30.0) -> None:
-        log = (self.workdir / "sidecar.log").open("wb")
         env = {**os.environ, "KVSIDECAR_HEARTBEAT_TIMEOUT_S": "30"}
         env.pop("KVSIDECAR_TOKEN", None)
-        self._sidecar = subprocess.Popen(
-            [sys.executable, "-m", "sidecar.cli", "serve", "--host", "127.0.0.1",
-             "--port", str(self.sidecar_port), "--db", str(self.workdir / "sidecar.db")],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )  # fmt: skip
+        with (self.workdir / "sidecar.log").open("wb") as log:  # the child keeps its own fd
+            self._sidecar = subprocess.Popen(
+                [sys.executable, "-m", "sidecar.cli", "serve", "--host", "127.0.0.1",
+                 "--port", str(self.sidecar_port), "--db", str(self.workdir / "sidecar.db")],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._sidecar.poll() is not None:
@@ -73,9 +73,15 @@ class Cluster:
     def start_engines(self, specs: list[EngineSpec]) -> None:
         """Start engines in parallel; each registers with the sidecar."""
         with ThreadPoolExecutor(max_workers=len(specs)) as pool:
-            servers = list(pool.map(self._launch, specs))
-        for spec, server in zip(specs, servers, strict=True):
-            self.engines[spec.instance_id] = server
+            futures = [(spec, pool.submit(self._launch, spec)) for spec in specs]
+        failed: BaseException | None = None
+        for spec, future in futures:  # keep every server that started, so close() stops it
+            try:
+                self.engines[spec.instance_id] = future.result()
+            except Exception as exc:  # noqa: BLE001 -- re-raised below, after bookkeeping
+                failed = failed or exc
+        if failed is not None:
+            raise failed
         for spec in specs:
             self.wait_registered(spec.instance_id)
 
