@@ -10,6 +10,7 @@ from collections.abc import Callable
 import httpx
 from pydantic import ValidationError
 
+from ._errors import EngineExtContractError
 from ._mailbox import LimitMailbox
 from ._settings import EngineSettings
 from .protocol import EngineState, RegisterBody, RegisterReply, Status
@@ -175,7 +176,12 @@ class SidecarClient:
             _log.warning("the sidecar's reply is not a RegisterReply (%s); ignored", exc)
             return
         if reply.revision > self._mailbox.revision:
-            result = self._mailbox.publish(reply.limit, reply.revision)
+            try:
+                result = self._mailbox.publish(reply.limit, reply.revision)
+            except EngineExtContractError as exc:
+                # a sidecar bug must not end this thread: keep the current limit, keep reporting
+                _log.warning("the sidecar's retained limit cannot be taken (%s); ignored", exc)
+                return
             if result.status in (Status.STALE, Status.CONFLICT):
                 _log.warning("retained limit from the sidecar rejected: %s", result.message)
 

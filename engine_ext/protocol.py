@@ -22,6 +22,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 __all__ = [
     "ID_PATTERN",
     "MAX_LIMIT_BYTES",
+    "MAX_REVISION",
     "EngineState",
     "LimitBody",
     "RankState",
@@ -121,6 +122,15 @@ def _size_or_none(value: Any) -> int | None:
 
 LimitSize = Annotated[int | None, BeforeValidator(_size_or_none)]
 
+#: Largest revision accepted anywhere (fits SQLite's signed 64-bit integers with room to grow).
+MAX_REVISION = 1 << 62
+
+#: A revision on the wire: 0 (none yet) up to :data:`MAX_REVISION`.
+Revision = Annotated[int, Field(ge=0, le=MAX_REVISION)]
+
+#: A byte count the engine measured: never negative.
+ByteCount = Annotated[int, Field(ge=0)]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -130,14 +140,14 @@ class LimitBody(_Strict):
     """Body of ``PUT .../limit`` (sidecar API and engine control socket)."""
 
     limit: LimitSize = Field(description="bytes per GPU: int, '4GiB', or null for unlimited")
-    revision: int | None = Field(default=None, ge=1, le=(1 << 62), strict=True)
+    revision: int | None = Field(default=None, ge=1, le=MAX_REVISION, strict=True)
 
 
 class RankState(BaseModel):
     """What one TP/PP rank maps."""
 
-    rank: int
-    mapped_bytes: int
+    rank: int = Field(ge=0)
+    mapped_bytes: ByteCount
     alive: bool = True
 
 
@@ -149,22 +159,22 @@ class EngineState(BaseModel):
     """
 
     status: Status
-    revision: int = 0  # newest revision the engine accepted (0 = none yet)
-    limit_bytes: int | None = None  # the limit the engine holds (as requested)
+    revision: Revision = 0  # newest revision the engine accepted (0 = none yet)
+    limit_bytes: LimitSize = None  # the limit the engine holds (as requested)
     # what the engine works towards: max(limit, floor), the floor being memory the engine
     # itself can never give back (vLLM's null block keeps its page mapped); None: unlimited
-    effective_limit_bytes: int | None = None
-    floor_bytes: int = 0
-    mapped_bytes: int = 0  # largest per-rank mapped KV bytes (page bundles)
-    overage_bytes: int = 0  # mapped - effective limit while deferred, else 0
+    effective_limit_bytes: LimitSize = None
+    floor_bytes: ByteCount = 0
+    mapped_bytes: ByteCount = 0  # largest per-rank mapped KV bytes (page bundles)
+    overage_bytes: ByteCount = 0  # mapped - effective limit while deferred, else 0
     reason: str | None = None  # why deferred: evicting, running_requests, rank_timeout, ...
-    capacity_bytes: int = 0  # KV bytes the instance could map with no limit
-    page_bundle_bytes: int = 0  # bytes one page costs (all layers and K/V buffers)
-    evictable_bytes: int = 0  # prefix-cache pages that could be given back now
-    pinned_bytes: int = 0  # pages held by running requests
-    num_ranks: int = 1
+    capacity_bytes: ByteCount = 0  # KV bytes the instance could map with no limit
+    page_bundle_bytes: ByteCount = 0  # bytes one page costs (all layers and K/V buffers)
+    evictable_bytes: ByteCount = 0  # prefix-cache pages that could be given back now
+    pinned_bytes: ByteCount = 0  # pages held by running requests
+    num_ranks: int = Field(default=1, ge=1)
     ranks: list[RankState] = Field(default_factory=list)
-    passes: int = 0  # engine passes (step() calls that took or worked on a target)
+    passes: int = Field(default=0, ge=0)  # engine passes (step() calls that took or worked on a target)
     message: str | None = None  # human explanation for stale/conflict
 
 
@@ -174,12 +184,13 @@ class RegisterBody(_Strict):
     engine: str  # "vllm" or "sglang"
     engine_version: str
     socket_path: str | None = None  # the engine's control socket
-    device_total_bytes: int | None = None  # device memory of one rank (limit-percent)
+    # device memory of one rank (limit-percent)
+    device_total_bytes: int | None = Field(default=None, ge=0, le=MAX_LIMIT_BYTES)
     state: EngineState
 
 
 class RegisterReply(BaseModel):
     """The retained desired limit; ``revision`` 0 means none is retained."""
 
-    limit: int | None = None
-    revision: int = 0
+    limit: LimitSize = None
+    revision: Revision = 0

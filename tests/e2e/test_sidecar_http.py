@@ -121,6 +121,48 @@ BAD_INPUTS: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
     ("register-types", "POST", "/instances/a/register",
      {"engine": "vllm", "engine_version": "0.33.0", "device_total_bytes": "lots",
       "state": {"status": "applied"}}, {}, 422, "device_total_bytes"),
+    ("register-device-huge", "POST", "/instances/a/register",
+     {"engine": "vllm", "engine_version": "0.33.0", "device_total_bytes": 2**64,
+      "state": {"status": "applied"}}, {}, 422, "device_total_bytes: Input should be less"),
+    ("register-device-neg", "POST", "/instances/a/register",
+     {"engine": "vllm", "engine_version": "0.33.0", "device_total_bytes": -1,
+      "state": {"status": "applied"}}, {}, 422, "device_total_bytes: Input should be greater"),
+    ("register-rev-huge", "POST", "/instances/a/register",
+     {"engine": "vllm", "engine_version": "0.33.0",
+      "state": {"status": "applied", "revision": 2**64, "limit_bytes": 1}}, {}, 422,
+     "state.revision: Input should be less than or equal to 4611686018427387904"),
+    ("register-rev-neg", "POST", "/instances/a/register",
+     {"engine": "vllm", "engine_version": "0.33.0",
+      "state": {"status": "applied", "revision": -1}}, {}, 422,
+     "state.revision: Input should be greater than or equal to 0"),
+    ("register-limit-neg", "POST", "/instances/a/register",
+     {"engine": "vllm", "engine_version": "0.33.0",
+      "state": {"status": "applied", "revision": 6, "limit_bytes": -5}}, {}, 422,
+     "state.limit_bytes: a size cannot be negative"),
+    ("register-limit-huge", "POST", "/instances/a/register",
+     {"engine": "vllm", "engine_version": "0.33.0",
+      "state": {"status": "applied", "revision": 6, "limit_bytes": 2**61}}, {}, 422,
+     "state.limit_bytes: size 2305843009213693952 is larger than 1 EiB"),
+    ("register-effective-neg", "POST", "/instances/a/register",
+     {"engine": "vllm", "engine_version": "0.33.0",
+      "state": {"status": "applied", "effective_limit_bytes": -1}}, {}, 422,
+     "state.effective_limit_bytes: a size cannot be negative"),
+    ("register-rank-neg", "POST", "/instances/a/register",
+     {"engine": "vllm", "engine_version": "0.33.0",
+      "state": {"status": "applied", "ranks": [{"rank": 0, "mapped_bytes": -1}]}}, {}, 422,
+     "state.ranks.0.mapped_bytes: Input should be greater than or equal to 0"),
+    ("report-rev-huge", "POST", "/instances/a/report",
+     {"status": "applied", "revision": 2**64}, {}, 422, "revision: Input should be less"),
+    ("report-limit-neg", "POST", "/instances/a/report",
+     {"status": "applied", "revision": 6, "limit_bytes": -5}, {}, 422,
+     "limit_bytes: a size cannot be negative"),
+    ("report-limit-bool", "POST", "/instances/a/report",
+     {"status": "applied", "revision": 6, "limit_bytes": True}, {}, 422,
+     "limit_bytes: a size must be a byte count"),
+    *[(f"report-{name}-neg", "POST", "/instances/a/report",
+       {"status": "deferred", name: -1}, {}, 422, f"{name}: Input should be greater than or equal")
+      for name in ("floor_bytes", "mapped_bytes", "overage_bytes", "capacity_bytes",
+                   "page_bundle_bytes", "evictable_bytes", "pinned_bytes", "passes")],
     ("no-route", "POST", "/instances/a/limit", {"limit": 1}, {}, 405, "Method Not Allowed"),
 ]
 
@@ -133,18 +175,28 @@ def _send(client: httpx.Client, method: str, path: str, body: Any,
     return client.request(method, path, json=body, headers=headers)
 
 
+def _instances_now(client: httpx.Client) -> list[dict[str, Any]]:
+    """Every instance view, less the one field that moves with the clock."""
+    views: list[dict[str, Any]] = client.get("/instances").json()["instances"]
+    return [{k: v for k, v in view.items() if k != "last_seen_s_ago"} for view in views]
+
+
 @pytest.mark.parametrize(("case", "method", "path", "body", "headers", "status", "words"),
                          BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_is_a_clear_4xx_and_changes_nothing(
         client: httpx.Client, db: Path, case: str, method: str, path: str, body: Any,
         headers: dict[str, str], status: int, words: str) -> None:
     assert client.put("/instances/a/limit", json={"limit": "2G", "revision": 5}).status_code == 200
-    before_api, before_db = client.get("/instances").content, db_rows(db)
+    if "/report" in path:  # reports are only taken from a registered engine
+        engine = {"status": "applied", "revision": 5, "limit_bytes": 2 * GiB}
+        assert client.post("/instances/a/register", json={
+            "engine": "vllm", "engine_version": "0.33.0", "state": engine}).status_code == 200
+    before_api, before_db = _instances_now(client), db_rows(db)
     r = _send(client, method, path, body, headers)
     assert r.status_code == status, r.text
     assert r.headers["content-type"] == "application/problem+json"
     assert words in r.json()["detail"], r.json()
-    assert client.get("/instances").content == before_api
+    assert _instances_now(client) == before_api
     assert db_rows(db) == before_db
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from engine_pool import BLOCKS_PER_PAGE, BUNDLE, Pool
 
-from engine_ext import ElasticInstance, EngineBinding, load_engine_settings
+from engine_ext import ElasticInstance, EngineBinding, Target, load_engine_settings
 from engine_ext.protocol import EngineState, RegisterBody, RegisterReply, Status
 
 
@@ -168,6 +168,28 @@ def test_heartbeats_and_reregisters_after_404(
         standin.wait("registers", 2)
         n = len(standin.reports)
         standin.wait("reports", n + 1)
+    finally:
+        inst.close()
+
+
+@pytest.mark.parametrize("bad", [{"limit": -5, "revision": 4}, {"limit": 1 << 61, "revision": 4},
+                                 {"limit": BUNDLE, "revision": 1 << 64}],
+                         ids=["negative", "over-1EiB", "huge-revision"])
+def test_a_bad_reply_is_ignored_and_the_client_keeps_going(
+    pool: Pool, tmp_path: Path, standin: StandIn, bad: dict[str, int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    standin.retained = RegisterReply.model_construct(**bad)  # what a buggy sidecar might send
+    woken = threading.Event()
+    inst = make_instance(pool, tmp_path, standin.url, woken, heartbeat_s=0.05)
+    try:
+        inst.start()  # the register reply is bad: the engine starts anyway, unlimited
+        assert inst.sidecar is not None and inst.sidecar.registered
+        standin.wait("reports", 3)  # the client thread survived the bad replies
+        assert inst.mailbox.revision == 0 and not woken.is_set()
+        assert "ignored" in caplog.text
+        standin.retained = RegisterReply(limit=BUNDLE, revision=5)
+        assert woken.wait(10) and inst.mailbox.desired == Target(BUNDLE, 5)
     finally:
         inst.close()
 
