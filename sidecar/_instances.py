@@ -75,6 +75,8 @@ def derive_status(rec: InstanceRecord, now: float,
     * never heard from the engine: ``pending`` (``not_registered``);
     * silent for longer than the heartbeat timeout: ``unreachable``;
     * the engine has not acknowledged the desired revision: ``pending``;
+    * the engine holds the desired revision with another limit: ``pending``
+      (``limit_mismatch``; the service re-issues the desired limit as the next revision);
     * otherwise what the engine reported (``deferred`` with its reason, or ``applied``).
     """
     obs = rec.observed
@@ -86,6 +88,8 @@ def derive_status(rec: InstanceRecord, now: float,
         return Status.PENDING, "awaiting_report"
     if obs.revision < rec.row.revision:
         return Status.PENDING, "push_in_flight"
+    if obs.revision == rec.row.revision and obs.limit_bytes != rec.row.limit_bytes:
+        return Status.PENDING, "limit_mismatch"
     if obs.status in (Status.APPLIED, Status.DEFERRED):
         return obs.status, obs.reason if obs.status is Status.DEFERRED else None
     return Status.PENDING, obs.reason

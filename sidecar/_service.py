@@ -109,8 +109,6 @@ class InstanceService:
     async def register(self, instance_id: str, body: RegisterBody) -> RegisterReply:
         """Record the engine; adopt its revision if newer; answer with the desired limit."""
         _check_socket_path(body.socket_path)
-        if body.device_total_bytes is not None and body.device_total_bytes < 0:
-            raise InvalidInputError("device_total_bytes", "must be a byte count >= 0")
         reg = Registration(body.engine, body.engine_version, body.socket_path,
                            body.device_total_bytes)
         row = await self._store.register(instance_id, reg)
@@ -118,6 +116,8 @@ class InstanceService:
         rec.observed = body.state  # a (re)started engine: its state replaces the old one
         rec.last_seen = self._now
         await self._adopt_if_newer(rec, body.state)
+        if _other_limit_same_revision(rec, body.state):
+            await self._reissue_desired(rec)
         rec.notify()
         return RegisterReply(limit=rec.row.limit_bytes, revision=rec.row.revision)
 
@@ -161,8 +161,19 @@ class InstanceService:
                           rec.row.id, state.revision)
                 rec.set_row(row)
 
+    async def _reissue_desired(self, rec: InstanceRecord) -> None:
+        """The engine took the desired revision number with another limit (set on its socket
+        directly, or from ``KVSIDECAR_LIMIT`` while the sidecar was down). The sidecar's
+        intent wins the tie: re-issue it as the next revision, which gets pushed."""
+        _log.warning("instance %s: the engine holds revision %d with another limit; "
+                     "re-issuing the desired limit as the next revision",
+                     rec.row.id, rec.row.revision)
+        await self.set_limit(rec.row.id, rec.row.limit_bytes, None)
+
     async def _observe(self, rec: InstanceRecord, state: EngineState) -> None:
         await self._adopt_if_newer(rec, state)
+        if _other_limit_same_revision(rec, state):
+            await self._reissue_desired(rec)
         # A push reply can arrive after a newer report for the same revision (the engine
         # made more passes meanwhile): order by (revision, passes), never by arrival.
         if rec.observed is None or (state.revision, state.passes) >= (
@@ -185,15 +196,16 @@ class InstanceService:
             return state.revision >= pushed
         rec.last_seen = self._now
         if state.status is Status.CONFLICT and state.revision <= pushed:
-            # The engine took this revision number with another limit (set on its socket
-            # directly). The sidecar's intent wins the tie: re-issue it as a new revision.
-            _log.warning("instance %s: the engine holds revision %d with another limit; "
-                         "re-issuing the desired limit as the next revision",
-                         instance_id, pushed)
-            await self.set_limit(instance_id, rec.row.limit_bytes, None)
+            await self._reissue_desired(rec)
             return True
         await self._adopt_if_newer(rec, state)
         return rec.row.revision != pushed
+
+
+def _other_limit_same_revision(rec: InstanceRecord, state: EngineState) -> bool:
+    """The engine holds the desired revision number, but with another limit."""
+    return (state.revision == rec.row.revision != 0
+            and state.limit_bytes != rec.row.limit_bytes)
 
 
 def _check_socket_path(path: str | None) -> None:

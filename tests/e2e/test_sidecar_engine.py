@@ -165,3 +165,39 @@ def test_a_conflicting_engine_revision_is_overtaken(client: httpx.Client,
     assert (engine.mailbox.desired.limit_bytes, engine.mailbox.pushes[-2:]) == \
         (2 * GiB, [(2 * GiB, 1), (2 * GiB, 2)])  # rejected as a conflict, then re-issued
     assert client.get("/instances/llama-a").json()["desired"]["revision"] == 2
+
+
+def test_same_revision_other_limit_at_registration_is_overtaken(client: httpx.Client,
+                                                                engine: SocketEngine) -> None:
+    """The sidecar was down at engine start: the engine took KVSIDECAR_LIMIT as revision 1,
+    an operator's PUT was stored as revision 1 too. The sidecar's intent wins."""
+    engine.mailbox.publish(5 * GiB, 1)
+    engine.engine_pass()
+    client.put("/instances/llama-a/limit", json={"limit": "2G"})  # revision 1 here too
+    reply = client.post("/instances/llama-a/register", json=engine.register_body()).json()
+    assert reply == {"limit": 2 * GiB, "revision": 2}  # re-issued as the next revision
+    _wait_for(lambda: engine.mailbox.desired.revision == 2)
+    assert engine.mailbox.desired.limit_bytes == 2 * GiB
+    assert client.get("/instances/llama-a").json()["status"] != "applied"  # 6 GiB mapped
+    _report(client, "llama-a", engine, mapped_bytes=GiB)
+    view = client.get("/instances/llama-a").json()
+    assert (view["status"], view["desired"]["revision"], view["observed"]["limit_bytes"]) == \
+        ("applied", 2, 2 * GiB)
+
+
+def test_same_revision_other_limit_in_a_report_is_overtaken(client: httpx.Client,
+                                                            engine: SocketEngine) -> None:
+    """No socket to push to: the report's reply carries the re-issued limit (pull)."""
+    body = {**engine.register_body(), "socket_path": None}
+    client.post("/instances/llama-a/register", json=body)  # revision 0
+    client.put("/instances/llama-a/limit", json={"limit": "2G"})  # revision 1, not pushed
+    engine.mailbox.publish(5 * GiB, 1)  # the engine took revision 1 elsewhere
+    reply = _report(client, "llama-a", engine, mapped_bytes=GiB).json()
+    assert reply == {"limit": 2 * GiB, "revision": 2}
+    view = client.get("/instances/llama-a").json()
+    assert (view["status"], view["reason"]) == ("pending", "push_in_flight")
+    engine.mailbox.publish(reply["limit"], reply["revision"])  # what SidecarClient does
+    _report(client, "llama-a", engine)
+    view = client.get("/instances/llama-a").json()
+    assert (view["status"], view["desired"]["revision"], view["observed"]["limit_bytes"]) == \
+        ("applied", 2, 2 * GiB)

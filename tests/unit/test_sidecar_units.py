@@ -114,13 +114,19 @@ def _record(observed: EngineState | None, *, revision: int = 1, registered: bool
 
 def test_derive_status() -> None:
     applied = EngineState(status=Status.APPLIED, revision=1, limit_bytes=GiB)
-    deferred = EngineState(status=Status.DEFERRED, revision=1, reason="evicting")
+    deferred = EngineState(status=Status.DEFERRED, revision=1, limit_bytes=GiB,
+                           reason="evicting")
+    other = EngineState(status=Status.APPLIED, revision=1, limit_bytes=2 * GiB)
+    unlimited = EngineState(status=Status.APPLIED, revision=1, limit_bytes=None)
     cases = [
         (_record(None, registered=False, last_seen=None), (Status.PENDING, "not_registered")),
         (_record(None), (Status.PENDING, "awaiting_report")),
         (_record(applied, revision=2), (Status.PENDING, "push_in_flight")),
         (_record(applied), (Status.APPLIED, None)),
         (_record(deferred), (Status.DEFERRED, "evicting")),
+        # the same revision number with another limit is never "applied"
+        (_record(other), (Status.PENDING, "limit_mismatch")),
+        (_record(unlimited), (Status.PENDING, "limit_mismatch")),
         (_record(applied, last_seen=80.0), (Status.UNREACHABLE, "no_heartbeat")),
         (_record(None, last_seen=80.0), (Status.UNREACHABLE, "no_heartbeat")),
     ]
