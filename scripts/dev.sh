@@ -77,16 +77,13 @@ ensure_compose() {
     fi
 }
 
-# The environment is shared by every checkout with the same requirements: make
-# its editable install (console scripts, subprocesses) point at THIS checkout.
-ensure_editable() {
-    local where
-    where="$(cd / && "$venv/bin/python" -c \
-        'import os, sidecar; print(os.path.dirname(os.path.dirname(os.path.realpath(sidecar.__file__))))' \
-        2>/dev/null || true)"
-    if [[ "$where" != "$(realpath "$root")" ]]; then
-        pipi --no-deps -e .
-    fi
+# The environment is shared by every checkout with the same requirements. Its
+# install provides the entry points (console scripts, vLLM's plugin group);
+# PYTHONPATH makes every import, in subprocesses too, resolve to THIS
+# checkout, so several checkouts (git worktrees) can use one environment at once.
+ensure_installed() {
+    "$venv/bin/python" -c 'import importlib.metadata as m; m.distribution("kvsidecar")' \
+        >/dev/null 2>&1 || pipi --no-deps -e .
 }
 
 cmd="${1:-test}"
@@ -96,8 +93,9 @@ case "$cmd" in
     *) echo "usage: bash scripts/dev.sh {test|demo|env|run CMD...}" >&2; exit 2 ;;
 esac
 build_env
-ensure_editable
+ensure_installed
 export PATH="$venv/bin:$PATH"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_TARGET_DEVICE="${VLLM_TARGET_DEVICE:-cpu}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 case "$cmd" in
