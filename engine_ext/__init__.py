@@ -10,11 +10,11 @@ Imports :mod:`allocator` for typing only, and no engine.
 
 from ._barrier import BarrierOutcome, BarrierResult, RankBarrier
 from ._control import MAX_BODY_BYTES, ControlServer
-from ._coordinator import CoordinatorConfig, ShrinkCoordinator
+from ._coordinator import CoordinatorConfig, Demand, DemandProbe, ShrinkCoordinator
 from ._errors import EngineExtConfigError, EngineExtContractError, EngineExtError
 from ._instance import ElasticInstance, EngineBinding
 from ._mailbox import LimitMailbox, PublishResult, Target
-from ._reasons import DeferReason
+from ._reasons import DeferReason, WaitReason
 from ._reclaim import (
     BlockView,
     Reclaimer,
@@ -33,6 +33,8 @@ __all__ = [
     "ControlServer",
     "CoordinatorConfig",
     "DeferReason",
+    "Demand",
+    "DemandProbe",
     "ElasticInstance",
     "EngineBinding",
     "EngineExtConfigError",
@@ -47,6 +49,7 @@ __all__ = [
     "SidecarClient",
     "Target",
     "VictimPage",
+    "WaitReason",
     "count_reclaimable_pages",
     "load_engine_settings",
     "select_victim_pages",

@@ -12,17 +12,39 @@ from allocator import BackendError
 
 from ._barrier import BarrierOutcome, BarrierResult, RankBarrier
 from ._mailbox import LimitMailbox, Target
-from ._reasons import DeferReason
+from ._reasons import DeferReason, WaitReason
 from ._reclaim import Reclaimer, count_reclaimable_pages, select_victim_pages
 from .protocol import EngineState, RankState, Status
 
 if TYPE_CHECKING:
     from allocator import Backend, BlockAllocator, PageAllocator, ThreadGuard
 
-__all__ = ["CoordinatorConfig", "ShrinkCoordinator"]
+__all__ = ["CoordinatorConfig", "Demand", "DemandProbe", "ShrinkCoordinator"]
 
 _log = logging.getLogger("engine_ext.coordinator")
 Reporter = Callable[[EngineState], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What the engine's requests need now, as the adapter reads it from the scheduler.
+
+    Built by the adapter's probe at every scheduler step: it must cost O(1)
+    (counters the adapter keeps, lengths of the scheduler's queues), never a
+    scan of requests or blocks.
+    """
+
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    waiting_blocks: int = 0  # blocks the waiting requests still need to start
+    # the limit keeps at least one waiting request out (not the engine's own batch caps)
+    waiting_for_memory: bool = False
+    num_preemptions: int = 0  # since start
+    prefix_hit_rate: float | None = None  # recent window, None = no lookups yet
+
+
+#: The adapter's demand reader (engine thread, O(1)).
+DemandProbe = Callable[[], Demand]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +53,9 @@ class CoordinatorConfig:
 
     reclaim: bool = True  # False: record targets, never evict (the "without reclaim" baseline)
     max_evict_pages_per_step: int | None = None  # cap per pass; None = the whole overage
-    stats_interval_s: float = 1.0  # how often an idle pass may rescan evictable/pinned figures
+    # how often a pass may rescan evictable/pinned figures (an O(evictable) scan; DESIGN.md
+    # asks for figures at most 100 ms old while busy)
+    stats_interval_s: float = 0.1
     # While deferred for a reason eviction cannot fix now (running requests, reclaim off, a
     # rank), retry at most this often unless the mapped page count moved: a retry scans
     # every evictable block, and step() runs at the top of every allocation.
@@ -82,6 +106,9 @@ class ShrinkCoordinator:
         self._guard = guard if guard is not None else blocks.guard  # one owner for pool + us
         self._reclaimers: list[Reclaimer] = []
         self._reporter: Reporter | None = None
+        self._demand_probe: DemandProbe | None = None
+        self._demand = Demand()
+        self._block_bytes = self._bundle_bytes // blocks.blocks_per_page
         self._barrier: RankBarrier | None = None
         self._barrier_epoch = 0  # the barrier's liveness epoch at the last pass
         self._backend_failed = False  # the last pass hit a map/unmap error
@@ -90,7 +117,7 @@ class ShrinkCoordinator:
         self._seen_num_mapped = -1  # allocator's mapped-page count at the last state
         self._reclaimable_pages = 0  # from the last scan
         self._scanned_at = float("-inf")
-        self._reported: tuple[Status, int, int] | None = None
+        self._reported: tuple[Status, int, int, str | None] | None = None
         self._settled = True  # status is not deferred: an idle pass has nothing to do
         self._tried_at = float("-inf")  # when the last shrink pass ran
         self._state = self._compute(_Pass(), None)
@@ -105,6 +132,10 @@ class ShrinkCoordinator:
     def set_reporter(self, reporter: Reporter | None) -> None:
         """Called (engine thread) with the new state when status, revision or mapped change."""
         self._reporter = reporter
+
+    def set_demand_probe(self, probe: DemandProbe | None) -> None:
+        """Read the engine's demand at every ``step()`` (see :class:`Demand`)."""
+        self._demand_probe = probe
 
     def set_rank_barrier(self, barrier: RankBarrier | None) -> None:
         """TP/PP: confirm every rank's unmaps before ``applied`` (see :class:`RankBarrier`)."""
@@ -124,16 +155,22 @@ class ShrinkCoordinator:
     # -- engine thread ----------------------------------------------------------------
 
     def step(self) -> EngineState:
-        """One pass: take the newest target once, shrink toward it, update the status."""
+        """One pass: take the newest target once, shrink toward it, update the status.
+
+        Call it only at a safe point (top of a scheduler step, idle hook): it may
+        evict and unmap. When nothing waits it only refreshes the demand figures
+        (O(1)), so calling it at every scheduler step keeps the state fresh.
+        """
         self._guard.check()
         target = self._mailbox.take()
+        demand_moved = self._probe_demand()
         if target is None:
             moved = self._pages.num_mapped != self._seen_num_mapped
             rank_died = self._barrier is not None and self._barrier.epoch != self._barrier_epoch
             if self._settled and not rank_died:
                 # nothing waits; the common case returns here without a syscall
                 if not moved:
-                    return self._state
+                    return self._refresh_demand() if demand_moved else self._state
                 # pages moved (traffic): with ranks, settle acked unmaps and keep the
                 # per-rank figures (sync waits only while unmaps are in flight)
                 barrier = self._barrier.sync() if self._barrier is not None else None
@@ -141,7 +178,7 @@ class ShrinkCoordinator:
             if not (moved or rank_died) and self._state.reason != DeferReason.EVICTING.value:
                 now = time.monotonic()
                 if now - self._tried_at < self._config.deferred_retry_s:
-                    return self._state
+                    return self._refresh_demand() if demand_moved else self._state
         self._tried_at = time.monotonic()
         self._passes += 1
         try:
@@ -160,6 +197,35 @@ class ShrinkCoordinator:
             self._barrier_epoch = self._barrier.epoch
             barrier = self._barrier.sync()
         return self._update(done, barrier)
+
+    def _probe_demand(self) -> bool:
+        """Read the adapter's demand; whether it changed since the last state."""
+        probe = self._demand_probe
+        if probe is None:
+            return False
+        demand = probe()
+        if demand == self._demand:
+            return False
+        self._demand = demand
+        return True
+
+    def _refresh_demand(self) -> EngineState:
+        """Only the demand moved: the same state with fresh demand fields (no syscall)."""
+        state = self._state.model_copy(update=self._demand_fields())
+        return self._publish(state)
+
+    def _demand_fields(self) -> dict[str, object]:
+        demand = self._demand
+        return {
+            "num_running_requests": demand.num_running_requests,
+            "num_waiting_requests": demand.num_waiting_requests,
+            "waiting_bytes": demand.waiting_blocks * self._block_bytes,
+            "waiting_reason": (
+                WaitReason.WAITING_FOR_MEMORY.value if demand.waiting_for_memory else None
+            ),
+            "num_preemptions": demand.num_preemptions,
+            "prefix_hit_rate": demand.prefix_hit_rate,
+        }
 
     def _apply_target(self, target: Target) -> None:
         self._target = target
@@ -193,11 +259,19 @@ class ShrinkCoordinator:
         return _Pass(over, freed)
 
     def _update(self, done: _Pass, barrier: BarrierResult | None) -> EngineState:
-        state = self._compute(done, barrier)
+        return self._publish(self._compute(done, barrier))
+
+    def _publish(self, state: EngineState) -> EngineState:
+        """Make ``state`` the snapshot; report it if what the sidecar shows changed.
+
+        Demand counts alone do not trigger a report (they move with every request);
+        they travel with the next report or heartbeat. Whether requests wait for
+        memory does.
+        """
         self._state = state
         self._settled = state.status is not Status.DEFERRED
         self._mailbox.set_state(state)
-        key = (state.status, state.revision, state.mapped_bytes)
+        key = (state.status, state.revision, state.mapped_bytes, state.waiting_reason)
         if key != self._reported:
             self._reported = key
             self._report(state)
@@ -254,6 +328,7 @@ class ShrinkCoordinator:
             num_ranks=len(ranks),
             ranks=ranks,
             passes=self._passes,
+            **self._demand_fields(),  # type: ignore[arg-type]
         )
 
     def _reason(

@@ -1,4 +1,5 @@
-"""Why a limit is ``deferred``: the one vocabulary for ``EngineState.reason``."""
+"""Why a limit is ``deferred`` or requests wait: the vocabularies of ``EngineState.reason``
+and ``EngineState.waiting_reason``."""
 
 from __future__ import annotations
 
@@ -15,3 +16,9 @@ class DeferReason(str, Enum):
     RANK_TIMEOUT = "rank_timeout"  # a TP/PP rank did not confirm its unmaps in time
     RANK_FAILED = "rank_failed"  # a TP/PP rank is dead or reported an error
     BACKEND_ERROR = "backend_error"  # a map/unmap failed (OS/driver); the next pass retries
+
+
+class WaitReason(str, Enum):
+    """Why waiting requests do not start (``EngineState.waiting_reason``; docs/limits.md)."""
+
+    WAITING_FOR_MEMORY = "waiting_for_memory"  # the limit keeps a waiting request out

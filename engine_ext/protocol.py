@@ -176,6 +176,16 @@ class EngineState(BaseModel):
     ranks: list[RankState] = Field(default_factory=list)
     passes: int = Field(default=0, ge=0)  # engine passes (step() calls that took or worked on a target)
     message: str | None = None  # human explanation for stale/conflict
+    # -- demand: what the engine's requests need (refreshed at every scheduler step) --
+    num_running_requests: int = Field(default=0, ge=0)
+    num_waiting_requests: int = Field(default=0, ge=0)
+    waiting_bytes: ByteCount = 0  # KV bytes the waiting requests still need to start
+    # why waiting requests do not start: "waiting_for_memory" when the limit (not the
+    # engine's own batch limits) keeps at least one of them out; None otherwise. Independent
+    # of ``status``: a limit can be applied while requests wait for memory under it.
+    waiting_reason: str | None = None
+    num_preemptions: int = Field(default=0, ge=0)  # running requests preempted since start
+    prefix_hit_rate: float | None = Field(default=None, ge=0.0, le=1.0)  # recent window
 
 
 class RegisterBody(_Strict):

@@ -357,3 +357,69 @@ def test_without_a_floor_a_pinned_page_keeps_limit_zero_deferred(pool: Pool) -> 
     state = coord.step()
     assert (state.status, state.reason, state.overage_bytes) == (
         Status.DEFERRED, "running_requests", BUNDLE)
+
+
+class _Demand:
+    """A demand probe the test moves by hand; counts how often the coordinator reads it."""
+
+    def __init__(self) -> None:
+        from engine_ext import Demand
+
+        self.value = Demand()
+        self.reads = 0
+
+    def __call__(self) -> Any:
+        self.reads += 1
+        return self.value
+
+
+def test_demand_is_fresh_at_every_step_while_settled(pool: Pool) -> None:
+    from engine_ext import Demand
+
+    pool.fill(4)
+    mailbox, coord = make(pool)
+    probe = _Demand()
+    coord.set_demand_probe(probe)
+    reports: list[EngineState] = []
+    coord.set_reporter(reports.append)
+    mailbox.publish(8 * BUNDLE, 1)
+    coord.step()
+    reports.clear()
+    reads = probe.reads
+
+    probe.value = Demand(num_running_requests=2, num_waiting_requests=1, waiting_blocks=3,
+                         num_preemptions=1, prefix_hit_rate=0.5)
+    state = coord.step()
+    assert probe.reads == reads + 1  # read at every step, not only when a target waits
+    assert (state.num_running_requests, state.num_waiting_requests) == (2, 1)
+    assert state.waiting_bytes == 3 * (BUNDLE // BLOCKS_PER_PAGE)
+    assert state.num_preemptions == 1 and state.prefix_hit_rate == 0.5
+    assert state.waiting_reason is None and state.status is Status.APPLIED
+    assert mailbox.latest_state == state  # what the control socket serves is fresh too
+    assert reports == []  # demand counts alone travel with the next report/heartbeat
+
+
+def test_waiting_for_memory_is_shown_and_reported_under_an_applied_limit(pool: Pool) -> None:
+    from engine_ext import Demand
+
+    pool.fill(4)
+    mailbox, coord = make(pool)
+    probe = _Demand()
+    coord.set_demand_probe(probe)
+    reports: list[EngineState] = []
+    coord.set_reporter(reports.append)
+    mailbox.publish(8 * BUNDLE, 1)
+    assert coord.step().status is Status.APPLIED
+    reports.clear()
+
+    probe.value = Demand(num_waiting_requests=1, waiting_blocks=40, waiting_for_memory=True)
+    state = coord.step()
+    assert state.status is Status.APPLIED  # the limit holds; requests wait under it
+    assert state.waiting_reason == "waiting_for_memory"
+    assert state.waiting_bytes == 40 * (BUNDLE // BLOCKS_PER_PAGE)
+    assert [r.waiting_reason for r in reports] == ["waiting_for_memory"]
+
+    probe.value = Demand()
+    state = coord.step()
+    assert state.waiting_reason is None and state.num_waiting_requests == 0
+    assert [r.waiting_reason for r in reports] == ["waiting_for_memory", None]
