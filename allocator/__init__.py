@@ -16,12 +16,15 @@ from ._errors import (
     AllocatorContractError,
     AllocatorError,
     BackendError,
+    DeviceOutOfMemory,
     ForeignThreadError,
 )
+from ._fence import DeviceEvent, FencedBackend, UnmapFence, torch_unmap_fence
 from ._guard import ThreadGuard
 from ._host import HostBackend
 from ._layout import PageLayout
 from ._pages import PageAllocator, PageObserver, PageState
+from ._prime import map_or_free_cache, torch_empty_cache
 
 __all__ = [
     "AllocatorConfigError",
@@ -31,6 +34,9 @@ __all__ = [
     "BackendError",
     "BlockAllocator",
     "CudaBackend",
+    "DeviceEvent",
+    "DeviceOutOfMemory",
+    "FencedBackend",
     "ForeignThreadError",
     "HostBackend",
     "PageAllocator",
@@ -38,4 +44,8 @@ __all__ = [
     "PageObserver",
     "PageState",
     "ThreadGuard",
+    "UnmapFence",
+    "map_or_free_cache",
+    "torch_empty_cache",
+    "torch_unmap_fence",
 ]

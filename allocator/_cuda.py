@@ -2,7 +2,7 @@
 
 One ``cuMemCreate`` handle per page and region (its own physical
 allocation of ``page_bytes``), mapped into one ``cuMemAddressReserve``
-range. ``cuda`` and ``torch`` are imported only when a backend is reserved
+range (spares reused across unmap/map: see the class). ``cuda`` and ``torch`` are imported only when a backend is reserved
 or a tensor built, so this module imports on machines without either.
 
 ``mapped_bytes`` counts the handles this backend holds: the driver has no
@@ -17,7 +17,7 @@ import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Self
 
-from ._errors import AllocatorContractError, BackendError
+from ._errors import AllocatorContractError, BackendError, DeviceOutOfMemory
 from ._layout import PageLayout, check_granularity
 from ._pageset import check_pages, runs
 
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["CudaBackend"]
+
+_CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 def load_driver() -> Any:
@@ -78,44 +80,74 @@ class _CudaArray:
 class CudaBackend:
     """Pages of one CUDA device mapped on demand into a reserved virtual range.
 
-    Owns the reservation, one allocation handle per mapped (page, region)
-    and a retained primary context of ``device``. Not thread-safe: call from
-    the thread that owns the allocator. Unmapping memory that queued kernels
-    still use is the caller's bug: unmap after the step that used it ended.
+    Owns the reservation, one allocation handle per mapped (page, region), a
+    few *spare* handles (created, not mapped: see below) and a retained
+    primary context of ``device``. Not thread-safe: call from the thread that
+    owns the allocator, except :meth:`device_free_bytes` (any thread).
+    Unmapping memory that queued kernels still use is the caller's bug: wrap
+    the backend in a :class:`~allocator.FencedBackend` to order unmaps after
+    the device work.
+
+    Spare handles. An unmap keeps up to ``spare_handles`` of the handles it
+    unmapped (default: one page bundle, ``layout.num_regions``) and the next
+    map reuses them, so a map after an unmap costs ``cuMemMap`` and
+    ``cuMemSetAccess`` only, never ``cuMemCreate``. Spares are device memory
+    this backend holds beyond :meth:`mapped_bytes`: :meth:`held_bytes`
+    counts both, :meth:`trim_spares` gives them back (``PageAllocator`` keeps
+    mapped + spare pages within its target that way).
+
+    Invariants: a page is in ``_handles`` exactly while at least one of its
+    regions is mapped (the books change only after the driver call
+    succeeded, so a failed unmap leaves the page mapped and retryable);
+    ``_num_handles`` counts the mapped handles; a handle is in exactly one
+    of ``_handles``, ``_spares`` or ``_stray`` (unmapped, its release failed:
+    retried by :meth:`trim_spares` and :meth:`release`).
     """
 
     layout: PageLayout
     base_address: int
 
-    def __init__(self, layout: PageLayout, device: int, driver: Any) -> None:
+    def __init__(self, layout: PageLayout, device: int, driver: Any,
+                 spare_handles: int | None = None) -> None:
         """Use :meth:`reserve`."""
+        if spare_handles is not None and spare_handles < 0:
+            raise AllocatorContractError(f"spare_handles must be >= 0, not {spare_handles}")
         self.layout = layout
         self.device = device
         self._drv = driver
         self._released = False
-        self._handles: list[list[Any] | None] = [None] * layout.num_pages
+        self._closing = False  # release() started and did not finish: only release() again
+        self._range_freed = False
+        self._handles: list[list[Any | None] | None] = [None] * layout.num_pages
         self._mapped = bytearray(layout.num_pages)  # 1 where _handles[page] is set
         self._num_handles = 0
+        self._spares: list[Any] = []
+        self._stray: list[Any] = []
+        self._spare_cap = layout.num_regions if spare_handles is None else spare_handles
         init_driver(driver)
         self._dev = _call(driver.cuDeviceGet(device), "cuDeviceGet")
         self._ctx = _call(driver.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
-        _call(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-        self._prop = driver.CUmemAllocationProp()
-        self._prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        self._prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        self._prop.location.id = device
-        self._access = driver.CUmemAccessDesc()
-        self._access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        self._access.location.id = device
-        self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self.granularity = int(_call(driver.cuMemGetAllocationGranularity(
-            self._prop,
-            driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-        ), "cuMemGetAllocationGranularity"))
-        check_granularity(layout, self.granularity, f"CUDA allocation granularity of device "
-                                                    f"{device}")
-        self.base_address = int(_call(driver.cuMemAddressReserve(
-            layout.total_bytes, self.granularity, 0, 0), "cuMemAddressReserve"))
+        try:
+            _call(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+            self._prop = driver.CUmemAllocationProp()
+            self._prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            self._prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            self._prop.location.id = device
+            self._access = driver.CUmemAccessDesc()
+            self._access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            self._access.location.id = device
+            self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            self.granularity = int(_call(driver.cuMemGetAllocationGranularity(
+                self._prop,
+                driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            ), "cuMemGetAllocationGranularity"))
+            check_granularity(layout, self.granularity, f"CUDA allocation granularity of device "
+                                                        f"{device}")
+            self.base_address = int(_call(driver.cuMemAddressReserve(
+                layout.total_bytes, self.granularity, 0, 0), "cuMemAddressReserve"))
+        except BaseException:
+            driver.cuDevicePrimaryCtxRelease(self._dev)
+            raise
 
     @staticmethod
     def unavailable_reason(device: int = 0) -> str | None:
@@ -134,24 +166,51 @@ class CudaBackend:
         return None
 
     @classmethod
-    def reserve(cls, layout: PageLayout, *, device: int = 0) -> CudaBackend:
-        """Reserve ``layout.total_bytes`` of virtual address space on ``device``."""
-        return cls(layout, device, load_driver())
+    def reserve(cls, layout: PageLayout, *, device: int = 0,
+                spare_handles: int | None = None) -> CudaBackend:
+        """Reserve ``layout.total_bytes`` of virtual address space on ``device``.
+
+        ``spare_handles``: unmapped handles kept for the next map (default one
+        page bundle, ``layout.num_regions``; 0 gives every unmap back at once).
+        """
+        return cls(layout, device, load_driver(), spare_handles)
 
     def release(self) -> None:
-        """Unmap and release every page, free the range, drop the context. Idempotent."""
+        """Unmap and release every page, free the range, drop the context. Idempotent.
+
+        Every step is tried even when one fails; a failure raises
+        :class:`BackendError` after the others ran, and calling ``release()``
+        again retries what is left (nothing else may be called meanwhile).
+        """
         if self._released:
             return
-        self._released = True
-        drv = self._drv
+        self._closing = True
+        self._spare_cap = 0
+        errors: list[BackendError] = []
         for page, handles in enumerate(self._handles):
             if handles is not None:
-                self._drop(page, handles)
-        self._handles = [None] * self.layout.num_pages
-        self._mapped = bytearray(self.layout.num_pages)
-        self._num_handles = 0
-        _call(drv.cuMemAddressFree(self.base_address, self.layout.total_bytes), "cuMemAddressFree")
-        _call(drv.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
+                try:
+                    self._unmap_one(page)
+                except BackendError as exc:
+                    errors.append(exc)
+        try:
+            self.trim_spares()
+        except BackendError as exc:
+            errors.append(exc)
+        if not self._range_freed and self._num_handles == 0:
+            try:
+                _call(self._drv.cuMemAddressFree(self.base_address, self.layout.total_bytes),
+                      "cuMemAddressFree")
+                self._range_freed = True
+            except BackendError as exc:
+                errors.append(exc)
+        if errors:
+            raise BackendError(
+                f"CudaBackend.release() did not finish ({len(errors)} failure(s), first: "
+                f"{errors[0]}); {self._num_handles} handle(s) still mapped, "
+                f"{len(self._stray)} unreleased; call release() again") from errors[0]
+        self._released = True
+        _call(self._drv.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
 
     def __enter__(self) -> Self:
         return self
@@ -161,15 +220,19 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ mapping
     def map(self, page: int) -> None:
-        """Create and map one allocation of ``page_bytes`` per region for ``page``."""
+        """Map one allocation of ``page_bytes`` per region for ``page`` (a spare, or a new one)."""
         self.map_many([page])
 
     def unmap(self, page: int) -> None:
-        """Unmap and release ``page``'s allocations (the memory goes back to the driver)."""
+        """Unmap ``page``'s allocations (kept as spares up to the cap, else released)."""
         self.unmap_many([page])
 
     def map_many(self, pages: Sequence[int]) -> None:
-        """Map several pages; access rights are set once per run of consecutive pages."""
+        """Map several pages; access rights are set once per run of consecutive pages.
+
+        All or nothing: on failure the pages mapped so far are unmapped again.
+        Out of device memory raises :class:`DeviceOutOfMemory`.
+        """
         self._check_live()
         ordered = check_pages(pages, self.layout.num_pages, self._mapped, False)
         done: list[int] = []
@@ -185,31 +248,81 @@ class CudaBackend:
                     address = self.base_address + self.layout.page_offset(region, first)
                     _call(self._drv.cuMemSetAccess(address, length, [self._access], 1),
                           "cuMemSetAccess")
-        except BackendError:
+        except BackendError as exc:
             for page in done:
-                self._unmap_one(page)
+                try:
+                    self._unmap_one(page)
+                except BackendError:
+                    pass  # stays in the books as mapped: unmap it again, or release()
+            if isinstance(exc, DeviceOutOfMemory):
+                raise self._out_of_memory(len(ordered), exc) from exc
             raise
 
     def unmap_many(self, pages: Sequence[int]) -> None:
-        """Unmap several pages."""
+        """Unmap several pages; a failure leaves that page mapped (retry) and raises."""
         self._check_live()
+        errors: list[BackendError] = []
         for page in check_pages(pages, self.layout.num_pages, self._mapped, True):
-            self._unmap_one(page)
+            try:
+                self._unmap_one(page)
+            except BackendError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def is_mapped(self, page: int) -> bool:
-        """Whether ``page`` has allocations mapped."""
+        """Whether ``page`` has allocations mapped (in any region)."""
         if not 0 <= page < self.layout.num_pages:
             raise AllocatorContractError(
                 f"page {page} is outside 0..{self.layout.num_pages - 1}")
         return bool(self._mapped[page])
 
     def mapped_bytes(self) -> int:
-        """Device bytes held by this backend's handles (see the module docstring)."""
+        """Device bytes of this backend's mapped handles (see the module docstring)."""
         return self._num_handles * self.layout.page_bytes
 
+    def held_bytes(self) -> int:
+        """Device bytes this backend holds: mapped, spare and not-yet-released handles."""
+        return (self._num_handles + len(self._spares) + len(self._stray)) * self.layout.page_bytes
+
+    def trim_spares(self, keep_pages: int = 0) -> None:
+        """Release spare handles beyond ``keep_pages`` bundles (and retry unreleased ones).
+
+        :class:`~allocator.PageAllocator` calls this after each unmap with the
+        pages its cap still allows, so mapped + spare never exceeds a target.
+        """
+        keep = min(self._spare_cap, max(0, keep_pages) * self.layout.num_regions)
+        extra = self._spares[keep:] + self._stray
+        if not extra:
+            return
+        self._spares, self._stray = self._spares[:keep], []
+        first: BackendError | None = None
+        for handle in extra:
+            try:
+                _call(self._drv.cuMemRelease(handle), "cuMemRelease")
+            except BackendError as exc:
+                self._stray.append(handle)
+                first = first or exc
+        if first is not None:
+            raise first
+
     def device_free_bytes(self) -> int:
-        """Free memory on the whole device now (``cuMemGetInfo``), for checks and tests."""
-        free, _total = _call(self._drv.cuMemGetInfo(), "cuMemGetInfo")
+        """Free memory on the whole device now (``cuMemGetInfo``); any thread may call it.
+
+        The driver answers only with a current context: on a thread without
+        one, this backend's context is made current for the call and the
+        thread's previous (none) restored.
+        """
+        drv = self._drv
+        previous = _call(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        switch = int(previous) != int(self._ctx)
+        if switch:
+            _call(drv.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        try:
+            free, _total = _call(drv.cuMemGetInfo(), "cuMemGetInfo")
+        finally:
+            if switch:
+                drv.cuCtxSetCurrent(previous)
         return int(free)
 
     def tensor(self, region: int | None = None) -> torch.Tensor:
@@ -229,22 +342,52 @@ class CudaBackend:
     def _check_live(self) -> None:
         if self._released:
             raise AllocatorContractError("this CudaBackend was released; reserve a new one")
+        if self._closing:
+            raise AllocatorContractError("this CudaBackend's release() failed part-way; call "
+                                         "release() again (nothing else)")
 
-    def _create_and_map(self, page: int) -> list[Any]:
+    def _out_of_memory(self, pages: int, exc: BackendError) -> DeviceOutOfMemory:
+        try:
+            free = f"{self.device_free_bytes() / 2**20:.0f} MiB"
+        except BackendError:
+            free = "an unknown amount"
+        need = pages * self.layout.bundle_bytes
+        return DeviceOutOfMemory(
+            f"CUDA device {self.device} is out of memory: mapping {pages} page(s) needs "
+            f"{need / 2**20:.0f} MiB and the device has {free} free ({exc}); nothing was "
+            "mapped. Lower this engine's limit, or free memory elsewhere on the device "
+            "(another engine's limit, torch.cuda.empty_cache()) and retry")
+
+    def _take_handle(self) -> Any:
+        if self._spares:
+            return self._spares.pop()
+        return _call(self._drv.cuMemCreate(self.layout.page_bytes, self._prop, 0), "cuMemCreate")
+
+    def _give_back(self, handle: Any) -> None:
+        """An unmapped handle: kept as a spare below the cap, else released."""
+        if len(self._spares) < self._spare_cap:
+            self._spares.append(handle)
+            return
+        try:
+            _call(self._drv.cuMemRelease(handle), "cuMemRelease")
+        except BackendError:  # the unmap itself succeeded: do not fail it
+            self._stray.append(handle)  # held_bytes() shows it; trim_spares()/release() retry
+
+    def _create_and_map(self, page: int) -> list[Any | None]:
         drv, size = self._drv, self.layout.page_bytes
-        handles: list[Any] = []
+        handles: list[Any | None] = []
         try:
             for region in range(self.layout.num_regions):
-                handle = _call(drv.cuMemCreate(size, self._prop, 0), "cuMemCreate")
+                handle = self._take_handle()
                 address = self.base_address + self.layout.page_offset(region, page)
                 try:
                     _call(drv.cuMemMap(address, size, 0, handle, 0), "cuMemMap")
                 except BackendError:
-                    drv.cuMemRelease(handle)
+                    self._spares.append(handle)  # unmapped: reusable (trimmed by release)
                     raise
                 handles.append(handle)
         except BackendError:
-            self._drop(page, handles)
+            self._unmap_regions(page, handles)
             raise
         return handles
 
@@ -252,17 +395,37 @@ class CudaBackend:
         handles = self._handles[page]
         if handles is None:
             return
-        self._handles[page] = None
-        self._mapped[page] = 0
-        self._num_handles -= len(handles)
-        self._drop(page, handles)
+        self._num_handles -= sum(h is not None for h in handles)
+        try:
+            self._unmap_regions(page, handles)
+        finally:
+            left = sum(h is not None for h in handles)
+            self._num_handles += left
+            if left == 0:
+                self._handles[page] = None
+                self._mapped[page] = 0
 
-    def _drop(self, page: int, handles: list[Any]) -> None:
+    def _unmap_regions(self, page: int, handles: list[Any | None]) -> None:
+        """Unmap every region still in ``handles``; each success clears its slot.
+
+        Tries every region even after a failure, then raises the first error:
+        the slots left set are exactly the regions still mapped.
+        """
         drv, size = self._drv, self.layout.page_bytes
+        first: BackendError | None = None
         for region, handle in enumerate(handles):
+            if handle is None:
+                continue
             address = self.base_address + self.layout.page_offset(region, page)
-            _call(drv.cuMemUnmap(address, size), "cuMemUnmap")
-            _call(drv.cuMemRelease(handle), "cuMemRelease")
+            try:
+                _call(drv.cuMemUnmap(address, size), "cuMemUnmap")
+            except BackendError as exc:
+                first = first or exc
+                continue
+            handles[region] = None
+            self._give_back(handle)
+        if first is not None:
+            raise first
 
 
 def _call(result: Any, what: str) -> Any:
@@ -277,8 +440,9 @@ def _call(result: Any, what: str) -> Any:
                 name = got[1].decode()
         except (ImportError, AttributeError, UnicodeDecodeError):  # only decorates a message
             name = f"CUresult {int(err)}"
-        raise BackendError(f"{what} failed: {name}; check the device, the driver and free "
-                           "device memory")
+        error = DeviceOutOfMemory if int(err) == _CUDA_ERROR_OUT_OF_MEMORY else BackendError
+        raise error(f"{what} failed: {name}; check the device, the driver and free "
+                    "device memory")
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)

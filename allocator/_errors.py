@@ -5,6 +5,7 @@
     AllocatorError                  base: catch this to catch everything below
     ├── AllocatorConfigError        bad layout or sizes; fatal at start-up, fix the config
     ├── BackendError                an OS or driver call failed (errno / CUresult inside)
+    │   └── DeviceOutOfMemory       the device has no memory for a map right now
     └── AllocatorContractError      a caller bug: double free, double map, bad id
         └── ForeignThreadError      a mutation from a thread that does not own the allocator
 
@@ -33,6 +34,14 @@ class BackendError(AllocatorError):
     def __init__(self, message: str, *, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
+
+
+class DeviceOutOfMemory(BackendError):
+    """The device could not back a map (``CUDA_ERROR_OUT_OF_MEMORY``); nothing was mapped.
+
+    Not a bug: free device memory (lower another engine's limit, empty a cache)
+    and retry, or lower this engine's limit.
+    """
 
 
 class AllocatorContractError(AllocatorError):

@@ -149,6 +149,7 @@ class PageAllocator:
             self.backend.unmap_many(victims)
             del self._free[-drop:]
             self._mark_unmapped(victims)
+        self._trim_spares()
         want_retired = max(0, self.num_in_use - cap)
         if want_retired > len(self._retired):
             self._retire(want_retired - len(self._retired))
@@ -187,6 +188,7 @@ class PageAllocator:
             self.backend.unmap(page)
             self._retired.discard(page)
             self._mark_unmapped([page])
+            self._trim_spares()
         elif state == PageState.IN_USE:
             if self._retired or len(self._free) >= self.reserve_pages:
                 self.backend.unmap(page)
@@ -194,6 +196,7 @@ class PageAllocator:
                 self._mark_unmapped([page])
                 if self._retired:
                     self._unretire(1)
+                self._trim_spares()
             else:
                 self._in_use.discard(page)
                 self._state[page] = PageState.FREE
@@ -214,6 +217,15 @@ class PageAllocator:
         for page in pages:
             self._state[page] = PageState.UNMAPPED
         self._unmapped.extend(reversed(pages))
+
+    def _trim_spares(self) -> None:
+        """Backends that keep unmapped handles for reuse (CudaBackend) keep them under the cap."""
+        trim = getattr(self.backend, "trim_spares", None)
+        if trim is not None:
+            try:
+                trim(max(0, self.cap_pages() - self.num_mapped))
+            except BackendError as exc:
+                _log.warning("could not give back spare device memory: %s", exc)
 
     def _top_up(self) -> None:
         if self._retired:

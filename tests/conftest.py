@@ -9,3 +9,7 @@ from allocator import ThreadGuard
 
 def pytest_configure(config: pytest.Config) -> None:
     ThreadGuard.set_default_enabled(True)
+    # Before anything imports cuda.bindings: the stand-in CUDA driver where no real one is.
+    import fakecuda
+
+    fakecuda.preload()

@@ -17,7 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from allocator import BlockAllocator, PageAllocator, ThreadGuard
+from allocator import (
+    Backend,
+    BlockAllocator,
+    CudaBackend,
+    FencedBackend,
+    PageAllocator,
+    ThreadGuard,
+    torch_unmap_fence,
+)
 
 from .. import EngineSettings
 from .._errors import EngineExtConfigError
@@ -49,7 +57,10 @@ def place_kv_buffers(pool: Any, settings: EngineSettings) -> KVReservation:
         layer_num=pool.layer_num, dtype_bytes=pool.store_dtype.itemsize, max_tokens=pool.size)
     reservation = reserve_kv(geometry, device=str(pool.device))
     guard = ThreadGuard("sglang-kv-pool", enabled=settings.thread_guard or None)
-    pages = PageAllocator(reservation.backend, reserve_pages=settings.reserve_pages, guard=guard)
+    backend: Backend = reservation.backend
+    if isinstance(backend, CudaBackend):  # unmaps wait for the device work (allocator.UnmapFence)
+        backend = FencedBackend(backend, torch_unmap_fence(f"cuda:{backend.device}"))
+    pages = PageAllocator(backend, reserve_pages=settings.reserve_pages, guard=guard)
     blocks = BlockAllocator(pages, reservation.blocks_per_page)
     claim_block(blocks, PADDING_BLOCK)  # mapped now: SGLang's warm-ups write slot 0 at once
     pool.size = reservation.size_tokens  # rounded down to whole mapping pages

@@ -237,8 +237,13 @@ class PrimedBackend:
         self._primed: set[int] = set()
 
     def prime(self, pages: Sequence[int]) -> None:
-        """Map ``pages`` now, before the pool exists (worker, at allocation)."""
-        self.inner.map_many(pages)
+        """Map ``pages`` now, before the pool exists (worker, at allocation).
+
+        Out of device memory: torch's cache is emptied once, then a clear error.
+        """
+        from allocator import map_or_free_cache, torch_empty_cache
+
+        map_or_free_cache(self.inner, pages, torch_empty_cache)
         self._primed.update(pages)
 
     def map(self, page: int) -> None:
@@ -274,6 +279,11 @@ class PrimedBackend:
     def mapped_bytes(self) -> int:
         return self.inner.mapped_bytes()  # measured: includes primed pages
 
+    def trim_spares(self, keep_pages: int = 0) -> None:
+        trim = getattr(self.inner, "trim_spares", None)  # CudaBackend's spare handles
+        if trim is not None:
+            trim(keep_pages)
+
     def release(self) -> None:
         self._synchronize()
         self.inner.release()
@@ -290,12 +300,10 @@ def _reserve_cuda(layout: PageLayout, device: torch.device) -> ReservedBackend:
 
 
 def _cuda_synchronize(device: torch.device) -> Callable[[], None]:
-    import torch
+    """The unmap fence's wait (allocator.UnmapFence: device sync until the runner records)."""
+    from allocator import torch_unmap_fence
 
-    def synchronize() -> None:
-        torch.cuda.synchronize(device)
-
-    return synchronize
+    return torch_unmap_fence(device).wait
 
 
 def allocate_on_reservation(

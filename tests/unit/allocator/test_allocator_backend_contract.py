@@ -1,14 +1,17 @@
-"""The Backend contract, run on every backend: HostBackend here, CudaBackend where a GPU is.
+"""The Backend contract, run on every backend: HostBackend, and CudaBackend on the stand-in
+CUDA driver (``tests/fakecuda``, loaded by ``tests/conftest.py``) or on a real GPU.
 
-CUDA cases are marked ``gpu`` and skipped with the reason CudaBackend gives
-(no cuda-python, no driver, no device).
+Without the stand-in the CUDA cases are marked ``gpu`` and skipped with the
+reason CudaBackend gives (no cuda-bindings, no driver, no device).
 """
 
 from __future__ import annotations
 
 import mmap
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import fakecuda
 import pytest
 
 from allocator import (
@@ -24,9 +27,10 @@ from allocator import (
 CUDA_PAGE = 2 << 20  # the VMM granularity of current NVIDIA GPUs
 
 MakeBackend = Callable[[int, int], Backend]
+CUDA_MARKS = () if fakecuda.active() is not None else (pytest.mark.gpu,)
 
 
-@pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["host", pytest.param("cuda", marks=CUDA_MARKS)])
 def make_backend(request: pytest.FixtureRequest) -> Iterator[MakeBackend]:
     made: list[HostBackend | CudaBackend] = []
     kind = request.param
@@ -90,10 +94,9 @@ def test_tensor_view_reads_back_what_it_wrote(make_backend: MakeBackend) -> None
     assert isinstance(backend, HostBackend | CudaBackend)
     layout = backend.layout
     backend.map_many([2, 3])
-    region = backend.tensor(1)
+    region, whole = _view(backend, 1), _view(backend, None)
     lo, hi = 2 * layout.page_bytes, 4 * layout.page_bytes
     region[lo:hi] = 9
-    whole = backend.tensor()
     start = layout.page_offset(1, 2)
     assert int(whole[start:start + 2 * layout.page_bytes].sum()) == 9 * 2 * layout.page_bytes
 
@@ -121,3 +124,11 @@ def test_allocators_drive_the_backend_down_to_zero(make_backend: MakeBackend) ->
     assert backend.mapped_bytes() == 0
     pages.set_target(None)
     assert backend.mapped_bytes() == bundle  # the reserve
+
+
+def _view(backend: HostBackend | CudaBackend, region: int | None) -> Any:
+    """The backend's own tensor view; on the stand-in driver a CPU view of the same bytes."""
+    if isinstance(backend, CudaBackend) and fakecuda.active() is not None:
+        offset, length = backend.layout.span(region)
+        return fakecuda.host_view(backend.base_address + offset, length)
+    return backend.tensor(region)

@@ -99,6 +99,8 @@ def test_public_names_are_pinned_and_sorted() -> None:
         "AllocatorConfigError", "AllocatorContractError", "AllocatorError", "Backend",
         "BackendError", "BlockAllocator", "CudaBackend", "ForeignThreadError", "HostBackend",
         "PageAllocator", "PageLayout", "PageObserver", "PageState", "ThreadGuard",
+        "DeviceEvent", "DeviceOutOfMemory", "FencedBackend", "UnmapFence", "map_or_free_cache",
+        "torch_empty_cache", "torch_unmap_fence",
     }
     for name in ("AllocatorConfigError", "BackendError", "AllocatorContractError"):
         assert issubclass(getattr(allocator, name), allocator.AllocatorError)

@@ -1,0 +1,141 @@
+"""Device ordering for unmaps: a page goes only after the device work that may read it.
+
+Kernels run asynchronously: when the scheduler frees a block, the forward
+pass that read it may still be queued on the device, and unmapping its page
+then is an illegal-address fault. One mechanism for every adapter:
+
+* the adapter calls :meth:`UnmapFence.record` after it launched each forward
+  pass (a device event on the current stream);
+* :class:`FencedBackend` calls :meth:`UnmapFence.wait` before every unmap
+  and the release: it waits for the last recorded event only, so work
+  queued *after* it (the next step, with async scheduling) keeps running.
+
+Until the first :meth:`~UnmapFence.record`, :meth:`~UnmapFence.wait` falls back
+to a device-wide synchronize: correct for an adapter that never records,
+only slower. After a wait, further unmaps need no wait until the next record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ._backend import Backend
+    from ._layout import PageLayout
+
+__all__ = ["DeviceEvent", "FencedBackend", "UnmapFence", "torch_unmap_fence"]
+
+
+class DeviceEvent(Protocol):
+    """What the fence needs of an event (``torch.cuda.Event`` has both)."""
+
+    def record(self) -> None:
+        """Mark the point after the work queued so far on the current stream."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the calling thread until that work has finished."""
+        ...
+
+
+class UnmapFence:
+    """The last recorded "device work done" point, waited for before an unmap.
+
+    Owns one reusable event. ``record`` and ``wait`` are called from the
+    thread that owns the allocator (the engine's scheduler thread), never
+    concurrently. Counters (``waits_on_event``, ``device_syncs``) are for
+    tests and benchmarks.
+    """
+
+    def __init__(self, make_event: Callable[[], DeviceEvent],
+                 synchronize_device: Callable[[], None]) -> None:
+        self._make_event = make_event
+        self._synchronize_device = synchronize_device
+        self._event: DeviceEvent | None = None
+        self._pending = False
+        self.waits_on_event = 0
+        self.device_syncs = 0
+
+    @property
+    def recording(self) -> bool:
+        """Whether the adapter has recorded at least once (no device-wide fallback any more)."""
+        return self._event is not None
+
+    def record(self) -> None:
+        """After a forward pass was launched: later unmaps wait for it to finish."""
+        if self._event is None:
+            self._event = self._make_event()
+        self._event.record()
+        self._pending = True
+
+    def wait(self) -> None:
+        """Before an unmap: block until the last recorded work finished (see the module)."""
+        if self._event is None:
+            self.device_syncs += 1
+            self._synchronize_device()
+        elif self._pending:
+            self.waits_on_event += 1
+            self._event.synchronize()
+            self._pending = False
+
+
+class FencedBackend:
+    """A backend whose unmaps (and release) wait on an :class:`UnmapFence` first.
+
+    Owns nothing but the reference to ``inner`` and the fence; every other
+    call passes through. Same thread rules as ``inner``.
+    """
+
+    layout: PageLayout
+    base_address: int
+
+    def __init__(self, inner: Backend, fence: UnmapFence) -> None:
+        self.inner = inner
+        self.fence = fence
+        self.layout = inner.layout
+        self.base_address = inner.base_address
+
+    def map(self, page: int) -> None:
+        self.inner.map(page)
+
+    def map_many(self, pages: Sequence[int]) -> None:
+        self.inner.map_many(pages)
+
+    def unmap(self, page: int) -> None:
+        self.unmap_many([page])
+
+    def unmap_many(self, pages: Sequence[int]) -> None:
+        if pages:
+            self.fence.wait()
+        self.inner.unmap_many(pages)
+
+    def is_mapped(self, page: int) -> bool:
+        return self.inner.is_mapped(page)
+
+    def mapped_bytes(self) -> int:
+        return self.inner.mapped_bytes()
+
+    def trim_spares(self, keep_pages: int = 0) -> None:
+        """Pass-through to a backend that keeps spare handles (CudaBackend)."""
+        trim = getattr(self.inner, "trim_spares", None)
+        if trim is not None:
+            trim(keep_pages)
+
+    def release(self) -> None:
+        self.fence.wait()
+        self.inner.release()
+
+
+def torch_unmap_fence(device: object) -> UnmapFence:
+    """A fence over ``torch.cuda.Event`` (current stream), falling back to a device sync."""
+    import torch  # lazy: the allocator imports without torch
+
+    def synchronize() -> None:
+        torch.cuda.synchronize(device)  # type: ignore[arg-type]
+
+    def make_event() -> DeviceEvent:
+        event: DeviceEvent = torch.cuda.Event()
+        return event
+
+    return UnmapFence(make_event, synchronize)

@@ -1,0 +1,117 @@
+"""UnmapFence + FencedBackend: an unmap waits for the last recorded device work (CPU).
+
+The backend is a real HostBackend (its ``mapped_bytes`` is measured from
+``/proc``); the event is a stand-in that notes, when waited on, what the
+backend still had mapped, so the order "wait, then unmap" is observed on the
+memory itself.
+"""
+
+from __future__ import annotations
+
+import mmap
+import random
+
+import pytest
+
+from allocator import (
+    BlockAllocator,
+    FencedBackend,
+    HostBackend,
+    PageAllocator,
+    PageLayout,
+    UnmapFence,
+)
+
+PAGE = mmap.PAGESIZE
+
+
+class _Event:
+    def __init__(self, backend: HostBackend, log: list[str]) -> None:
+        self.backend, self.log = backend, log
+
+    def record(self) -> None:
+        self.log.append("record")
+
+    def synchronize(self) -> None:
+        self.log.append(f"wait:{self.backend.mapped_bytes() // PAGE}")
+
+
+@pytest.fixture
+def host() -> HostBackend:
+    backend = HostBackend.reserve(PageLayout(PAGE, 16, 1))
+    yield backend  # type: ignore[misc]
+    backend.release()
+
+
+def _fence(backend: HostBackend, log: list[str]) -> UnmapFence:
+    return UnmapFence(lambda: _Event(backend, log),
+                      lambda: log.append(f"sync:{backend.mapped_bytes() // PAGE}"))
+
+
+def test_unmap_waits_for_the_recorded_event_with_the_memory_still_there(host: HostBackend) -> None:
+    log: list[str] = []
+    fence = _fence(host, log)
+    fenced = FencedBackend(host, fence)
+    fenced.map_many([0, 1, 2])
+    fence.record()
+    fenced.unmap_many([1, 2])
+    assert log == ["record", "wait:3"]  # waited while all three pages were still resident
+    assert host.mapped_bytes() == PAGE
+    fenced.unmap(0)  # nothing recorded since: no second wait
+    assert log == ["record", "wait:3"] and fence.waits_on_event == 1
+
+
+def test_without_any_record_every_unmap_syncs_the_device_first(host: HostBackend) -> None:
+    log: list[str] = []
+    fenced = FencedBackend(host, _fence(host, log))
+    fenced.map_many([4, 5])
+    fenced.unmap(4)
+    fenced.unmap(5)
+    fenced.unmap_many([])  # nothing to unmap: no wait
+    assert log == ["sync:2", "sync:1"]
+
+
+def test_release_waits_too(host: HostBackend) -> None:
+    log: list[str] = []
+    fence = _fence(host, log)
+    fenced = FencedBackend(host, fence)
+    fenced.map(7)
+    fence.record()
+    fenced.release()
+    assert log == ["record", "wait:1"] and host.mapped_bytes() == 0
+
+
+def test_random_steps_never_unmap_past_an_unwaited_record(host: HostBackend) -> None:
+    """Forward passes (record) and shrinks (free + unmap) interleaved at random."""
+    rng = random.Random(11)
+    log: list[str] = []
+    fence = _fence(host, log)
+    pages = PageAllocator(FencedBackend(host, fence))
+    blocks = BlockAllocator(pages, 2)
+    held: list[int] = []
+    pending, ever = False, False
+    for _ in range(400):
+        action = rng.random()
+        if action < 0.4:
+            got = blocks.alloc(rng.randint(1, 4))
+            held.extend(got or [])
+        elif action < 0.6:
+            fence.record()
+            pending = ever = True
+        elif held:
+            rng.shuffle(held)
+            cut = rng.randint(1, len(held))
+            before, seen = host.mapped_bytes(), len(log)
+            blocks.free(held[:cut])
+            del held[:cut]
+            new = [entry for entry in log[seen:] if entry != "record"]
+            if host.mapped_bytes() == before:
+                assert new == []
+            elif not ever:
+                assert new[0] == f"sync:{before // PAGE}"  # then one sync per further unmap
+            elif pending:
+                assert new == [f"wait:{before // PAGE}"]  # waited with everything resident
+                pending = False
+            else:
+                assert new == []  # nothing recorded since the last wait
+    assert fence.waits_on_event > 0

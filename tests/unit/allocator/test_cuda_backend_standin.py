@@ -1,0 +1,298 @@
+"""CudaBackend on the stand-in CUDA driver (tests/fakecuda): what a GPU machine cannot force.
+
+The stand-in's memory is host memory: ``cuMemGetInfo`` (``device_free_bytes``)
+and the stand-in's own counter of live physical allocations are the
+independent measures, fault injection makes driver calls fail, and the call
+counters show what one map or unmap costs in driver calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import fakecuda
+import pytest
+
+from allocator import (
+    AllocatorContractError,
+    BackendError,
+    BlockAllocator,
+    CudaBackend,
+    DeviceOutOfMemory,
+    FencedBackend,
+    PageAllocator,
+    PageLayout,
+    ThreadGuard,
+    UnmapFence,
+    map_or_free_cache,
+)
+
+MiB = 1 << 20
+PAGE = 2 * MiB
+DEFAULT_TOTAL = 4096 * MiB
+
+
+@pytest.fixture
+def fc() -> Iterator[fakecuda.FakeCuda]:
+    loaded = fakecuda.active()
+    if loaded is None:
+        pytest.skip(f"needs the stand-in CUDA driver: {fakecuda.why_not()}")
+    loaded.heal()
+    yield loaded
+    loaded.heal()
+    loaded.set_total_bytes(DEFAULT_TOTAL)
+
+
+@pytest.fixture
+def make(fc: fakecuda.FakeCuda) -> Iterator[Callable[..., CudaBackend]]:
+    made: list[CudaBackend] = []
+
+    def make_backend(num_pages: int = 8, num_regions: int = 2, **kw: int) -> CudaBackend:
+        backend = CudaBackend.reserve(PageLayout(PAGE, num_pages, num_regions), **kw)
+        made.append(backend)
+        return backend
+
+    yield make_backend
+    fc.heal()
+    for backend in made:
+        backend.release()
+
+
+def _held(fc: fakecuda.FakeCuda) -> int:
+    return fc.used_bytes()
+
+
+# ---------------------------------------------------------------- out of memory, overcommit
+def test_out_of_memory_is_a_clear_error_and_leaks_nothing(fc: fakecuda.FakeCuda,
+                                                          make: Callable[..., CudaBackend]) -> None:
+    backend = make(16, 2, spare_handles=0)
+    fc.set_total_bytes(fc.used_bytes() + 10 * PAGE)  # room for 5 bundles of 2 regions
+    backend.map_many([0, 1])
+    used, free = fc.used_bytes(), backend.device_free_bytes()
+    with pytest.raises(DeviceOutOfMemory, match=r"out of memory: mapping 4 page\(s\) needs 16 "
+                                                r"MiB and the device has 12 MiB free"):
+        backend.map_many([3, 4, 5, 6])
+    assert fc.used_bytes() == used and backend.device_free_bytes() == free
+    assert [p for p in range(16) if backend.is_mapped(p)] == [0, 1]
+    assert backend.mapped_bytes() == backend.held_bytes() == 2 * backend.layout.bundle_bytes
+    backend.map_many([3, 4, 5])  # what fits still maps
+    assert backend.device_free_bytes() == 0
+
+
+def test_out_of_memory_in_a_later_region_rolls_the_page_back(
+        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    backend = make(4, 3)  # default spares: one bundle
+    fc.set_total_bytes(fc.used_bytes() + 2 * PAGE)  # two of the three regions fit
+    with pytest.raises(DeviceOutOfMemory):
+        backend.map(0)
+    assert not backend.is_mapped(0) and backend.mapped_bytes() == 0
+    assert fc.num_mappings() == 0 or all(not backend.is_mapped(p) for p in range(4))
+    backend.trim_spares()
+    assert backend.held_bytes() == 0
+
+
+def test_two_overcommitted_pools_share_the_device_and_never_exceed_it(
+        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    """Virtual 2 x 48 MiB on a 64 MiB device: memory follows the targets from one to the other."""
+    base = fc.used_bytes()
+    device = 32 * PAGE
+    fc.set_total_bytes(base + device)
+    pools = []
+    for _ in range(2):
+        backend = make(24, 1)
+        pages = PageAllocator(backend)
+        pools.append((backend, pages, BlockAllocator(pages, 4)))
+    (a, pa, ba), (b, pb, bb) = pools
+    assert 2 * a.layout.total_bytes > device
+
+    def check() -> None:
+        used = fc.used_bytes() - base
+        assert used <= device
+        assert used == a.held_bytes() + b.held_bytes()
+        assert a.device_free_bytes() == device - used
+
+    got_a = ba.alloc(4 * 24)  # A alone: all its 24 pages
+    assert got_a is not None and a.mapped_bytes() == 24 * PAGE
+    check()
+    got_b = bb.alloc(4 * 8)  # B: what is left
+    assert got_b is not None
+    check()
+    with pytest.raises(DeviceOutOfMemory):  # the device is full: B cannot grow, A is intact
+        bb.alloc(4)
+    check()
+    assert pb.num_mapped == 8 and a.mapped_bytes() == 24 * PAGE
+    # The limits move: A down to 4 pages, B up to everything it has.
+    pa.set_target(4)
+    pb.set_target(None)
+    ba.free(got_a[: 4 * 20])
+    assert a.mapped_bytes() == 4 * PAGE
+    check()
+    more = bb.alloc(4 * 16)  # B takes what A gave back (A keeps one spare page)
+    assert more is not None and pb.num_mapped == 24
+    check()
+    assert fc.used_bytes() - base == 24 * PAGE + 4 * PAGE + a.held_bytes() - a.mapped_bytes()
+    # and back again
+    bb.free(more)
+    pb.set_target(8)
+    pa.set_target(None)
+    again = ba.alloc(4 * 20)
+    assert again is not None and pa.num_mapped == 24
+    check()
+
+
+# ---------------------------------------------------------------- bugs (fail on the old code)
+def test_a_failing_unmap_leaves_the_page_mapped_and_a_retry_frees_it(
+        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    backend = make(4, 3, spare_handles=0)
+    before = fc.used_bytes()
+    backend.map_many([1, 2])
+    fc.fail("cuMemUnmap", after=1, count=1)  # region 1 of page 1 fails
+    with pytest.raises(BackendError, match="cuMemUnmap failed"):
+        backend.unmap(1)
+    assert backend.is_mapped(1)  # the books say what the driver holds
+    assert backend.mapped_bytes() == 4 * PAGE  # page 1 region 1 + page 2's three
+    assert fc.used_bytes() - before == backend.held_bytes() == 4 * PAGE
+    backend.unmap(1)  # the retry unmaps the one region left
+    assert not backend.is_mapped(1)
+    assert fc.used_bytes() - before == backend.mapped_bytes() == 3 * PAGE
+
+
+def test_release_after_a_failing_unmap_still_frees_the_range(
+        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    backend = make(4, 2)
+    before = fc.used_bytes()
+    backend.map_many([0, 3])
+    fc.fail("cuMemUnmap", count=1)
+    fc.reset_calls()
+    with pytest.raises(BackendError, match="call release\\(\\) again"):
+        backend.release()
+    with pytest.raises(AllocatorContractError, match="release\\(\\) again"):
+        backend.map(1)
+    assert fc.calls("cuMemAddressFree") == 0  # a range with mappings in it cannot be freed
+    backend.release()
+    assert fc.calls("cuMemAddressFree") == 1 and fc.calls("cuDevicePrimaryCtxRelease") == 1
+    assert fc.used_bytes() == before
+    backend.release()  # idempotent once done
+    assert fc.calls("cuDevicePrimaryCtxRelease") == 1
+
+
+def test_a_failing_release_call_keeps_the_handle_for_a_retry(
+        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    backend = make(4, 1, spare_handles=0)
+    before = fc.used_bytes()
+    backend.map(2)
+    fc.fail("cuMemRelease", count=1)
+    backend.unmap(2)  # the unmap itself worked
+    assert not backend.is_mapped(2) and backend.mapped_bytes() == 0
+    assert backend.held_bytes() == fc.used_bytes() - before == PAGE
+    backend.trim_spares()
+    assert backend.held_bytes() == 0 and fc.used_bytes() == before
+
+
+def test_device_free_bytes_works_from_a_thread_without_a_context(
+        make: Callable[..., CudaBackend]) -> None:
+    backend = make(4, 1)
+    backend.map(0)
+    here = backend.device_free_bytes()
+    got: list[int | BaseException] = []
+
+    def other() -> None:
+        try:
+            got.append(backend.device_free_bytes())
+            got.append(backend.device_free_bytes())
+        except BackendError as exc:  # reported below
+            got.append(exc)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert got == [here, here]
+    assert backend.device_free_bytes() == here  # this thread's context untouched
+
+
+def test_priming_out_of_memory_frees_the_cache_once_then_says_so(
+        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    cache = make(8, 1, spare_handles=0)  # stands for torch's caching allocator
+    kv = make(8, 2, spare_handles=0)
+    fc.set_total_bytes(fc.used_bytes() + 16 * PAGE)
+    cache.map_many(range(8))
+    emptied: list[int] = []
+
+    def empty_cache() -> None:
+        emptied.append(1)
+        cache.unmap_many(range(8))
+
+    map_or_free_cache(kv, range(4), empty_cache)  # 8 pages needed, 8 free: no retry
+    assert emptied == []
+    kv.unmap_many(range(4))
+    map_or_free_cache(kv, range(8), empty_cache)  # 16 needed: the cache goes, then it fits
+    assert emptied == [1] and kv.mapped_bytes() == 16 * PAGE
+    kv.unmap_many(range(8))
+    cache.map_many(range(8))
+    fc.set_total_bytes(fc.used_bytes() + 2 * PAGE)
+    with pytest.raises(DeviceOutOfMemory, match="even after freeing cached device memory"):
+        map_or_free_cache(kv, range(8), lambda: None)
+    assert kv.mapped_bytes() == 0
+
+
+# ---------------------------------------------------------------- spare handles: driver calls
+def test_a_map_after_an_unmap_makes_no_cuMemCreate(fc: fakecuda.FakeCuda,
+                                                   make: Callable[..., CudaBackend]) -> None:
+    regions = 4
+    backend = make(8, regions)
+    backend.map_many([0, 1])
+    fc.reset_calls()
+    backend.unmap(1)
+    assert (fc.calls("cuMemUnmap"), fc.calls("cuMemRelease")) == (regions, 0)
+    assert backend.held_bytes() - backend.mapped_bytes() == backend.layout.bundle_bytes
+    fc.reset_calls()
+    backend.map(5)
+    assert (fc.calls("cuMemCreate"), fc.calls("cuMemMap"), fc.calls("cuMemSetAccess")) == (
+        0, regions, regions)
+    fc.reset_calls()
+    backend.unmap_many([0, 5])  # two bundles: one kept, one released
+    assert (fc.calls("cuMemUnmap"), fc.calls("cuMemRelease")) == (2 * regions, regions)
+    backend.trim_spares()
+    assert backend.held_bytes() == 0
+
+
+def test_spares_are_given_back_by_release(fc: fakecuda.FakeCuda) -> None:
+    before = fc.used_bytes()
+    with CudaBackend.reserve(PageLayout(PAGE, 4, 2)) as backend:
+        backend.map_many([0, 1])
+        backend.unmap_many([0, 1])
+        assert fc.used_bytes() - before == backend.layout.bundle_bytes
+    assert fc.used_bytes() == before
+
+
+# ---------------------------------------------------------------- the unmap fence
+class _Event:
+    """A device event that notes, at each synchronize, whether page 3 was still mapped."""
+
+    def __init__(self, backend: CudaBackend, log: list[str]) -> None:
+        self.backend, self.log = backend, log
+
+    def record(self) -> None:
+        self.log.append("record")
+
+    def synchronize(self) -> None:
+        self.log.append(f"wait(mapped={self.backend.is_mapped(3)},"
+                        f"held={self.backend.mapped_bytes() // PAGE})")
+
+
+def test_fenced_cuda_backend_waits_for_the_event_before_the_driver_unmaps(
+        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    backend = make(8, 1)
+    log: list[str] = []
+    fence = UnmapFence(lambda: _Event(backend, log), lambda: log.append("device-sync"))
+    pages = PageAllocator(FencedBackend(backend, fence), guard=ThreadGuard("t"))
+    blocks = BlockAllocator(pages, 1)
+    got = blocks.alloc(4)
+    assert got is not None
+    fence.record()  # the forward pass that read them
+    pages.set_target(0)
+    fc.reset_calls()
+    blocks.free([3])
+    assert log == ["record", "wait(mapped=True,held=4)"]
+    assert fc.calls("cuMemUnmap") == 1 and not backend.is_mapped(3)
