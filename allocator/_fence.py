@@ -135,7 +135,7 @@ def torch_unmap_fence(device: object) -> UnmapFence:
         torch.cuda.synchronize(device)  # type: ignore[arg-type]
 
     def make_event() -> DeviceEvent:
-        event: DeviceEvent = torch.cuda.Event()
+        event: DeviceEvent = torch.cuda.Event()  # type: ignore[no-untyped-call]
         return event
 
     return UnmapFence(make_event, synchronize)
