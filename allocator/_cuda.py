@@ -137,6 +137,7 @@ class CudaBackend:
             self._access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             self._access.location.id = device
             self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            self._access_list = [self._access]
             self.granularity = int(_call(driver.cuMemGetAllocationGranularity(
                 self._prop,
                 driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
@@ -145,6 +146,8 @@ class CudaBackend:
                                                         f"{device}")
             self.base_address = int(_call(driver.cuMemAddressReserve(
                 layout.total_bytes, self.granularity, 0, 0), "cuMemAddressReserve"))
+            self._bases = [self.base_address + region * layout.region_bytes
+                           for region in range(layout.num_regions)]
         except BaseException:
             driver.cuDevicePrimaryCtxRelease(self._dev)
             raise
@@ -221,11 +224,17 @@ class CudaBackend:
     # ------------------------------------------------------------------ mapping
     def map(self, page: int) -> None:
         """Map one allocation of ``page_bytes`` per region for ``page`` (a spare, or a new one)."""
-        self.map_many([page])
+        self._check_live()
+        if not 0 <= page < self.layout.num_pages or self._mapped[page]:
+            check_pages([page], self.layout.num_pages, self._mapped, False)  # raises why
+        self._map_runs([(page, 1)], 1)
 
     def unmap(self, page: int) -> None:
         """Unmap ``page``'s allocations (kept as spares up to the cap, else released)."""
-        self.unmap_many([page])
+        self._check_live()
+        if not 0 <= page < self.layout.num_pages or not self._mapped[page]:
+            check_pages([page], self.layout.num_pages, self._mapped, True)  # raises why
+        self._unmap_one(page)
 
     def map_many(self, pages: Sequence[int]) -> None:
         """Map several pages; access rights are set once per run of consecutive pages.
@@ -235,18 +244,21 @@ class CudaBackend:
         """
         self._check_live()
         ordered = check_pages(pages, self.layout.num_pages, self._mapped, False)
+        self._map_runs(runs(ordered), len(ordered))
+
+    def _map_runs(self, page_runs: list[tuple[int, int]], total: int) -> None:
+        regions, size, drv = self.layout.num_regions, self.layout.page_bytes, self._drv
         done: list[int] = []
         try:
-            for first, count in runs(ordered):
+            for first, count in page_runs:
                 for page in range(first, first + count):
                     self._handles[page] = self._create_and_map(page)
                     self._mapped[page] = 1
-                    self._num_handles += self.layout.num_regions
+                    self._num_handles += regions
                     done.append(page)
-                length = count * self.layout.page_bytes
-                for region in range(self.layout.num_regions):
-                    address = self.base_address + self.layout.page_offset(region, first)
-                    _call(self._drv.cuMemSetAccess(address, length, [self._access], 1),
+                length, offset = count * size, first * size
+                for base in self._bases:
+                    _call(drv.cuMemSetAccess(base + offset, length, self._access_list, 1),
                           "cuMemSetAccess")
         except BackendError as exc:
             for page in done:
@@ -255,7 +267,7 @@ class CudaBackend:
                 except BackendError:
                     pass  # stays in the books as mapped: unmap it again, or release()
             if isinstance(exc, DeviceOutOfMemory):
-                raise self._out_of_memory(len(ordered), exc) from exc
+                raise self._out_of_memory(total, exc) from exc
             raise
 
     def unmap_many(self, pages: Sequence[int]) -> None:
@@ -374,14 +386,13 @@ class CudaBackend:
             self._stray.append(handle)  # held_bytes() shows it; trim_spares()/release() retry
 
     def _create_and_map(self, page: int) -> list[Any | None]:
-        drv, size = self._drv, self.layout.page_bytes
+        drv, size, offset = self._drv, self.layout.page_bytes, page * self.layout.page_bytes
         handles: list[Any | None] = []
         try:
-            for region in range(self.layout.num_regions):
+            for base in self._bases:
                 handle = self._take_handle()
-                address = self.base_address + self.layout.page_offset(region, page)
                 try:
-                    _call(drv.cuMemMap(address, size, 0, handle, 0), "cuMemMap")
+                    _call(drv.cuMemMap(base + offset, size, 0, handle, 0), "cuMemMap")
                 except BackendError:
                     self._spares.append(handle)  # unmapped: reusable (trimmed by release)
                     raise
@@ -395,12 +406,12 @@ class CudaBackend:
         handles = self._handles[page]
         if handles is None:
             return
-        self._num_handles -= sum(h is not None for h in handles)
+        before = len(handles) - handles.count(None)
         try:
             self._unmap_regions(page, handles)
         finally:
-            left = sum(h is not None for h in handles)
-            self._num_handles += left
+            left = len(handles) - handles.count(None)
+            self._num_handles -= before - left
             if left == 0:
                 self._handles[page] = None
                 self._mapped[page] = 0
@@ -411,14 +422,13 @@ class CudaBackend:
         Tries every region even after a failure, then raises the first error:
         the slots left set are exactly the regions still mapped.
         """
-        drv, size = self._drv, self.layout.page_bytes
+        drv, size, offset = self._drv, self.layout.page_bytes, page * self.layout.page_bytes
         first: BackendError | None = None
         for region, handle in enumerate(handles):
             if handle is None:
                 continue
-            address = self.base_address + self.layout.page_offset(region, page)
             try:
-                _call(drv.cuMemUnmap(address, size), "cuMemUnmap")
+                _call(drv.cuMemUnmap(self._bases[region] + offset, size), "cuMemUnmap")
             except BackendError as exc:
                 first = first or exc
                 continue
