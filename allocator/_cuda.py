@@ -440,7 +440,13 @@ class CudaBackend:
 
 def _call(result: Any, what: str) -> Any:
     """Unpack a cuda-python ``(CUresult, *values)`` tuple, raising BackendError on failure."""
-    err, *values = result if isinstance(result, tuple) else (result,)
+    if type(result) is tuple:
+        if result[0] == 0:  # the hot path: success (CUresult is an int enum)
+            size = len(result)
+            return None if size == 1 else result[1] if size == 2 else result[1:]
+        err, *values = result
+    else:
+        err, values = result, []
     if int(err) != 0:
         name = f"CUresult {int(err)}"
         try:
