@@ -267,6 +267,10 @@ class CudaBackend:
                 except BackendError:
                     pass  # stays in the books as mapped: unmap it again, or release()
             if isinstance(exc, DeviceOutOfMemory):
+                try:
+                    self.trim_spares()  # memory is short: the rolled-back handles go back too
+                except BackendError:
+                    pass  # kept in _stray, retried later
                 raise self._out_of_memory(total, exc) from exc
             raise
 
