@@ -390,19 +390,27 @@ class CudaBackend:
             self._stray.append(handle)  # held_bytes() shows it; trim_spares()/release() retry
 
     def _create_and_map(self, page: int) -> list[Any | None]:
+        """One handle mapped per region of ``page``; on failure the regions mapped so far are
+        unmapped again, and any that would not unmap are put in the books (page mapped)."""
         drv, size, offset = self._drv, self.layout.page_bytes, page * self.layout.page_bytes
-        handles: list[Any | None] = []
+        handles: list[Any | None] = [None] * self.layout.num_regions
         try:
-            for base in self._bases:
+            for region, base in enumerate(self._bases):
                 handle = self._take_handle()
                 try:
                     _call(drv.cuMemMap(base + offset, size, 0, handle, 0), "cuMemMap")
                 except BackendError:
                     self._spares.append(handle)  # unmapped: reusable (trimmed by release)
                     raise
-                handles.append(handle)
+                handles[region] = handle
         except BackendError:
-            self._unmap_regions(page, handles)
+            try:
+                self._unmap_regions(page, handles)
+            except BackendError:
+                left = len(handles) - handles.count(None)
+                self._handles[page] = handles  # still mapped there: unmap or release retries
+                self._mapped[page] = 1
+                self._num_handles += left
             raise
         return handles
 

@@ -296,3 +296,65 @@ def test_fenced_cuda_backend_waits_for_the_event_before_the_driver_unmaps(
     blocks.free([3])
     assert log == ["record", "wait(mapped=True,held=4)"]
     assert fc.calls("cuMemUnmap") == 1 and not backend.is_mapped(3)
+
+
+# ---------------------------------------------------------------- adversarial
+@pytest.mark.parametrize("seed", [2026, 7, 99, 12345])
+def test_random_driver_failures_never_split_the_books_from_the_driver(
+        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend], seed: int) -> None:
+    """Random map/unmap/trim with random injected failures (unmap, release, create, map,
+    access, out of memory): after every call the backend's books equal what the driver holds."""
+    import random
+
+    rng = random.Random(seed)
+    base_used, base_maps = fc.used_bytes(), fc.num_mappings()
+    backend = make(12, 3, spare_handles=rng.choice([0, 3, 6]))
+    victims = ["cuMemUnmap", "cuMemRelease", "cuMemCreate", "cuMemMap", "cuMemSetAccess"]
+    errors = 0
+    for _step in range(300):
+        if rng.random() < 0.3:
+            err = fakecuda.CUDA_ERROR_OUT_OF_MEMORY if rng.random() < 0.3 else 1
+            fc.fail(rng.choice(victims), after=rng.randint(0, 4), count=rng.randint(1, 2), err=err)
+        mapped = [p for p in range(12) if backend.is_mapped(p)]
+        free = [p for p in range(12) if p not in mapped]
+        try:
+            roll = rng.random()
+            if roll < 0.45 and free:
+                backend.map_many(rng.sample(free, rng.randint(1, min(4, len(free)))))
+            elif roll < 0.9 and mapped:
+                backend.unmap_many(rng.sample(mapped, rng.randint(1, min(4, len(mapped)))))
+            else:
+                backend.trim_spares(rng.randint(0, 2))
+        except BackendError:
+            errors += 1
+        regions_mapped = sum(h is not None for hs in backend._handles if hs for h in hs)
+        assert fc.num_mappings() - base_maps == regions_mapped
+        assert backend.mapped_bytes() == regions_mapped * PAGE
+        assert fc.used_bytes() - base_used == backend.held_bytes()
+    fc.heal()
+    assert errors > 20
+    backend.release()
+    assert fc.used_bytes() == base_used and fc.num_mappings() == base_maps
+
+
+def test_touching_an_unmapped_page_faults(fc: fakecuda.FakeCuda) -> None:
+    """The stand-in faults like a GPU does (illegal address): data checks that pass mean it."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import ctypes, sys; sys.path[:0] = sys.argv[1:3]; import fakecuda; fakecuda.preload()\n"
+        "from allocator import CudaBackend, PageLayout\n"
+        "b = CudaBackend.reserve(PageLayout(2 << 20, 2, 1)); b.map_many([0, 1])\n"
+        "ctypes.memset(b.base_address, 7, 2 << 20); b.unmap(0)\n"
+        "assert ctypes.string_at(b.base_address + (2 << 20), 1) == b'\\x00'\n"
+        "print('before', flush=True); ctypes.string_at(b.base_address, 1); print('after')\n"
+    )
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-c", code, str(repo / "tests"), str(repo)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.stdout == "before\n", proc.stdout + proc.stderr
+    assert proc.returncode == -signal.SIGSEGV
