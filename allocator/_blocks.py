@@ -21,12 +21,14 @@ class BlockAllocator:
     buckets of *partly used, non-retired* pages keyed by occupancy, so that
     best fit (fullest partly used page first) is found in O(blocks_per_page)
     per ``alloc`` call and each block costs O(1). Empty pages go back to the
-    :class:`PageAllocator` at once; retired pages sit in no bucket, so they
-    never receive new blocks.
+    :class:`PageAllocator` at once (one ``release_many`` per ``free`` call).
+    Retired pages sit in separate buckets by occupancy, never in the partly
+    used ones, so they never receive new blocks and the fullest one is found
+    in O(blocks_per_page) when the PageAllocator takes one back.
 
     Invariants: ``num_allocated_blocks == sum(occupancy)``; every in-use page
     has occupancy >= 1; ``_partial_free`` == free slots on in-use,
-    non-retired pages.
+    non-retired pages; every retired page is in ``_rbuckets[occupancy]``.
     """
 
     def __init__(
@@ -54,6 +56,10 @@ class BlockAllocator:
         self._buckets: list[list[int]] = [[] for _ in range(bpp)]
         self._pos = [0] * pages.num_pages
         self._top = 0  # no bucket above this index is non-empty
+        # _rbuckets[k]: retired pages holding k blocks (1 <= k <= bpp), same _pos scheme;
+        # a page is in at most one bucket of either kind.
+        self._rbuckets: list[list[int]] = [[] for _ in range(bpp + 1)]
+        self._rtop = 0  # no retired bucket above this index is non-empty
         self._partial_free = 0
 
     # ------------------------------------------------------------------ queries
@@ -96,14 +102,28 @@ class BlockAllocator:
             self._retired[page] = 1
             if 0 < occ < self.blocks_per_page:
                 self._bucket_remove(page, occ)
+            if occ:
+                self._rbucket_add(page, occ)
             self._partial_free -= self.blocks_per_page - occ
             self.num_retired_blocks += occ
         else:
             self._retired[page] = 0
+            if occ:
+                self._rbucket_remove(page, occ)
             if 0 < occ < self.blocks_per_page:
                 self._bucket_add(page, occ)
             self._partial_free += self.blocks_per_page - occ
             self.num_retired_blocks -= occ
+
+    def fullest_retired(self) -> int:
+        """A retired page with the most allocated blocks (O(blocks_per_page) at worst)."""
+        buckets, top = self._rbuckets, self._rtop
+        while top and not buckets[top]:
+            top -= 1
+        self._rtop = top
+        if not top:
+            raise AllocatorContractError("fullest_retired(): no page is retired")
+        return buckets[top][-1]
 
     # ------------------------------------------------------------------ mutations
     def alloc(self, n: int) -> list[int] | None:
@@ -227,7 +247,10 @@ class BlockAllocator:
             new = occupancy[page]
             if retired[page]:
                 self.num_retired_blocks -= old - new
-                if new == 0:
+                self._rbucket_remove(page, old)
+                if new:
+                    self._rbucket_add(page, new)
+                else:
                     slots[page] = []
                     retired[page] = 0
                     emptied_retired.append(page)
@@ -241,11 +264,10 @@ class BlockAllocator:
                 self._partial_free -= bpp
                 slots[page] = []
                 emptied.append(page)
-        # Retired pages first, so no emptied page is taken back into service.
-        for page in emptied_retired:
-            self.pages.release(page)
-        for page in emptied:
-            self.pages.release(page)
+        # Retired pages first, so no emptied page is taken back into service; one
+        # release_many unmaps contiguous runs in one backend call.
+        if emptied_retired or emptied:
+            self.pages.release_many(emptied_retired + emptied)
 
     def _free_one(self, block: int) -> None:
         """Free one block known to be allocated (the common decode-step case)."""
@@ -258,7 +280,10 @@ class BlockAllocator:
         self._occupancy[page] = new
         if self._retired[page]:
             self.num_retired_blocks -= 1
-            if new == 0:
+            self._rbucket_remove(page, old)
+            if new:
+                self._rbucket_add(page, new)
+            else:
                 self._slots[page] = []
                 self._retired[page] = 0
                 self.pages.release(page)
@@ -289,6 +314,20 @@ class BlockAllocator:
 
     def _bucket_remove(self, page: int, occ: int) -> None:
         bucket = self._buckets[occ]
+        index = self._pos[page]
+        last = bucket.pop()
+        if last != page:
+            bucket[index] = last
+            self._pos[last] = index
+
+    def _rbucket_add(self, page: int, occ: int) -> None:
+        bucket = self._rbuckets[occ]
+        self._pos[page] = len(bucket)
+        bucket.append(page)
+        self._rtop = max(self._rtop, occ)
+
+    def _rbucket_remove(self, page: int, occ: int) -> None:
+        bucket = self._rbuckets[occ]
         index = self._pos[page]
         last = bucket.pop()
         if last != page:

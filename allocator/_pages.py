@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Protocol
 
@@ -36,6 +37,14 @@ class PageObserver(Protocol):
         """``page`` was retired (``True``) or taken back into service (``False``)."""
         ...
 
+    def fullest_retired(self) -> int:
+        """A retired page with the most live blocks (asked when one is taken back).
+
+        Called only while at least one page is retired; must cost O(1) amortised
+        (the allocator asks once per page released while others are retired).
+        """
+        ...
+
 
 class PageAllocator:
     """Decides which pages are mapped; engine thread only (guarded).
@@ -50,9 +59,12 @@ class PageAllocator:
       free pages == 0 while any page is retired;
     * free mapped pages <= ``reserve_pages``; they count as mapped.
 
-    Costs: ``acquire`` and ``release`` are O(1) (plus one map/unmap), except
-    that releasing a page while others are retired scans the retired set to
-    take back the fullest one. ``set_target`` is O(in-use pages log k).
+    Costs: ``acquire`` and ``release`` are O(1) (plus one map/unmap): taking
+    back the fullest retired page asks the observer's
+    :meth:`PageObserver.fullest_retired` (without an observer every page
+    counts as empty and the lowest retired page returns, O(retired)).
+    ``release_many`` unmaps in one ``unmap_many`` call (contiguous runs are
+    one call per region). ``set_target`` is O(in-use pages log k).
     """
 
     def __init__(
@@ -182,31 +194,67 @@ class PageAllocator:
         emptied page is unmapped and the fullest retired page is taken back.
         Otherwise it stays mapped as reserve if the reserve has room.
         """
+        self.release_many((page,))
+
+    def release_many(self, pages: Sequence[int]) -> None:
+        """:meth:`release` each of ``pages`` (retired ones first), with one ``unmap_many``.
+
+        Checks every page first (in range, in use or retired, no repeats) and
+        changes nothing if one is wrong. The backend unmaps before any state
+        changes, so a failed unmap leaves these pages as they were.
+        """
         self.guard.check()
-        state = self._state[page] if 0 <= page < self.num_pages else None
-        if state == PageState.RETIRED:
-            self.backend.unmap(page)
-            self._retired.discard(page)
-            self._mark_unmapped([page])
-            self._trim_spares()
-        elif state == PageState.IN_USE:
-            if self._retired or len(self._free) >= self.reserve_pages:
-                self.backend.unmap(page)
-                self._in_use.discard(page)
-                self._mark_unmapped([page])
-                if self._retired:
-                    self._unretire(1)
-                self._trim_spares()
+        state, num_pages = self._state, self.num_pages
+        for page in pages:
+            if type(page) is not int or not 0 <= page < num_pages:
+                raise AllocatorContractError(
+                    f"release({page!r}): no such page (0..{num_pages - 1})")
+            if state[page] not in (PageState.IN_USE, PageState.RETIRED):
+                raise AllocatorContractError(
+                    f"release({page}): the page is {PageState(state[page]).name}, not in use; "
+                    "release each acquired page exactly once")
+        if len(pages) > 1 and len(set(pages)) != len(pages):
+            raise AllocatorContractError("release_many(): the same page appears twice")
+        # Plan as sequential release() calls would go, then unmap once, then apply.
+        retired_left = len(self._retired)
+        free_room = self.reserve_pages - len(self._free)
+        unmap: list[int] = []
+        keep: list[int] = []
+        take_back = 0
+        for page in pages:  # retired pages first: none of them is taken back into service
+            if state[page] == PageState.RETIRED:
+                unmap.append(page)
+                retired_left -= 1
+        for page in pages:
+            if state[page] == PageState.RETIRED:
+                continue
+            if retired_left:
+                unmap.append(page)
+                retired_left -= 1
+                take_back += 1
+            elif free_room > 0:
+                keep.append(page)
+                free_room -= 1
+            else:
+                unmap.append(page)
+        if len(unmap) == 1:
+            self.backend.unmap(unmap[0])
+        elif unmap:
+            self.backend.unmap_many(unmap)
+        for page in unmap:
+            if state[page] == PageState.RETIRED:
+                self._retired.discard(page)
             else:
                 self._in_use.discard(page)
-                self._state[page] = PageState.FREE
-                self._free.append(page)
-        elif state is None:
-            raise AllocatorContractError(f"release({page}): no such page (0..{self.num_pages - 1})")
-        else:
-            raise AllocatorContractError(
-                f"release({page}): the page is {PageState(state).name}, not in use; release "
-                "each acquired page exactly once")
+        self._mark_unmapped(unmap)
+        if take_back:
+            self._unretire(take_back)
+        for page in keep:
+            self._in_use.discard(page)
+            state[page] = PageState.FREE
+            self._free.append(page)
+        if unmap:
+            self._trim_spares()
 
     # ------------------------------------------------------------------ internals
     def _check_page(self, page: int) -> None:
@@ -238,7 +286,7 @@ class PageAllocator:
         del self._unmapped[-want:]
         for page in pages:
             self._state[page] = PageState.FREE
-        self._free.extend(reversed(pages))
+        self._free.extend(sorted(pages, reverse=True))  # the lowest page is popped first
 
     def _live(self, page: int) -> int:
         return 0 if self._observer is None else self._observer.live_blocks(page)
@@ -253,10 +301,21 @@ class PageAllocator:
                 self._observer.on_retired(page, True)
 
     def _unretire(self, count: int) -> None:
-        chosen = heapq.nlargest(count, self._retired, key=lambda p: (self._live(p), -p))
-        for page in chosen:
-            self._retired.discard(page)
-            self._in_use.add(page)
-            self._state[page] = PageState.IN_USE
-            if self._observer is not None:
-                self._observer.on_retired(page, False)
+        observer = self._observer
+        if observer is None:  # every page counts as empty: the lowest pages return
+            for page in heapq.nsmallest(count, self._retired):
+                self._back_in_service(page)
+            return
+        for _ in range(count):
+            page = observer.fullest_retired()
+            if self._state[page] != PageState.RETIRED:
+                raise AllocatorContractError(
+                    f"the observer named page {page} as retired but it is "
+                    f"{PageState(self._state[page]).name}")
+            self._back_in_service(page)
+            observer.on_retired(page, False)
+
+    def _back_in_service(self, page: int) -> None:
+        self._retired.discard(page)
+        self._in_use.add(page)
+        self._state[page] = PageState.IN_USE
