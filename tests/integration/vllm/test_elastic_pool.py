@@ -85,14 +85,16 @@ def make_elastic(
 ) -> Iterator[Callable[..., Elastic]]:
     made: list[Elastic] = []
 
-    def build(num_pages: int = 16, *, reclaim: bool = True, max_cached_tokens: int = -1) -> Elastic:
+    def build(num_pages: int = 16, *, reclaim: bool = True, max_cached_tokens: int = -1,
+              reserve_pages: int = 0) -> Elastic:
         layout = PageLayout(page_bytes=PAGE_BYTES, num_pages=num_pages, num_regions=NUM_REGIONS)
         backend = HostBackend.reserve(layout, name="kvs-test-vllm")
         num_blocks = num_pages * BLOCKS_PER_PAGE
         publish_kv_memory(KVMemory(backend, layout, PAGE_BYTES // BLOCKS_PER_PAGE, num_blocks))
         monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
         _runtime.configure(
-            EngineSettings(enable=True, thread_guard=True, reclaim=reclaim, runtime_dir=tmp_path),
+            EngineSettings(enable=True, thread_guard=True, reclaim=reclaim, runtime_dir=tmp_path,
+                           reserve_pages=reserve_pages),
             VllmSettings(enable=True, max_cached_tokens=max_cached_tokens),
         )
         spec = FullAttentionSpec(
@@ -156,6 +158,20 @@ def test_pages_are_mapped_on_demand_and_prefix_hits_survive(
     second = e.make_request("b", doc + tokens(3, BLOCK_TOKENS))
     _, num_hit, _ = e.manager.get_computed_blocks(second)
     assert num_hit == len(doc)  # vLLM's own prefix cache finds the document
+
+
+@pytest.mark.parametrize("reserve", [2, 3])
+def test_a_premapped_reserve_still_gives_vllm_block_0_first(
+    make_elastic: Callable[..., Elastic], reserve: int,
+) -> None:
+    e = make_elastic(reserve_pages=reserve)  # used to raise: block 16 came out first
+    assert e.pool.null_block.block_id == 0 and e.pool.null_block.is_null
+    assert e.mapped_pages() == reserve  # page 0 (null block) + the rest of the reserve
+    doc = e.make_request("a", tokens(1, 2 * PAGE_TOKENS))
+    assert e.admit(doc)
+    assert e.mapped_pages() <= 3 + reserve  # 8 blocks + null on 3 pages, plus the reserve
+    e.finish(doc)
+    assert e.pool.num_evictable_blocks == 2 * BLOCKS_PER_PAGE
 
 
 def test_lower_limit_evicts_whole_pages(
