@@ -288,17 +288,34 @@ class PageAllocator:
             self._state[page] = PageState.FREE
         self._free.extend(sorted(pages, reverse=True))  # the lowest page is popped first
 
-    def _live(self, page: int) -> int:
-        return 0 if self._observer is None else self._observer.live_blocks(page)
-
     def _retire(self, count: int) -> None:
-        chosen = heapq.nsmallest(count, self._in_use, key=lambda p: (self._live(p), -p))
+        # The emptiest pages, the highest page first among equals: grouped by live
+        # count (no key tuples: one observer call per in-use page, then C sorts).
+        observer = self._observer
+        groups: dict[int, list[int]] = {}
+        if observer is None:
+            groups[0] = list(self._in_use)
+        else:
+            live = observer.live_blocks
+            for page in self._in_use:
+                group = groups.get(n := live(page))
+                if group is None:
+                    groups[n] = [page]
+                else:
+                    group.append(page)
+        chosen: list[int] = []
+        for n in sorted(groups):
+            group = groups[n]
+            group.sort(reverse=True)
+            chosen += group[: count - len(chosen)]
+            if len(chosen) == count:
+                break
         for page in chosen:
             self._in_use.discard(page)
             self._retired.add(page)
             self._state[page] = PageState.RETIRED
-            if self._observer is not None:
-                self._observer.on_retired(page, True)
+            if observer is not None:
+                observer.on_retired(page, True)
 
     def _unretire(self, count: int) -> None:
         observer = self._observer

@@ -1,0 +1,144 @@
+"""Allocator cost at scale: a shrink pass and an idle ``step()`` at 1k .. 1M blocks.
+
+For each pool size (16 blocks per 4 KiB page, host memory):
+
+1. *Shrink pass*: fill every block, free a random quarter (pages end up
+   unevenly full), then halve the target (``set_target``: the emptiest half
+   of the in-use pages retires) and drain every block in random order, one
+   ``free`` per block, as requests finishing would. Reported: the
+   ``set_target`` time, the drain time, and the whole pass per freed page;
+   beside it the raw cost of unmapping the same number of pages one by one
+   (``HostBackend.unmap``), the floor. Goal: the cost per freed page at 100k
+   blocks within 1.5x of that at 1k (a linear pass).
+   Times are CPU time of this process (``time.process_time``: user + system,
+   so the unmap syscalls count) because the shared machine's wall clock
+   mostly measures other people's load.
+2. *Idle step()*: ``ShrinkCoordinator.step()`` with nothing pending over a
+   half-full pool of that size (should not grow with the pool).
+
+``--max-blocks`` caps the sizes (to run the old quadratic code at all, e.g.
+``PYTHONPATH=<old checkout> python bench/bench_scale.py --max-blocks 100000``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import random
+import sys
+import time
+import timeit
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+if not any(Path(p, "allocator").is_dir() for p in sys.path if p):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from allocator import BlockAllocator, HostBackend, PageAllocator, PageLayout
+from engine_ext import CoordinatorConfig, LimitMailbox, ShrinkCoordinator
+
+BPP = 16
+SIZES = (1_000, 10_000, 100_000, 1_000_000)
+
+
+class NoCache:
+    """A reclaimer with nothing evictable (the idle engine of the step() bench)."""
+
+    name = "bench-none"
+
+    def evictable_blocks(self) -> Iterable[int]:
+        return ()
+
+    def is_evictable(self, block: int) -> bool:
+        return False
+
+    def evict(self, blocks: Sequence[int]) -> int:
+        return 0
+
+
+def build(num_blocks: int) -> tuple[HostBackend, PageAllocator, BlockAllocator]:
+    num_pages = -(-num_blocks // BPP)
+    backend = HostBackend.reserve(PageLayout(mmap.PAGESIZE, num_pages, 1), name="bench-scale")
+    pages = PageAllocator(backend)
+    return backend, pages, BlockAllocator(pages, BPP)
+
+
+def shrink_pass(num_blocks: int, seed: int) -> dict[str, float]:
+    backend, pages, blocks = build(num_blocks)
+    try:
+        got = blocks.alloc(blocks.num_blocks)
+        assert got is not None
+        rng = random.Random(seed)
+        rng.shuffle(got)
+        blocks.free(got[: len(got) // 4])
+        live = got[len(got) // 4:]
+        in_use = pages.num_in_use
+        t0 = time.process_time()
+        pages.set_target(in_use // 2)
+        t1 = time.process_time()
+        free = blocks.free
+        for block in live:
+            free([block])
+        t2 = time.process_time()
+        assert pages.num_mapped == 0 and backend.mapped_bytes() == 0
+    finally:
+        backend.release()
+    raw = raw_unmap_ns(in_use)
+    return {"pages": in_use, "target_ms": (t1 - t0) * 1e3, "drain_ms": (t2 - t1) * 1e3,
+            "per_page_us": (t2 - t0) * 1e6 / in_use, "raw_per_page_us": raw / 1e3}
+
+
+def raw_unmap_ns(num_pages: int) -> float:
+    """Map ``num_pages`` pages at once, unmap them one by one: ns per page unmapped."""
+    backend = HostBackend.reserve(PageLayout(mmap.PAGESIZE, num_pages, 1), name="bench-raw")
+    try:
+        backend.map_many(range(num_pages))
+        t0 = time.process_time()
+        for page in range(num_pages):
+            backend.unmap(page)
+        return (time.process_time() - t0) * 1e9 / num_pages
+    finally:
+        backend.release()
+
+
+def idle_step_ns(num_blocks: int) -> float:
+    backend, _, blocks = build(num_blocks)
+    try:
+        got = blocks.alloc(blocks.num_blocks // 2)
+        assert got is not None
+        mailbox = LimitMailbox()
+        coord = ShrinkCoordinator(mailbox, blocks, CoordinatorConfig())
+        coord.add_reclaimer(NoCache())
+        mailbox.publish_next(None)
+        coord.step()  # take it; nothing is pending from now on
+        n = 50_000
+        return min(timeit.repeat(coord.step, number=n, repeat=5)) / n * 1e9
+    finally:
+        backend.release()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-blocks", type=int, default=SIZES[-1])
+    parser.add_argument("--rounds", type=int, default=3, help="shrink passes per size (median)")
+    args = parser.parse_args()
+    sizes = [n for n in SIZES if n <= args.max_blocks]
+    print(f"{BPP} blocks per 4 KiB page; shrink pass = halve the target, drain to 0 "
+          f"(median of {args.rounds})\n")
+    print("| blocks | pages freed | set_target ms | drain ms | µs / freed page | raw unmap µs/page "
+          "| × 1k per page | idle step() ns |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = 0.0
+    for size in sizes:
+        runs = sorted((shrink_pass(size, seed) for seed in range(args.rounds)),
+                      key=lambda r: r["per_page_us"])
+        mid = runs[len(runs) // 2]
+        base = base or mid["per_page_us"]
+        idle = idle_step_ns(size)
+        print(f"| {size:,} | {int(mid['pages']):,} | {mid['target_ms']:.1f} | "
+              f"{mid['drain_ms']:.1f} | {mid['per_page_us']:.1f} | {mid['raw_per_page_us']:.1f} "
+              f"| {mid['per_page_us'] / base:.2f} | {idle:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
