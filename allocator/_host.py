@@ -65,6 +65,7 @@ class HostBackend:
         self.fd_path = f"/proc/{os.getpid()}/fd/{fd}"
         self.owner = owner
         self._mapped = bytearray(layout.num_pages)  # 1 where this process maps the page
+        self._num_mapped = 0  # sum(self._mapped), kept per call
         self._released = False
         self.base_address = _libc.reserve_file(fd, layout.total_bytes)
         # Frees the range, the memory and the fd if the backend is dropped without
@@ -121,6 +122,7 @@ class HostBackend:
             return
         self._released = True
         self._mapped = bytearray(self.layout.num_pages)
+        self._num_mapped = 0
         self._finalizer()
 
     def __enter__(self) -> Self:
@@ -139,6 +141,7 @@ class HostBackend:
             raise AllocatorContractError(f"page {page} is already mapped")
         self._map_run(page, 1)
         self._mapped[page] = 1
+        self._num_mapped += 1
 
     def unmap(self, page: int) -> None:
         """Unmap ``page`` in every region; the owner also returns its memory."""
@@ -148,6 +151,7 @@ class HostBackend:
         if not self._mapped[page]:
             raise AllocatorContractError(f"page {page} is not mapped")
         self._mapped[page] = 0
+        self._num_mapped -= 1
         self._unmap_run(page, 1)
 
     def map_many(self, pages: Sequence[int]) -> None:
@@ -165,6 +169,7 @@ class HostBackend:
             raise
         for page in ordered:
             self._mapped[page] = 1
+        self._num_mapped += len(ordered)
 
     def unmap_many(self, pages: Sequence[int]) -> None:
         """Unmap several pages; each run of consecutive pages is one call per region."""
@@ -172,6 +177,7 @@ class HostBackend:
         ordered = check_pages(pages, self.layout.num_pages, self._mapped, True)
         for page in ordered:
             self._mapped[page] = 0
+        self._num_mapped -= len(ordered)
         for first, count in runs(ordered):
             self._unmap_run(first, count)
 
@@ -181,6 +187,11 @@ class HostBackend:
             raise AllocatorContractError(
                 f"page {page} is outside 0..{self.layout.num_pages - 1}")
         return bool(self._mapped[page])
+
+    @property
+    def num_mapped_pages(self) -> int:
+        """How many pages this process maps (O(1); the map/unmap calls that succeeded)."""
+        return self._num_mapped
 
     def mapped_pages(self) -> list[int]:
         """Pages this process maps, ascending."""
@@ -224,7 +235,8 @@ class HostBackend:
         done: list[int] = []
         try:
             for _ in range(layout.num_regions):
-                _libc.commit(fd, offset, length)
+                if self.owner:  # the owner committed before any view maps the page
+                    _libc.commit(fd, offset, length)
                 done.append(offset)
                 _libc.open_range(base + offset, length)
                 offset += layout.region_bytes

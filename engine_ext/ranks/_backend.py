@@ -192,7 +192,8 @@ class RankedBackend:
         return BarrierResult(outcome, self.group.states())
 
     def probe(self, timeout_s: float) -> None:
-        """Refresh every rank's measured mapped bytes (raises if a rank is dead or slow)."""
+        """Re-measure every rank's view from its /proc/self/maps (raises if a rank is dead,
+        slow, or its view disagrees with the pages it mapped)."""
         try:
             self.group.call("probe", timeout_s)
         except RankChannelError as exc:

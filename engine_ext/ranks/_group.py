@@ -40,7 +40,7 @@ class _Rank:
     alive: bool = True
     acked: int = 0  # highest seq this rank acknowledged (acks arrive in order)
     finished_step: int = -1
-    mapped_bytes: int = 0  # measured by the rank from its /proc/self/maps
+    mapped_bytes: int = 0  # the rank's own view (its mprotects; /proc-checked on probe)
     mapped_pages: int = 0
     error: str | None = None
 

@@ -14,8 +14,11 @@ the KV slot geometry), attaches the memfd into a reservation of its own
 * ``probe`` -- nothing, just an ack;
 * ``stop`` -- release the view and exit.
 
-Every op is acknowledged *after* it was applied, with the bytes this rank
-maps measured from ``/proc/self/maps``. ``barrier_delay_s`` delays the ack of
+Every op is acknowledged *after* it was applied in this process's own
+address space (every ``mprotect`` of the view returned), with the bytes this
+rank maps counted from those calls. ``setup`` and ``probe`` re-measure the
+view from ``/proc/self/maps`` and stop the rank if the kernel disagrees with
+the count (parsing the maps per ack cost ~60% of a one-page round trip). ``barrier_delay_s`` delays the ack of
 each ``unmap`` (a slow rank, for tests and drills). The rank exits when the
 socket closes (the engine died), on SIGTERM and on SIGINT.
 
@@ -73,7 +76,8 @@ class RankWorker:
                 if message is None or message.get("op") == "stop":
                     return 0
                 self._apply(message)
-                send_message(sock, self._ack(int(message["seq"])))
+                measure = message.get("op") in ("setup", "probe")
+                send_message(sock, self._ack(int(message["seq"]), measure=measure))
         except (OSError, RankChannelError) as exc:
             print(f"kvsidecar rank {self.rank}: channel closed: {exc}", flush=True)
             return 1
@@ -128,13 +132,20 @@ class RankWorker:
                 address = region_base + block * geometry.block_bytes + offset * geometry.slot_bytes
                 ctypes.c_int32.from_address(address).value = value
 
-    def _ack(self, seq: int) -> dict[str, Any]:
+    def _ack(self, seq: int, *, measure: bool = False) -> dict[str, Any]:
         backend = self.backend
-        mapped = 0
+        pages = mapped = 0
         if backend is not None:
-            mapped = view_mapped_bytes("self", backend.base_address, backend.layout.total_bytes)
+            pages = backend.num_mapped_pages
+            mapped = pages * backend.layout.bundle_bytes
+            if measure:
+                seen = view_mapped_bytes("self", backend.base_address, backend.layout.total_bytes)
+                if seen != mapped:
+                    raise RankChannelError(
+                        f"/proc/self/maps shows {seen} bytes of the KV view readable but "
+                        f"{pages} pages ({mapped} bytes) were mapped here: the view is corrupt")
         return {"seq": seq, "finished_step": self.finished_step, "mapped_bytes": mapped,
-                "mapped_pages": len(backend.mapped_pages()) if backend is not None else 0}
+                "mapped_pages": pages}
 
     def _require_backend(self) -> HostBackend:
         if self.backend is None:

@@ -114,3 +114,52 @@ def test_foreign_connection_is_ignored_and_bad_topology_refused(tmp_path: Path) 
     finally:
         group.close()
         owner.release()
+
+
+def test_acked_view_sizes_match_each_ranks_proc_maps(tmp_path: Path) -> None:
+    """Acks count the rank's own mprotects; /proc/<pid>/maps, read from here, must agree."""
+    import random
+
+    from engine_ext.ranks import memfd_view
+
+    group = RankGroup.spawn(str(tmp_path / "r.sock"), 2, timeout_s=30)
+    layout = PageLayout(page_bytes=4096, num_pages=16, num_regions=2)
+    owner = HostBackend.reserve(layout, name="kvs-acks")
+    rng = random.Random(5)
+    try:
+        backend = RankedBackend.start(owner, group, tp=2, pp=1, block_bytes=1024, slot_bytes=64)
+        mapped: set[int] = set()
+        for _ in range(40):
+            if mapped and rng.random() < 0.5:
+                gone = rng.sample(sorted(mapped), rng.randint(1, len(mapped)))
+                backend.unmap_many(gone)
+                mapped -= set(gone)
+            else:
+                fresh = rng.sample([p for p in range(16) if p not in mapped], rng.randint(1, 3))
+                backend.map_many(fresh)
+                mapped |= set(fresh)
+            assert backend.settle(5.0).outcome.value == "confirmed"
+            for pid, state in zip(group.pids, group.states(), strict=True):
+                seen = sum(length for _, length in memfd_view(pid, "kvs-acks"))
+                assert state.mapped_bytes == seen == len(mapped) * layout.bundle_bytes
+        backend.probe(5.0)  # every rank re-measures its own /proc/self/maps and agrees
+        assert not group.any_dead()
+    finally:
+        group.close()
+        owner.release()
+
+
+def test_commit_is_the_owners_job_an_attached_view_commits_nothing() -> None:
+    layout = PageLayout(page_bytes=4096, num_pages=4, num_regions=1)
+    owner = HostBackend.reserve(layout, name="kvs-commit")
+    view = HostBackend.attach(layout, owner.fd_path)
+    try:
+        view.map(2)  # the owner has not committed page 2: the view maps a hole
+        assert owner.mapped_bytes() == 0 and view.num_mapped_pages == 1
+        owner.map(2)
+        assert owner.mapped_bytes() == layout.bundle_bytes
+        view.unmap(2)
+        assert owner.mapped_bytes() == layout.bundle_bytes  # a view never frees memory
+    finally:
+        view.release()
+        owner.release()
