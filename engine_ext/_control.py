@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import selectors
 import socket
 import socketserver
 import stat
@@ -181,8 +182,10 @@ def _describe(exc: ValidationError) -> str:
 class ControlServer:
     """Serves the control socket on its own daemon thread.
 
-    Owns the listening socket file (mode 0600) and its server thread. The
-    directory holding the socket must exist; :class:`ElasticInstance` creates
+    Owns the listening socket file (mode 0600), its server thread and a
+    shutdown pipe: the thread blocks in ``select`` on the socket and the pipe
+    (no polling, no wake-up while idle). The directory holding the socket
+    must exist; :class:`ElasticInstance` creates
     it with mode 0700. ``start()``/``stop()`` from the thread that owns the
     instance; handlers run on threads named ``control-handler`` and touch only
     the mailbox.
@@ -198,6 +201,7 @@ class ControlServer:
         self._mailbox = mailbox
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._wake_w = -1  # write end of the shutdown pipe (-1: not serving)
 
     def start(self) -> None:
         """Bind the socket (0600) and serve on a daemon thread. Idempotent."""
@@ -215,11 +219,10 @@ class ControlServer:
             raise EngineExtConfigError(
                 f"cannot serve the control socket at {self.socket_path!r}: {exc}"
             ) from exc
+        wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
         self._server = server
         self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.1},
-            name="control-server", daemon=True,
-        )
+            target=_serve, args=(server, wake_r), name="control-server", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -227,16 +230,43 @@ class ControlServer:
         server, self._server = self._server, None
         if server is None:
             return
-        # the file first: shutdown() waits up to one poll interval, and a process that is
-        # being killed (vLLM ends its EngineCore right after SIGTERM) must not leave it behind
+        # the file first: a process that is being killed (vLLM ends its EngineCore right
+        # after SIGTERM) must not leave it behind
         try:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
-        server.shutdown()
-        server.server_close()
+        wake_w, self._wake_w = self._wake_w, -1
+        try:
+            os.write(wake_w, b"x")  # the server thread returns from select and exits
+        finally:
+            os.close(wake_w)
         if self._thread is not None:
             self._thread.join(timeout=5)
+        server.server_close()
+
+
+def _serve(server: _Server, wake_r: int) -> None:
+    """Accept connections until a byte arrives on ``wake_r`` (the server thread's loop)."""
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(server.socket, selectors.EVENT_READ)
+            selector.register(wake_r, selectors.EVENT_READ)
+            while True:
+                ready = selector.select()  # blocks: no timeout, nothing runs while idle
+                if any(key.fileobj == wake_r for key, _ in ready):
+                    return
+                try:
+                    request, address = server.get_request()
+                except OSError:
+                    continue  # the client went away between select and accept
+                try:
+                    server.process_request(request, address)
+                except Exception:  # noqa: BLE001 -- one bad connection must not stop serving
+                    server.handle_error(request, address)
+                    server.shutdown_request(request)
+    finally:
+        os.close(wake_r)
 
 
 def _clear_stale_socket(path: str) -> None:

@@ -56,6 +56,10 @@ class SidecarClient:
             headers=headers,
             timeout=_REQUEST_TIMEOUT_S,
             transport=transport,
+            # keep the heartbeat's connection across intervals (httpx's 5 s default equals
+            # the default heartbeat, so every beat reconnected); the sidecar keeps idle
+            # connections for 75 s (sidecar/cli.py), and one it closed is simply replaced
+            limits=httpx.Limits(keepalive_expiry=2 * settings.heartbeat_s + 1),
         )
         self._mailbox = mailbox
         self._body = register_body_factory

@@ -52,8 +52,9 @@ def serve(
         logging.getLogger("kvsidecar").warning(
             "binding %s without KVSIDECAR_TOKEN: anyone who can reach it can set limits",
             settings.host)
+    # keep-alive well above the engines' heartbeat (5 s by default): one connection each
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level, access_log=False)
+                log_level=settings.log_level, access_log=False, timeout_keep_alive=75)
 
 
 async def _check_database(settings: SidecarSettings) -> None:

@@ -225,3 +225,29 @@ def test_handlers_never_call_the_pool(
     assert callers == []
     served[2].step()  # the engine pass does call in, on this thread
     assert callers and {t for t, _ in callers} == {threading.current_thread().name}
+
+
+def _switches(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status", encoding="ascii") as status:
+        fields = dict(line.split(":", 1) for line in status if ":" in line)
+    return int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+
+
+def test_an_idle_control_server_never_wakes_up(tmp_path: Path) -> None:
+    """No polling: the server thread sleeps in select until a client or stop() arrives."""
+    import time
+
+    server = ControlServer(str(tmp_path / "c.sock"), LimitMailbox())
+    server.start()
+    try:
+        assert call(server.socket_path, "GET", "/healthz")[0] == 200
+        thread = server._thread
+        assert thread is not None and thread.native_id is not None
+        before = _switches(thread.native_id)
+        time.sleep(0.5)  # a 100 ms poll would wake it ~5 times
+        assert _switches(thread.native_id) == before
+        assert call(server.socket_path, "GET", "/healthz")[0] == 200  # still serving
+    finally:
+        server.stop()
+    assert not thread.is_alive() and not os.path.exists(server.socket_path)
+    server.stop()  # idempotent
