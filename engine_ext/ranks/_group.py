@@ -1,14 +1,18 @@
 """The scheduler side of the rank channel: one unix socket per rank, acks in order.
 
 Threads: the engine thread calls everything except :meth:`RankGroup.close`
-(any thread, idempotent); one daemon reader thread per rank records its acks
-and notices its death (end of stream, error) under one condition variable.
+(any thread, idempotent). Acks are read by whoever holds the read lock: the
+engine thread itself while it waits for them (a direct receive, no hand-off
+through another thread), else one daemon watcher thread that sleeps in
+``select`` on every rank socket, records acks that arrive while the engine
+does not wait, notices deaths (end of stream, error) and wakes the engine.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -49,7 +53,9 @@ class RankGroup:
     """Broadcasts ops to every rank and waits for their acks.
 
     Owns the listening socket (unlinked as soon as every rank connected), the
-    per-rank sockets and reader threads, and the rank processes it spawned.
+    per-rank sockets, the watcher thread and its stop pipe, and the rank
+    processes it spawned. Rank fields change under ``_cond``; socket reads
+    happen only under ``_read_lock`` (acks of one rank stay in order).
     ``step`` is the last step handed to the ranks; an ``unmap`` is tagged
     with it, so a rank applies it only after finishing that step.
     """
@@ -65,12 +71,10 @@ class RankGroup:
         self._closed = False
         self.deaths = 0  # ranks that died so far; the barrier's liveness epoch
         self.step = -1
-        self._threads = [
-            threading.Thread(target=self._read, args=(r,), name=f"rank-{r.rank}-reader", daemon=True)
-            for r in self._ranks
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._read_lock = threading.Lock()
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._watcher = threading.Thread(target=self._watch_loop, name="rank-watcher", daemon=True)
+        self._watcher.start()
 
     # -- start-up ----------------------------------------------------------------------
     @classmethod
@@ -173,10 +177,22 @@ class RankGroup:
             return any(not r.alive for r in self._ranks)
 
     def wait(self, seq: int, timeout_s: float) -> BarrierOutcome:
-        """Wait at most ``timeout_s`` until every live rank acked ``seq``; a dead rank fails it."""
+        """Wait at most ``timeout_s`` until every live rank acked ``seq``; a dead rank fails it.
+
+        Reads the acks on this thread (under the read lock, so the watcher
+        cannot take one between the check and the ``select``).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._read_lock:
+                with self._cond:
+                    if self._closed or all(r.acked >= seq or not r.alive for r in self._ranks):
+                        break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._pump(left)
         with self._cond:
-            self._cond.wait_for(
-                lambda: all(r.acked >= seq or not r.alive for r in self._ranks), timeout_s)
             if any(not r.alive for r in self._ranks):
                 return BarrierOutcome.FAILED
             if all(r.acked >= seq for r in self._ranks):
@@ -221,6 +237,7 @@ class RankGroup:
             if self._closed:
                 return
             self._closed = True
+        os.write(self._stop_w, b"x")  # the watcher (and any waiting select) returns
         for rank in self._ranks:
             if rank.alive:
                 try:
@@ -239,27 +256,60 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if threading.current_thread() is not self._watcher:
+            self._watcher.join(timeout=max(0.1, deadline - time.monotonic()))
+        if not self._watcher.is_alive():
+            os.close(self._stop_r)
+        os.close(self._stop_w)
 
-    # -- reader threads ------------------------------------------------------------------
-    def _read(self, rank: _Rank) -> None:
+    # -- reading acks (under _read_lock) ----------------------------------------------
+    def _pump(self, timeout_s: float) -> None:
+        """Read the acks that arrive within ``timeout_s`` (those already there: 0)."""
+        live = [r for r in self._ranks if r.alive]
         try:
-            while True:
-                message = recv_message(rank.sock)
-                if message is None:
-                    self._mark_dead(rank, "the rank closed its socket (process gone?)")
-                    return
-                seq = int(message["seq"])
-                with self._cond:
-                    rank.acked = seq
-                    rank.finished_step = int(message["finished_step"])
-                    rank.mapped_bytes = int(message["mapped_bytes"])
-                    rank.mapped_pages = int(message["mapped_pages"])
-                    watched = 0 < self._watch <= seq
-                    self._cond.notify_all()
-                if watched:
-                    self._notify()
+            ready = select.select([r.sock for r in live] + [self._stop_r], [], [], timeout_s)[0]
+        except (OSError, ValueError):  # a socket closed under us: close() is running
+            return
+        for rank in live:
+            if rank.sock in ready:
+                self._read_one(rank)
+
+    def _read_one(self, rank: _Rank) -> None:
+        try:
+            message = recv_message(rank.sock)
+            if message is None:
+                self._mark_dead(rank, "the rank closed its socket (process gone?)")
+                return
+            seq = int(message["seq"])
+            with self._cond:
+                rank.acked = seq
+                rank.finished_step = int(message["finished_step"])
+                rank.mapped_bytes = int(message["mapped_bytes"])
+                rank.mapped_pages = int(message["mapped_pages"])
+                watched = 0 < self._watch <= seq
+                self._cond.notify_all()
+            if watched:
+                self._notify()
         except (OSError, RankChannelError, KeyError, ValueError) as exc:
             self._mark_dead(rank, f"channel error: {exc}")
+
+    def _watch_loop(self) -> None:
+        """Sleep until a rank socket is readable; read what the engine does not wait for."""
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                socks = [r.sock for r in self._ranks if r.alive]
+            try:
+                ready = select.select(socks + [self._stop_r], [], [])[0]
+            except (OSError, ValueError):
+                if self._closed:
+                    return
+                continue
+            if self._stop_r in ready:
+                return
+            with self._read_lock:
+                self._pump(0)
 
     def _mark_dead(self, rank: _Rank, why: str) -> None:
         with self._cond:
