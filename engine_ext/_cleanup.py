@@ -6,7 +6,8 @@ close. A dir whose owner is gone -- the process does not exist, or the pid was
 reused by a process that started at another time -- was left by a crash or a
 ``kill -9``: :func:`sweep_stale_runtime_dirs` removes it at the next start of
 any instance, but only the files an instance creates there, by exact name
-(the socket ``control.sock``, ``.owner`` and its temporary ``.owner.<pid>.tmp``);
+(the sockets ``control.sock`` and ``r.sock``, ``.owner`` and its temporary
+``.owner.<pid>.tmp``);
 a dir without ``.owner``, with a live owner, owned by another user, or holding
 anything else (another program's socket, a file named ``.owner-notes``) is
 left alone, with everything in it.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 __all__ = [
     "OWNER_FILE",
+    "RANK_SOCKET_FILE",
     "SOCKET_FILE",
     "clear_owner",
     "owner_alive",
@@ -35,6 +37,8 @@ _log = logging.getLogger("engine_ext.cleanup")
 
 OWNER_FILE = ".owner"
 SOCKET_FILE = "control.sock"  # the instance's control socket
+RANK_SOCKET_FILE = "r.sock"  # the rank channel's listening socket (``.ranks-*`` dirs)
+_SOCKETS = frozenset({SOCKET_FILE, RANK_SOCKET_FILE})
 _OWNER_TMP = re.compile(r"^\.owner\.\d+\.tmp$")  # write_owner's temporary file
 
 
@@ -111,7 +115,7 @@ def sweep_stale_runtime_dirs(root: Path, *, keep: str | None = None) -> list[Pat
 
 def _ours(name: str, mode: int) -> bool:
     """Whether an entry of an instance dir is one this project creates (exact names)."""
-    if name == SOCKET_FILE:
+    if name in _SOCKETS:
         return stat.S_ISSOCK(mode)
     return stat.S_ISREG(mode) and (name == OWNER_FILE or _OWNER_TMP.match(name) is not None)
 
