@@ -7,13 +7,18 @@ that is sent slowly or not at all, and takes every connection it is offered.
 * closes (with 408) a connection whose request headers have not all arrived
   ``header_timeout_s`` after its first byte (or after it was opened), and one
   whose body has not all arrived ``body_timeout_s`` after the headers;
-* closes (with 503) any connection beyond ``max_connections`` at once.
+* keeps at most ``max_connections`` open: one more evicts (with 408) the
+  connection that has waited longest for its request headers, so a client
+  holding half-sent requests cannot lock others out (``/healthz`` keeps
+  answering); when every connection is busy in the app, the new one gets 503
+  and is closed at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import h11
@@ -47,16 +52,33 @@ class _GuardedH11(H11Protocol):
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_kind: str | None = None
+        self._waiting_since = time.monotonic()  # when it began to wait for request headers
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
-            _log.warning("refused a connection: %d are open (KVSIDECAR_MAX_CONNECTIONS)",
-                         self.max_connections)
-            transport.write(_BUSY_503)
-            transport.close()
-            return
         self._arm("header", self.header_timeout_s)
+        if len(self.connections) > self.max_connections:
+            victim = self._longest_waiting()
+            if victim is None:
+                _log.warning("refused a connection: %d are open and busy "
+                             "(KVSIDECAR_MAX_CONNECTIONS)", self.max_connections)
+                self._disarm()
+                transport.write(_BUSY_503)
+                transport.close()
+                return
+            _log.info("closed a connection from %s that waited longest for its request "
+                      "(%d connections open, KVSIDECAR_MAX_CONNECTIONS)", victim.client,
+                      self.max_connections)
+            victim._expired("header")
+
+    def _longest_waiting(self) -> _GuardedH11 | None:
+        """The open connection (not this one) waiting longest for a request: one whose
+        headers are arriving, or an idle keep-alive one. None when all are busy."""
+        waiting = [c for c in self.connections
+                   if c is not self and isinstance(c, _GuardedH11)
+                   and (c._timer_kind == "header" or c.timeout_keep_alive_task is not None)
+                   and not c.transport.is_closing()]
+        return min(waiting, key=lambda c: c._waiting_since, default=None)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -64,6 +86,7 @@ class _GuardedH11(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._waiting_since = time.monotonic()
         self._disarm()
         self._follow_state()
 
@@ -75,6 +98,7 @@ class _GuardedH11(H11Protocol):
         state = self.conn.their_state
         if state is h11.IDLE:
             if self.conn.trailing_data[0] and self._timer_kind != "header":
+                self._waiting_since = time.monotonic()
                 self._arm("header", self.header_timeout_s)  # a request has begun to arrive
         elif state is h11.SEND_BODY:
             if self._timer_kind != "body":
@@ -100,7 +124,10 @@ class _GuardedH11(H11Protocol):
             return
         _log.info("closed a connection from %s: its request %s did not arrive in time",
                   self.client, "headers" if kind == "header" else "body")
-        if self.cycle is None or not self.cycle.response_started:
+        cycle = self.cycle
+        answering = (cycle is not None and cycle.response_started
+                     and not cycle.response_complete)
+        if not answering:
             self.transport.write(_TIMEOUT_408)
         self.transport.close()
 
