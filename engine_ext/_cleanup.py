@@ -5,9 +5,12 @@ Every instance writes ``.owner`` (its pid and the process start time from
 close. A dir whose owner is gone -- the process does not exist, or the pid was
 reused by a process that started at another time -- was left by a crash or a
 ``kill -9``: :func:`sweep_stale_runtime_dirs` removes it at the next start of
-any instance, but only the files an instance creates there (sockets and
-``.owner``); a dir without ``.owner``, with a live owner, owned by another
-user, or holding anything else is left alone.
+any instance, but only the files an instance creates there, by exact name
+(the sockets ``control.sock`` and ``r.sock``, ``.owner`` and its temporary
+``.owner.<pid>.tmp``);
+a dir without ``.owner``, with a live owner, owned by another user, or holding
+anything else (another program's socket, a file named ``.owner-notes``) is
+left alone, with everything in it.
 
 Threads: any; these are plain filesystem calls.
 """
@@ -16,14 +19,27 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 from pathlib import Path
 
-__all__ = ["OWNER_FILE", "clear_owner", "owner_alive", "sweep_stale_runtime_dirs", "write_owner"]
+__all__ = [
+    "OWNER_FILE",
+    "RANK_SOCKET_FILE",
+    "SOCKET_FILE",
+    "clear_owner",
+    "owner_alive",
+    "sweep_stale_runtime_dirs",
+    "write_owner",
+]
 
 _log = logging.getLogger("engine_ext.cleanup")
 
 OWNER_FILE = ".owner"
+SOCKET_FILE = "control.sock"  # the instance's control socket
+RANK_SOCKET_FILE = "r.sock"  # the rank channel's listening socket (``.ranks-*`` dirs)
+_SOCKETS = frozenset({SOCKET_FILE, RANK_SOCKET_FILE})
+_OWNER_TMP = re.compile(r"^\.owner\.\d+\.tmp$")  # write_owner's temporary file
 
 
 def _start_time(pid: int) -> str | None:
@@ -97,24 +113,32 @@ def sweep_stale_runtime_dirs(root: Path, *, keep: str | None = None) -> list[Pat
     return removed
 
 
+def _ours(name: str, mode: int) -> bool:
+    """Whether an entry of an instance dir is one this project creates (exact names)."""
+    if name in _SOCKETS:
+        return stat.S_ISSOCK(mode)
+    return stat.S_ISREG(mode) and (name == OWNER_FILE or _OWNER_TMP.match(name) is not None)
+
+
 def _remove_instance_dir(path: Path) -> bool:
     try:
         children = list(os.scandir(path))
+        modes = [c.stat(follow_symlinks=False).st_mode for c in children]
     except OSError:
+        return False
+    foreign = [c.name for c, m in zip(children, modes, strict=True) if not _ours(c.name, m)]
+    if foreign:
+        _log.warning("left the stale runtime dir %s in place: it holds files kvsidecar did "
+                     "not create (%s)", path, ", ".join(sorted(foreign)[:5]))
         return False
     for child in children:
         try:
-            mode = child.stat(follow_symlinks=False).st_mode
-        except OSError:
-            continue
-        if stat.S_ISSOCK(mode) or child.name == OWNER_FILE or child.name.startswith(OWNER_FILE):
-            try:
-                os.unlink(child.path)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                _log.warning("could not remove %s from a stale runtime dir: %s", child.path, exc)
-                return False
+            os.unlink(child.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("could not remove %s from a stale runtime dir: %s", child.path, exc)
+            return False
     try:
         path.rmdir()
     except OSError as exc:

@@ -18,7 +18,7 @@ import httpx
 
 from allocator import BackendError
 
-from ._cleanup import clear_owner, sweep_stale_runtime_dirs, write_owner
+from ._cleanup import SOCKET_FILE, clear_owner, sweep_stale_runtime_dirs, write_owner
 from ._control import ControlServer
 from ._coordinator import CoordinatorConfig, ShrinkCoordinator
 from ._errors import EngineExtConfigError
@@ -80,7 +80,7 @@ class ElasticInstance:
         for reclaimer in binding.reclaimers:
             self.coordinator.add_reclaimer(reclaimer)
         self.runtime_dir = settings.resolved_runtime_dir() / self.instance_id
-        self.socket_path = str(self.runtime_dir / "control.sock")
+        self.socket_path = str(self.runtime_dir / SOCKET_FILE)
         self.control = ControlServer(self.socket_path, self.mailbox)
         self.sidecar: SidecarClient | None = None
         if settings.sidecar_url is not None:
@@ -192,7 +192,11 @@ def _chained(
 
 
 def _make_private_dir(path: Path) -> None:
-    """Create ``path`` (and its parent) with mode 0700; refuse a dir owned by someone else."""
+    """Create ``path`` (and its parent) with mode 0700; refuse a dir owned by someone else.
+
+    An existing parent (the runtime root) that others may write to is tightened (group and
+    world write removed): anyone who can write there could replace an instance's dir.
+    """
     for directory in (path.parent, path):
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -206,4 +210,15 @@ def _make_private_dir(path: Path) -> None:
                 f"{directory} is not a directory owned by this user; set KVSIDECAR_RUNTIME_DIR "
                 "to a private directory"
             )
+        if directory == path.parent and info.st_mode & 0o022:
+            tightened = stat.S_IMODE(info.st_mode) & ~0o022
+            _log.warning("the runtime root %s was writable by others (mode %o); tightened "
+                         "to %o", directory, stat.S_IMODE(info.st_mode), tightened)
+            try:
+                os.chmod(directory, tightened)
+            except OSError as exc:
+                raise EngineExtConfigError(
+                    f"the runtime root {directory} is writable by others and cannot be "
+                    f"tightened ({exc}); set KVSIDECAR_RUNTIME_DIR to a private directory"
+                ) from exc
     os.chmod(path, 0o700)

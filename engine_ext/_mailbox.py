@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ._errors import EngineExtContractError
 from ._reasons import DeferReason
-from .protocol import MAX_LIMIT_BYTES, EngineState, Status
+from .protocol import MAX_LIMIT_BYTES, MAX_REVISION, EngineState, Status
 
 __all__ = ["LimitMailbox", "PublishResult", "Target"]
 
@@ -122,6 +122,10 @@ class LimitMailbox:
 
     def _publish_locked(self, limit_bytes: int | None, revision: int) -> PublishResult:
         current = self._desired
+        if revision > MAX_REVISION:
+            msg = (f"revision {revision} is above the largest revision {MAX_REVISION}; "
+                   "restart the engine to start its revisions again")
+            return self._rejected(Status.CONFLICT, msg)
         if revision < current.revision:
             msg = (
                 f"revision {revision} is older than the current revision {current.revision}; "

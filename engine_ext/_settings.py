@@ -54,6 +54,23 @@ class EngineSettings(BaseSettings):
             )
         return value
 
+    @field_validator("token")
+    @classmethod
+    def _strip_token(cls, value: SecretStr | None) -> SecretStr | None:
+        # the sidecar and kvctl strip surrounding whitespace the same way
+        if value is None or not value.get_secret_value().strip():
+            return None
+        return SecretStr(value.get_secret_value().strip())
+
+    @field_validator("runtime_dir", mode="before")
+    @classmethod
+    def _check_runtime_dir(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError(
+                "KVSIDECAR_RUNTIME_DIR is empty (that would be the current directory): set "
+                "it to a private directory, or unset it for the default")
+        return value
+
     @field_validator("sidecar_url")
     @classmethod
     def _check_url(cls, value: str | None) -> str | None:

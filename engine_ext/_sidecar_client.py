@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 from ._errors import EngineExtContractError
 from ._mailbox import LimitMailbox
 from ._settings import EngineSettings
-from .protocol import EngineState, RegisterBody, RegisterReply, Status
+from .protocol import REGISTRATION_HEADER, EngineState, RegisterBody, RegisterReply, Status
 
 __all__ = ["SidecarClient"]
 
@@ -22,6 +23,7 @@ _log = logging.getLogger("engine_ext.sidecar_client")
 _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 5.0
 _REQUEST_TIMEOUT_S = 5.0
+_DEREGISTER_TIMEOUT_S = 2.0  # a clean shutdown waits at most this long for the sidecar
 
 
 class SidecarClient:
@@ -35,6 +37,11 @@ class SidecarClient:
 
     Retained limits from the sidecar are *published* into the mailbox like
     any other source, so revisions decide what wins.
+
+    Each process draws a random registration token, sent with every
+    register/report/deregister: the sidecar refuses a second live process
+    that claims the same instance id. :meth:`stop` deregisters (status
+    ``stopped``) when the instance was registered.
     """
 
     def __init__(
@@ -48,7 +55,8 @@ class SidecarClient:
     ) -> None:
         if settings.sidecar_url is None:
             raise ValueError("SidecarClient needs settings.sidecar_url")
-        headers = {}
+        self.registration_token = secrets.token_urlsafe(24)  # this process, for the sidecar
+        headers = {REGISTRATION_HEADER: self.registration_token}
         if settings.token is not None:
             headers["Authorization"] = f"Bearer {settings.token.get_secret_value()}"
         self._client = httpx.Client(
@@ -113,12 +121,27 @@ class SidecarClient:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread and close the HTTP client. Idempotent."""
+        """Stop the thread, deregister (a clean shutdown), close the HTTP client. Idempotent."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=_REQUEST_TIMEOUT_S + 1)
+        if self._registered and not self._client.is_closed:
+            self._deregister()
         self._client.close()
+
+    def _deregister(self) -> None:
+        """Tell the sidecar this engine stopped on purpose (``stopped``, not ``unreachable``)."""
+        try:
+            response = self._client.post("/deregister", timeout=_DEREGISTER_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            _log.info("could not deregister from the sidecar (%s); it will show the instance "
+                      "unreachable", exc)
+            return
+        self._registered = False
+        if response.status_code >= 300:
+            _log.info("the sidecar answered %d to the deregistration: %s",
+                      response.status_code, response.text[:200])
 
     # -- client thread ----------------------------------------------------------------
 
@@ -137,11 +160,14 @@ class SidecarClient:
             self._wake.clear()
 
     def _register(self) -> bool:
-        body = self._body()
+        body = self._body().model_copy(update={"registration_token": self.registration_token})
         response = self._post("/register", body.model_dump_json())
         if response is None:
             return False
         if response.status_code >= 300:
+            if response.status_code == 409:  # another live process holds this id: say so loudly
+                _log.error("the sidecar refused this engine's registration: %s",
+                           _detail(response))
             self._log_failure(f"register answered {response.status_code}: {response.text[:200]}")
             return False
         self._registered = True
@@ -206,3 +232,11 @@ class SidecarClient:
         if self._healthy:
             _log.warning("%s; retrying with backoff", message)
             self._healthy = False
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        detail = None
+    return str(detail or response.text[:200])

@@ -21,8 +21,11 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 __all__ = [
     "ID_PATTERN",
+    "MAX_CLIENT_REVISION",
     "MAX_LIMIT_BYTES",
     "MAX_REVISION",
+    "REGISTRATION_HEADER",
+    "REGISTRATION_TOKEN_PATTERN",
     "EngineState",
     "LimitBody",
     "RankState",
@@ -112,6 +115,7 @@ class Status(str, Enum):
     DEFERRED = "deferred"  # engine holds the target but maps more; carries reason + overage
     APPLIED = "applied"  # mapped <= limit on every rank, after the rank barrier
     UNREACHABLE = "unreachable"  # the engine stopped answering heartbeats/pushes
+    STOPPED = "stopped"  # the engine deregistered on a clean shutdown (desired limit kept)
     STALE = "stale"  # rejected: an older revision (response only)
     CONFLICT = "conflict"  # rejected: same revision, other limit (response only)
 
@@ -125,11 +129,31 @@ LimitSize = Annotated[int | None, BeforeValidator(_size_or_none)]
 #: Largest revision accepted anywhere (fits SQLite's signed 64-bit integers with room to grow).
 MAX_REVISION = 1 << 62
 
+#: Largest revision a client may name (PUT with ``revision``): 2^53, what every JSON
+#: client reads exactly. The range above it is left to revisions the sidecar and the
+#: engine take themselves (current + 1), so a client-named revision can never use up
+#: the space: 2^62 - 2^53 increments remain after the largest one.
+MAX_CLIENT_REVISION = 1 << 53
+
 #: A revision on the wire: 0 (none yet) up to :data:`MAX_REVISION`.
 Revision = Annotated[int, Field(ge=0, le=MAX_REVISION)]
 
 #: A byte count the engine measured: never negative.
 ByteCount = Annotated[int, Field(ge=0)]
+
+#: Per-process registration token: sent in ``RegisterBody.registration_token`` and in this
+#: header on reports and deregistration, so the sidecar can tell two live processes that
+#: claim one instance id apart (the second is refused with 409).
+REGISTRATION_HEADER = "X-KVSidecar-Registration"
+REGISTRATION_TOKEN_PATTERN = r"^[A-Za-z0-9_-]{16,64}$"
+
+#: Caps on free-text fields (a report is small; larger is a bug or an attack).
+MAX_NAME_CHARS = 64  # engine name
+MAX_VERSION_CHARS = 128  # engine version string
+MAX_REASON_CHARS = 64  # a reason word, e.g. running_requests
+MAX_MESSAGE_CHARS = 1024  # a human message
+MAX_RANKS = 1024  # ranks of one instance
+MAX_SOCKET_PATH_CHARS = 107  # sockaddr_un.sun_path, minus the terminating NUL
 
 
 class _Strict(BaseModel):
@@ -140,7 +164,7 @@ class LimitBody(_Strict):
     """Body of ``PUT .../limit`` (sidecar API and engine control socket)."""
 
     limit: LimitSize = Field(description="bytes per GPU: int, '4GiB', or null for unlimited")
-    revision: int | None = Field(default=None, ge=1, le=MAX_REVISION, strict=True)
+    revision: int | None = Field(default=None, ge=1, le=MAX_CLIENT_REVISION, strict=True)
 
 
 class RankState(BaseModel):
@@ -167,15 +191,15 @@ class EngineState(BaseModel):
     floor_bytes: ByteCount = 0
     mapped_bytes: ByteCount = 0  # largest per-rank mapped KV bytes (page bundles)
     overage_bytes: ByteCount = 0  # mapped - effective limit while deferred, else 0
-    reason: str | None = None  # why deferred: evicting, running_requests, rank_timeout, ...
+    reason: str | None = Field(default=None, max_length=MAX_REASON_CHARS)  # why deferred
     capacity_bytes: ByteCount = 0  # KV bytes the instance could map with no limit
     page_bundle_bytes: ByteCount = 0  # bytes one page costs (all layers and K/V buffers)
     evictable_bytes: ByteCount = 0  # prefix-cache pages that could be given back now
     pinned_bytes: ByteCount = 0  # pages held by running requests
-    num_ranks: int = Field(default=1, ge=1)
-    ranks: list[RankState] = Field(default_factory=list)
+    num_ranks: int = Field(default=1, ge=1, le=MAX_RANKS)
+    ranks: list[RankState] = Field(default_factory=list, max_length=MAX_RANKS)
     passes: int = Field(default=0, ge=0)  # engine passes (step() calls that took or worked on a target)
-    message: str | None = None  # human explanation for stale/conflict
+    message: str | None = Field(default=None, max_length=MAX_MESSAGE_CHARS)  # stale/conflict
     # -- demand: what the engine's requests need (refreshed at every scheduler step) --
     num_running_requests: int = Field(default=0, ge=0)
     num_waiting_requests: int = Field(default=0, ge=0)
@@ -183,7 +207,7 @@ class EngineState(BaseModel):
     # why waiting requests do not start: "waiting_for_memory" when the limit (not the
     # engine's own batch limits) keeps at least one of them out; None otherwise. Independent
     # of ``status``: a limit can be applied while requests wait for memory under it.
-    waiting_reason: str | None = None
+    waiting_reason: str | None = Field(default=None, max_length=MAX_REASON_CHARS)
     num_preemptions: int = Field(default=0, ge=0)  # running requests preempted since start
     prefix_hit_rate: float | None = Field(default=None, ge=0.0, le=1.0)  # recent window
 
@@ -191,12 +215,15 @@ class EngineState(BaseModel):
 class RegisterBody(_Strict):
     """``POST /instances/{id}/register``: sent by an engine at start-up."""
 
-    engine: str  # "vllm" or "sglang"
-    engine_version: str
-    socket_path: str | None = None  # the engine's control socket
+    engine: str = Field(min_length=1, max_length=MAX_NAME_CHARS)  # "vllm" or "sglang"
+    engine_version: str = Field(max_length=MAX_VERSION_CHARS)
+    # the engine's control socket
+    socket_path: str | None = Field(default=None, max_length=MAX_SOCKET_PATH_CHARS)
     # device memory of one rank (limit-percent)
     device_total_bytes: int | None = Field(default=None, ge=0, le=MAX_LIMIT_BYTES)
     state: EngineState
+    # random per engine process (see REGISTRATION_HEADER); None: an older engine, not checked
+    registration_token: str | None = Field(default=None, pattern=REGISTRATION_TOKEN_PATTERN)
 
 
 class RegisterReply(BaseModel):

@@ -55,5 +55,6 @@ def create_app(settings: SidecarSettings | None = None) -> FastAPI:
     app.include_router(instances.router)
     app.include_router(engines.router)
     app.include_router(health.router)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    token = None if settings.token is None else settings.token.get_secret_value()
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes, token=token)
     return app

@@ -1,30 +1,45 @@
-"""ASGI middleware that caps request bodies (413 before the app sees them)."""
+"""ASGI middleware that checks the token, then caps the body (401/413 before the app)."""
 
 from __future__ import annotations
 
 import json
+import secrets
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["BodyLimitMiddleware"]
 
 
-class BodyLimitMiddleware:
-    """Reads at most ``max_body_bytes`` of each request body, then replays it to the app.
+_READS = frozenset({"GET", "HEAD", "OPTIONS"})  # need no token
 
-    A body over the cap (by ``Content-Length`` or as streamed) gets a 413
-    problem+json and never reaches a route, so nothing is parsed or stored.
-    Bodies here are small JSON documents: buffering them costs nothing.
+
+class BodyLimitMiddleware:
+    """Checks the bearer token of mutating requests, then reads at most
+    ``max_body_bytes`` of the body and replays it to the app.
+
+    The token is checked on the headers alone, before a byte of the body is
+    read: a client without it gets 401 and the connection is closed, so it
+    cannot hold the server busy with bodies. (The routes check it again, for
+    the schema.) A body over the cap (by ``Content-Length`` or as streamed)
+    gets a 413 problem+json and never reaches a route, so nothing is parsed or
+    stored. Bodies here are small JSON documents: buffering them costs nothing.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, token: str | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self._token = None if token is None else token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self._token is not None and scope["method"] not in _READS:
+            problem = self._auth_problem(scope)
+            if problem is not None:
+                await self._send(send, 401, "Unauthorized", problem,
+                                 [(b"www-authenticate", b'Bearer realm="kvsidecar"')])
+                return
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and (
                     not value.isdigit() or int(value) > self.max_body_bytes):
@@ -36,7 +51,7 @@ class BodyLimitMiddleware:
         while more:
             message = await receive()
             if message["type"] != "http.request":
-                break  # the client went away; let the app see it
+                return  # the client went away (or timed out): a partial body is never used
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
@@ -56,15 +71,33 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
+    def _auth_problem(self, scope: Scope) -> str | None:
+        assert self._token is not None
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, credentials = value.partition(b" ")
+                if scheme.lower() == b"bearer" and secrets.compare_digest(
+                        credentials.strip(), self._token):
+                    return None
+                if scheme.lower() == b"bearer":
+                    return "the bearer token is wrong; use the sidecar's KVSIDECAR_TOKEN"
+        return ("this sidecar requires a bearer token: send 'Authorization: Bearer <token>' "
+                "(kvctl --token or KVSIDECAR_TOKEN)")
+
     async def _reject(self, send: Send) -> None:
-        body = json.dumps({
-            "type": "about:blank", "title": "Request body too large", "status": 413,
-            "detail": f"the request body is larger than {self.max_body_bytes} bytes "
-                      "(KVSIDECAR_MAX_BODY_BYTES); send a smaller body",
-        }).encode()
-        await send({"type": "http.response.start", "status": 413, "headers": [
+        await self._send(send, 413, "Request body too large",
+                         f"the request body is larger than {self.max_body_bytes} bytes "
+                         "(KVSIDECAR_MAX_BODY_BYTES); send a smaller body")
+
+    @staticmethod
+    async def _send(send: Send, status: int, title: str, detail: str,
+                    extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        body = json.dumps({"type": "about:blank", "title": title, "status": status,
+                           "detail": detail}).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", b"application/problem+json"),
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
+            *(extra or []),
         ]})
         await send({"type": "http.response.body", "body": body})

@@ -10,6 +10,8 @@ Services raise these; the HTTP layer maps each class to one status code and an
           ├── InvalidInputError       a field is malformed (422)
           ├── UnknownInstanceError    no such instance (404)
           ├── RevisionRejectedError   stale or conflicting revision (409)
+          ├── DuplicateInstanceError  another live engine process holds the id (409)
+          ├── TooManyInstancesError   the instance cap is reached (409)
           └── UnauthorizedError       missing or wrong bearer token (401)
 
 (An oversized body never reaches a service: ``BodyLimitMiddleware`` answers 413.)
@@ -24,12 +26,14 @@ from typing import Any
 from engine_ext.protocol import Status
 
 __all__ = [
+    "DuplicateInstanceError",
     "InvalidInputError",
     "RequestError",
     "RevisionRejectedError",
     "SidecarConfigError",
     "SidecarError",
     "StoreError",
+    "TooManyInstancesError",
     "UnauthorizedError",
     "UnknownInstanceError",
 ]
@@ -98,6 +102,14 @@ class RevisionRejectedError(RequestError):
             "current_revision": self.current_revision,
             "current_limit_bytes": self.current_limit,
         }
+
+
+class DuplicateInstanceError(RequestError):
+    """A second live engine process registers (or reports for) an id another one holds."""
+
+
+class TooManyInstancesError(RequestError):
+    """A new instance id would exceed ``KVSIDECAR_MAX_INSTANCES``."""
 
 
 class UnauthorizedError(RequestError):

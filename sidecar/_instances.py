@@ -26,6 +26,7 @@ class InstanceRecord:
     row: InstanceRow
     observed: EngineState | None = None  # the engine's last report/push answer
     last_seen: float | None = None  # loop time of the last sign of life
+    reg_token: str | None = None  # the registration token of the engine process holding the id
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def notify(self) -> None:
@@ -37,9 +38,19 @@ class InstanceRecord:
         if row.seq > self.row.seq:
             self.row = row
 
+    @property
+    def stopped(self) -> bool:
+        """The engine deregistered on a clean shutdown (until it registers again)."""
+        return self.row.stopped_at is not None
+
+    def live(self, now: float, heartbeat_timeout_s: float) -> bool:
+        """An engine process holds the id: registered, not stopped, heard from recently."""
+        return (self.row.registered_at is not None and not self.stopped
+                and self.last_seen is not None and now - self.last_seen <= heartbeat_timeout_s)
+
     def needs_push(self) -> bool:
         """The engine is registered and has not acknowledged the desired revision."""
-        if self.row.socket_path is None or self.row.revision == 0:
+        if self.row.socket_path is None or self.row.revision == 0 or self.stopped:
             return False
         return self.observed is None or self.observed.revision < self.row.revision
 
@@ -52,7 +63,7 @@ class InstanceRecord:
             engine = EngineInfo(engine=row.engine, engine_version=row.engine_version or "",
                                 socket_path=row.socket_path,
                                 device_total_bytes=row.device_total_bytes,
-                                registered_at=row.registered_at)
+                                registered_at=row.registered_at, stopped_at=row.stopped_at)
         return InstanceView(
             id=row.id, status=status, reason=reason,
             desired=DesiredLimit(limit_bytes=row.limit_bytes, revision=row.revision,
@@ -73,6 +84,7 @@ def derive_status(rec: InstanceRecord, now: float,
     """The one status of an instance, from desired, observed and last sign of life.
 
     * never heard from the engine: ``pending`` (``not_registered``);
+    * the engine deregistered on a clean shutdown: ``stopped`` (``deregistered``);
     * silent for longer than the heartbeat timeout: ``unreachable``;
     * the engine has not acknowledged the desired revision: ``pending``;
     * the engine holds the desired revision with another limit: ``pending``
@@ -82,6 +94,8 @@ def derive_status(rec: InstanceRecord, now: float,
     obs = rec.observed
     if obs is None and rec.row.registered_at is None:
         return Status.PENDING, "not_registered"
+    if rec.stopped:
+        return Status.STOPPED, "deregistered"
     if rec.last_seen is not None and now - rec.last_seen > heartbeat_timeout_s:
         return Status.UNREACHABLE, "no_heartbeat"
     if obs is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -14,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 from rich.live import Live
 
-from engine_ext.protocol import SizeError, parse_limit
+from engine_ext.protocol import ID_PATTERN, SizeError, parse_limit
 
 from ._kvctl_client import (
     EXIT_DEFERRED,
@@ -58,7 +59,18 @@ _err = Console(stderr=True, highlight=False, soft_wrap=True)
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the raw JSON answer")]
 WaitOpt = Annotated[float | None, typer.Option(
     "--wait", min=0, max=300, help="wait up to this many seconds for 'applied'")]
-IdArg = Annotated[str, typer.Argument(help="instance id, e.g. llama-a")]
+_ID_RE = re.compile(ID_PATTERN)
+
+
+def _check_id(value: str) -> str:
+    """The API's id pattern, checked before any request: ``a/../b`` never reaches a URL."""
+    if not _ID_RE.fullmatch(value):
+        raise _fail(f"instance_id {value!r} is not valid: use 1-63 letters, digits, '.', '_' "
+                    "or '-', starting with a letter or digit", EXIT_USAGE)
+    return value
+
+
+IdArg = Annotated[str, typer.Argument(help="instance id, e.g. llama-a", callback=_check_id)]
 
 
 @app.callback()
@@ -71,7 +83,9 @@ def _global(
 ) -> None:
     settings = CtlSettings()
     env_token = settings.token.get_secret_value() if settings.token else None
-    ctx.obj = _Ctx(url or settings.url, token or env_token, socket)
+    # surrounding whitespace is never part of a token (the sidecar strips it too)
+    chosen = (token or env_token or "").strip() or None
+    ctx.obj = _Ctx(url or settings.url, chosen, socket)
 
 
 def _fail(message: str, code: int) -> typer.Exit:
@@ -180,6 +194,15 @@ def delete(ctx: typer.Context, instance_id: IdArg, wait: WaitOpt = None,
     _sidecar_only(ctx, "delete")
     _show(ctx, _run(ctx, lambda api: api.delete_limit(instance_id, wait)), as_json,
           waited=bool(wait))
+
+
+@app.command()
+def forget(ctx: typer.Context, instance_id: IdArg) -> None:
+    """Forget an instance: its desired limit, registration and metrics (for a typo or a
+    retired engine; a running engine registers again on its next report)."""
+    _sidecar_only(ctx, "forget")
+    _run(ctx, lambda api: api.forget(instance_id))
+    _out.print(f"{instance_id}: forgotten", markup=False)
 
 
 @app.command("list")

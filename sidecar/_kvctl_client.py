@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -89,20 +90,28 @@ class SidecarApi:
                            f"{exc}); is 'kvsidecar serve' running? (--url)",
                            EXIT_UNREACHABLE) from None
         _raise_for(resp)
-        return Reply(resp.json(), resp.status_code)
+        return Reply(resp.json() if resp.content else None, resp.status_code)
 
     def set_limit(self, instance_id: str, limit: int | None, wait: float | None) -> Reply:
-        return self._call("PUT", f"/instances/{instance_id}/limit", wait=wait,
+        return self._call("PUT", f"{_path(instance_id)}/limit", wait=wait,
                           json_body={"limit": limit})
 
     def delete_limit(self, instance_id: str, wait: float | None) -> Reply:
-        return self._call("DELETE", f"/instances/{instance_id}/limit", wait=wait)
+        return self._call("DELETE", f"{_path(instance_id)}/limit", wait=wait)
+
+    def forget(self, instance_id: str) -> Reply:
+        return self._call("DELETE", _path(instance_id))
 
     def status(self, instance_id: str, wait: float | None) -> Reply:
-        return self._call("GET", f"/instances/{instance_id}", wait=wait)
+        return self._call("GET", _path(instance_id), wait=wait)
 
     def list(self) -> Reply:
         return self._call("GET", "/instances")
+
+
+def _path(instance_id: str) -> str:
+    """``/instances/<id>`` with the id encoded as one path segment (no '/', '?', '..')."""
+    return f"/instances/{quote(instance_id, safe='')}"
 
 
 class SocketApi:

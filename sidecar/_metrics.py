@@ -20,7 +20,7 @@ from ._models import InstanceView
 
 __all__ = ["Metrics"]
 
-_REPORTED = (Status.PENDING, Status.DEFERRED, Status.APPLIED, Status.UNREACHABLE)
+_REPORTED = (Status.PENDING, Status.DEFERRED, Status.APPLIED, Status.UNREACHABLE, Status.STOPPED)
 
 
 class _InstanceCollector(Collector):

@@ -25,13 +25,15 @@ class EngineInfo(BaseModel):
     socket_path: str | None
     device_total_bytes: int | None
     registered_at: float
+    stopped_at: float | None = Field(default=None,
+                                     description="unix seconds of a clean shutdown, if stopped")
 
 
 class InstanceView(BaseModel):
     """One instance: desired limit, the engine's observed state and the combined status."""
 
     id: str
-    status: Status = Field(description="pending, deferred, applied or unreachable")
+    status: Status = Field(description="pending, deferred, applied, unreachable or stopped")
     reason: str | None = Field(description="why not applied (deferred/pending/unreachable)")
     desired: DesiredLimit
     effective_limit_bytes: int | None = Field(description="the target the engine works towards")

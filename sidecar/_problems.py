@@ -11,10 +11,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ._errors import (
+    DuplicateInstanceError,
     InvalidInputError,
     RevisionRejectedError,
     SidecarError,
     StoreError,
+    TooManyInstancesError,
     UnauthorizedError,
     UnknownInstanceError,
 )
@@ -28,6 +30,8 @@ PROBLEM_TABLE: tuple[tuple[type[SidecarError], int, str], ...] = (
     (InvalidInputError, 422, "Invalid input"),
     (UnknownInstanceError, 404, "Unknown instance"),
     (RevisionRejectedError, 409, "Revision rejected"),
+    (DuplicateInstanceError, 409, "Instance id in use"),
+    (TooManyInstancesError, 409, "Too many instances"),
     (UnauthorizedError, 401, "Unauthorized"),
     (StoreError, 503, "Database unavailable"),
 )

@@ -68,6 +68,12 @@ class PushManager:
                 self._run(instance_id, worker), name=f"kvsidecar-push-{instance_id}")
         worker.wake.set()
 
+    def forget(self, instance_id: str) -> None:
+        """Stop the instance's worker (the instance was forgotten)."""
+        worker = self._workers.pop(instance_id, None)
+        if worker is not None and worker.task is not None:
+            worker.task.cancel()
+
     async def close(self) -> None:
         self._closed = True
         tasks = [w.task for w in self._workers.values() if w.task is not None]

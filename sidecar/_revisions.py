@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_ext.protocol import Status
+from engine_ext.protocol import MAX_REVISION, Status
 
 from ._errors import RevisionRejectedError
 
@@ -28,6 +28,12 @@ def decide(current_limit: int | None, current_revision: int, limit: int | None,
     a ``conflict``. An older one is ``stale``.
     """
     if revision is None:
+        if current_revision >= MAX_REVISION:  # never store what no one can read back
+            raise RevisionRejectedError(
+                Status.CONFLICT,
+                f"revision {current_revision} is the largest revision ({MAX_REVISION}); "
+                "forget the instance (kvctl forget ID, or DELETE /instances/ID) and restart "
+                "its engine to start again", current_revision, current_limit)
         return Decision(current_revision + 1, True)
     if revision > current_revision:
         return Decision(revision, True)

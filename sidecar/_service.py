@@ -7,17 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import httpx
 
 from engine_ext.protocol import EngineState, RegisterBody, RegisterReply, Status
 
-from ._errors import InvalidInputError, UnknownInstanceError
+from ._errors import (
+    DuplicateInstanceError,
+    InvalidInputError,
+    RequestError,
+    TooManyInstancesError,
+    UnknownInstanceError,
+)
 from ._instances import InstanceRecord
 from ._metrics import Metrics
 from ._models import InstanceView
 from ._pusher import PushManager
+from ._reports import report_problem
 from ._settings import SidecarSettings
 from ._store import InstanceRow, Registration, Store
 
@@ -40,6 +49,7 @@ class InstanceService:
         self._store = store
         self._settings = settings
         self._records: dict[str, InstanceRecord] = {}
+        self._creating: set[str] = set()  # new ids whose first write is in flight (the cap)
         self._pusher = PushManager(client, settings, metrics, self._records.get, self._on_reply)
         metrics.add_instances(self.list)
 
@@ -94,7 +104,8 @@ class InstanceService:
     async def set_limit(self, instance_id: str, limit: int | None,
                         revision: int | None) -> InstanceView:
         """Store a desired limit (durably, before returning) and start pushing it."""
-        row, decision = await self._store.set_desired(instance_id, limit, revision)
+        async with self._admit(instance_id):
+            row, decision = await self._store.set_desired(instance_id, limit, revision)
         if decision.changed:
             self._take_row(row)
         return self.get(instance_id)
@@ -104,15 +115,35 @@ class InstanceService:
         self._record(instance_id)
         return await self.set_limit(instance_id, None, None)
 
+    async def forget(self, instance_id: str) -> None:
+        """Drop the instance (desired limit, registration, observed state) for good.
+
+        A live engine that still holds the id gets a 404 on its next report and
+        registers again, with the limit it holds.
+        """
+        self._record(instance_id)
+        await self._store.forget(instance_id)
+        rec = self._records.pop(instance_id, None)
+        self._pusher.forget(instance_id)
+        if rec is not None:
+            rec.notify()
+        _log.info("instance %s: forgotten (DELETE /instances/%s)", instance_id, instance_id)
+
     # --- engine-facing -------------------------------------------------------------------
 
     async def register(self, instance_id: str, body: RegisterBody) -> RegisterReply:
         """Record the engine; adopt its revision if newer; answer with the desired limit."""
         _check_socket_path(body.socket_path)
+        self._check_report(instance_id, body.state)
+        held = self._records.get(instance_id)
+        if held is not None:
+            self._check_holder(held, body.registration_token, "register")
         reg = Registration(body.engine, body.engine_version, body.socket_path,
                            body.device_total_bytes)
-        row = await self._store.register(instance_id, reg)
+        async with self._admit(instance_id):
+            row = await self._store.register(instance_id, reg)
         rec = self._take_row(row, wake=False)
+        rec.reg_token = body.registration_token
         rec.observed = body.state  # a (re)started engine: its state replaces the old one
         rec.last_seen = self._now
         await self._adopt_if_newer(rec, body.state)
@@ -121,19 +152,86 @@ class InstanceService:
         rec.notify()
         return RegisterReply(limit=rec.row.limit_bytes, revision=rec.row.revision)
 
-    async def report(self, instance_id: str, state: EngineState) -> RegisterReply:
+    async def report(self, instance_id: str, state: EngineState,
+                     token: str | None = None) -> RegisterReply:
         """A status report (and heartbeat); answers with the desired limit."""
-        if state.status in (Status.STALE, Status.CONFLICT):
+        if state.status in (Status.STALE, Status.CONFLICT, Status.STOPPED):
             raise InvalidInputError("status", "a report carries pending, deferred, applied "
-                                    "or unreachable; stale/conflict are replies only")
+                                    "or unreachable; stale/conflict are replies only, and "
+                                    "stopped is sent as POST .../deregister")
         rec = self._records.get(instance_id)
-        if rec is None or rec.row.registered_at is None:
-            # e.g. the sidecar's database was replaced: a 404 makes the engine register again
+        if rec is None or rec.row.registered_at is None or rec.stopped:
+            # e.g. the sidecar's database was replaced, or the id was forgotten or stopped:
+            # a 404 makes the engine register again
             raise UnknownInstanceError(instance_id)
+        self._check_holder(rec, token, "report")
+        self._check_report(instance_id, state)
+        if rec.reg_token is None:
+            rec.reg_token = token  # the sidecar restarted: the first process to report holds it
         await self._observe(rec, state)
         return RegisterReply(limit=rec.row.limit_bytes, revision=rec.row.revision)
 
+    async def deregister(self, instance_id: str, token: str | None) -> InstanceView:
+        """A clean engine shutdown: status ``stopped``; the desired limit is kept."""
+        rec = self._records.get(instance_id)
+        if rec is None or rec.row.registered_at is None:
+            raise UnknownInstanceError(instance_id)
+        if token is not None and rec.reg_token is not None and token != rec.reg_token:
+            raise DuplicateInstanceError(
+                f"instance {instance_id!r} is held by another engine process; this "
+                "deregistration is ignored (give each engine its own KVSIDECAR_INSTANCE_ID)")
+        if not rec.stopped:
+            row = await self._store.set_stopped(instance_id, time.time())
+            if row is not None:
+                rec.set_row(row)
+            rec.reg_token = None
+            rec.notify()
+            _log.info("instance %s: the engine stopped cleanly (deregistered)", instance_id)
+        return self.get(instance_id)
+
     # --- internals -----------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _admit(self, instance_id: str) -> AsyncIterator[None]:
+        """Hold a place for a new id under ``max_instances`` while its first write runs."""
+        if instance_id in self._records or instance_id in self._creating:
+            yield
+            return
+        cap = self._settings.max_instances
+        if len(self._records) + len(self._creating) >= cap:
+            raise TooManyInstancesError(
+                f"the sidecar already holds {cap} instances (KVSIDECAR_MAX_INSTANCES); forget "
+                "unused ones (kvctl forget ID) or raise the cap")
+        self._creating.add(instance_id)
+        try:
+            yield
+        finally:
+            self._creating.discard(instance_id)
+
+    def _check_holder(self, rec: InstanceRecord, token: str | None, what: str) -> None:
+        """Refuse a second live engine process on one id (tokens differ, the holder lives)."""
+        if token is None or rec.reg_token is None or token == rec.reg_token:
+            return
+        timeout = self._settings.heartbeat_timeout_s
+        if what == "register" and not rec.live(self._now, timeout):
+            return  # the holder stopped or went silent: a restart takes the id over
+        socket = rec.row.socket_path or "no socket"
+        _log.warning("instance %s: refused a %s from a second engine process (the id is held "
+                     "by the engine at %s)", rec.row.id, what, socket)
+        raise DuplicateInstanceError(
+            f"instance id {rec.row.id!r} is held by another live engine process (control "
+            f"socket {socket}); give each engine its own KVSIDECAR_INSTANCE_ID, or stop the "
+            f"other one (a crashed one is released {timeout:g}s after its last report)")
+
+    def _check_report(self, instance_id: str, state: EngineState) -> None:
+        rec = self._records.get(instance_id)
+        limit = None if rec is None else rec.row.limit_bytes
+        revision = 0 if rec is None else rec.row.revision
+        problem = report_problem(state, limit, revision)
+        if problem is not None:
+            _log.warning("instance %s: rejected an inconsistent report: %s", instance_id,
+                         problem)
+            raise InvalidInputError("state", f"inconsistent report: {problem}")
 
     def _record(self, instance_id: str) -> InstanceRecord:
         rec = self._records.get(instance_id)
@@ -168,7 +266,11 @@ class InstanceService:
         _log.warning("instance %s: the engine holds revision %d with another limit; "
                      "re-issuing the desired limit as the next revision",
                      rec.row.id, rec.row.revision)
-        await self.set_limit(rec.row.id, rec.row.limit_bytes, None)
+        try:
+            await self.set_limit(rec.row.id, rec.row.limit_bytes, None)
+        except RequestError as exc:  # e.g. the revision space is used up: say so, go on
+            _log.error("instance %s: cannot re-issue the desired limit: %s", rec.row.id,
+                       exc.detail)
 
     async def _observe(self, rec: InstanceRecord, state: EngineState) -> None:
         await self._adopt_if_newer(rec, state)
@@ -191,6 +293,11 @@ class InstanceService:
         if rec is None:
             return True
         pushed = rec.row.revision
+        problem = report_problem(state, rec.row.limit_bytes, rec.row.revision)
+        if problem is not None:
+            _log.warning("instance %s: ignored an inconsistent push reply: %s", instance_id,
+                         problem)
+            return False
         if not rejected:
             await self._observe(rec, state)
             return state.revision >= pushed

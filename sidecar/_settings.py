@@ -36,14 +36,28 @@ class SidecarSettings(BaseSettings):
     push_timeout_s: float = Field(default=5.0, gt=0)  # one push to an engine control socket
     push_backoff_initial_s: float = Field(default=0.05, gt=0)  # first retry delay
     push_backoff_max_s: float = Field(default=5.0, gt=0)  # retry delay cap
+    max_instances: int = Field(default=1024, ge=1)  # new ids beyond this get 409
+    header_timeout_s: float = Field(default=10.0, gt=0)  # a request's headers must arrive by then
+    body_timeout_s: float = Field(default=10.0, gt=0)  # ... and its body this long after them
+    # an idle keep-alive connection closes after this; well above the engines' heartbeat
+    # (5 s) so each engine keeps one connection (idle ones are closed first at the cap)
+    keepalive_timeout_s: int = Field(default=75, ge=1)
+    max_connections: int = Field(default=256, ge=8)  # open connections; more are closed at once
     log_level: str = "info"
 
     @field_validator("token")
     @classmethod
     def _token_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and not value.get_secret_value().strip():
+        if value is None:
+            return None
+        # surrounding whitespace (a trailing newline from a file or a secret) is never part
+        # of the token: every side (sidecar, engines, kvctl) strips it the same way
+        stripped = value.get_secret_value().strip()
+        if not stripped:
             return None  # an empty KVSIDECAR_TOKEN means "no token", not "the empty token"
-        return value
+        if any(c.isspace() for c in stripped) or not stripped.isprintable():
+            raise ValueError("KVSIDECAR_TOKEN must not contain spaces or control characters")
+        return SecretStr(stripped)
 
     @model_validator(mode="after")
     def _backoff_order(self) -> SidecarSettings:

@@ -9,6 +9,8 @@ coroutine returns, which is before the HTTP response is sent.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import sqlite3
 import time
 from collections.abc import Callable
@@ -17,14 +19,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
+from engine_ext.protocol import MAX_REVISION
+
 from ._errors import SidecarConfigError, StoreError
 from ._revisions import Decision, decide
 
 __all__ = ["InstanceRow", "Registration", "Store"]
 
 _T = TypeVar("_T")
+_log = logging.getLogger("kvsidecar.store")
 
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2  # 2: stopped_at (clean engine shutdown); 1 is migrated on open
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS instances (
     id TEXT PRIMARY KEY,
@@ -35,12 +40,15 @@ CREATE TABLE IF NOT EXISTS instances (
     engine_version TEXT,
     socket_path TEXT,
     device_total_bytes INTEGER,
-    registered_at REAL
+    registered_at REAL,
+    stopped_at REAL                    -- the engine deregistered (clean shutdown); NULL: not
 ) STRICT;
 CREATE TABLE IF NOT EXISTS ready_probe (k INTEGER PRIMARY KEY, at REAL NOT NULL) STRICT;
 """
 _COLUMNS = ("id, limit_bytes, revision, updated_at, engine, engine_version, socket_path, "
-            "device_total_bytes, registered_at")
+            "device_total_bytes, registered_at, stopped_at")
+_COLUMN_NAMES = tuple(c.strip() for c in _COLUMNS.split(","))
+_MIGRATE_1_TO_2 = "ALTER TABLE instances ADD COLUMN stopped_at REAL"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +74,13 @@ class InstanceRow:
     socket_path: str | None = None
     device_total_bytes: int | None = None
     registered_at: float | None = None
+    stopped_at: float | None = None  # unix seconds of a clean engine shutdown
     seq: int = 0  # writer-thread write order (not stored): the newest write wins in memory
 
     def as_tuple(self) -> tuple[object, ...]:
         return (self.id, self.limit_bytes, self.revision, self.updated_at, self.engine,
                 self.engine_version, self.socket_path, self.device_total_bytes,
-                self.registered_at)
+                self.registered_at, self.stopped_at)
 
 
 class Store:
@@ -87,6 +96,7 @@ class Store:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsidecar-db")
         self._conn: sqlite3.Connection | None = None
         self._seq = 0  # writes so far; writer thread only
+        self._file_id: tuple[int, int] | None = None  # (st_dev, st_ino) at open
 
     async def open(self) -> None:
         await self._run(self._open_sync)
@@ -113,6 +123,14 @@ class Store:
     async def register(self, instance_id: str, reg: Registration) -> InstanceRow:
         """Record (or refresh) an engine's registration; the desired limit is kept."""
         return await self._run(lambda: self._register_sync(instance_id, reg))
+
+    async def forget(self, instance_id: str) -> bool:
+        """Delete the instance's row; False if there was none."""
+        return await self._run(lambda: self._forget_sync(instance_id))
+
+    async def set_stopped(self, instance_id: str, at: float) -> InstanceRow | None:
+        """Mark a registered engine as stopped (clean shutdown); None if not registered."""
+        return await self._run(lambda: self._stopped_sync(instance_id, at))
 
     async def check_writable(self) -> None:
         """Raise :class:`StoreError` unless a write transaction can commit now."""
@@ -143,17 +161,44 @@ class Store:
                 f"cannot open the database {self.path}: {exc}; set KVSIDECAR_DB_PATH "
                 "(or --db) to a writable file"
             ) from exc
+        try:
+            self._prepare(conn)
+        except sqlite3.Error as exc:
+            conn.close()
+            raise SidecarConfigError(
+                f"the database {self.path} cannot be read as a kvsidecar database ({exc}); "
+                "set KVSIDECAR_DB_PATH (or --db) to another file") from exc
+        except SidecarConfigError:
+            conn.close()
+            raise
+        info = os.stat(self.path)
+        self._file_id = (info.st_dev, info.st_ino)
+        self._conn = conn
+
+    def _prepare(self, conn: sqlite3.Connection) -> None:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, _SCHEMA_VERSION):
+        if version not in (0, 1, _SCHEMA_VERSION):
             raise SidecarConfigError(
                 f"the database {self.path} has schema version {version}; this sidecar "
                 f"reads version {_SCHEMA_VERSION}: use a newer kvsidecar or another --db"
             )
+        if version == 1:
+            self._check_columns(conn, _COLUMN_NAMES[:-1], version)
+            conn.execute(_MIGRATE_1_TO_2)
         conn.executescript(_SCHEMA)
+        self._check_columns(conn, _COLUMN_NAMES, _SCHEMA_VERSION)
         conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
-        self._conn = conn
+
+    def _check_columns(self, conn: sqlite3.Connection, expected: tuple[str, ...],
+                       version: int) -> None:
+        found = tuple(r[1] for r in conn.execute("PRAGMA table_info(instances)"))
+        if found != expected:
+            raise SidecarConfigError(
+                f"the database {self.path} says schema version {version} but its table "
+                f"'instances' has the columns ({', '.join(found)}), not ({', '.join(expected)}); "
+                "it was not written by kvsidecar: set KVSIDECAR_DB_PATH (or --db) to another file")
 
     def _close_sync(self) -> None:
         if self._conn is not None:
@@ -162,7 +207,13 @@ class Store:
 
     def _load_all_sync(self) -> list[InstanceRow]:
         rows = self._db().execute(f"SELECT {_COLUMNS} FROM instances ORDER BY id").fetchall()
-        return [InstanceRow(*row) for row in rows]
+        loaded = [InstanceRow(*row) for row in rows]
+        for row in loaded:
+            if row.revision > MAX_REVISION:  # written by an older sidecar without the bound
+                _log.warning("instance %s: stored revision %d is above the largest revision "
+                             "%d; forget it (kvctl forget %s) and set its limit again",
+                             row.id, row.revision, MAX_REVISION, row.id)
+        return loaded
 
     def _get(self, instance_id: str) -> InstanceRow | None:
         row = self._db().execute(
@@ -172,7 +223,7 @@ class Store:
 
     def _put(self, row: InstanceRow) -> InstanceRow:
         self._db().execute(
-            f"INSERT OR REPLACE INTO instances ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)",
+            f"INSERT OR REPLACE INTO instances ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
             row.as_tuple(),
         )
         self._seq += 1
@@ -219,11 +270,38 @@ class Store:
             row = replace(current, engine=reg.engine, engine_version=reg.engine_version,
                           socket_path=reg.socket_path,
                           device_total_bytes=reg.device_total_bytes,
-                          registered_at=time.time())
+                          registered_at=time.time(), stopped_at=None)
             return self._put(row)
 
         return self._transaction(body)
 
+    def _forget_sync(self, instance_id: str) -> bool:
+        def body() -> bool:
+            cur = self._db().execute("DELETE FROM instances WHERE id = ?", (instance_id,))
+            self._seq += 1
+            return cur.rowcount > 0
+
+        return self._transaction(body)
+
+    def _stopped_sync(self, instance_id: str, at: float) -> InstanceRow | None:
+        def body() -> InstanceRow | None:
+            current = self._get(instance_id)
+            if current is None or current.registered_at is None:
+                return None
+            return self._put(replace(current, stopped_at=at))
+
+        return self._transaction(body)
+
     def _check_writable_sync(self) -> None:
+        try:
+            info = os.stat(self.path)
+            same = (info.st_dev, info.st_ino) == self._file_id
+        except OSError:
+            same = False
+        if not same:
+            raise StoreError(
+                f"the database file {self.path} was deleted or replaced while the sidecar "
+                "runs; writes go to a file no one will read: restore it, or restart the "
+                "sidecar (desired limits are re-registered by the engines)")
         self._transaction(lambda: self._db().execute(
             "INSERT OR REPLACE INTO ready_probe (k, at) VALUES (1, ?)", (time.time(),)))

@@ -31,6 +31,7 @@ def serve(
     from pydantic import ValidationError
 
     from ._app import create_app
+    from ._server import server_config
 
     overrides: dict[str, Any] = {k: v for k, v in
                                  {"host": host, "port": port, "db_path": db}.items()
@@ -52,9 +53,7 @@ def serve(
         logging.getLogger("kvsidecar").warning(
             "binding %s without KVSIDECAR_TOKEN: anyone who can reach it can set limits",
             settings.host)
-    # keep-alive well above the engines' heartbeat (5 s by default): one connection each
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level, access_log=False, timeout_keep_alive=75)
+    uvicorn.Server(server_config(create_app(settings), settings)).run()
 
 
 async def _check_database(settings: SidecarSettings) -> None:

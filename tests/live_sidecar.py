@@ -13,6 +13,7 @@ from typing import Self
 import uvicorn
 
 from sidecar import SidecarSettings, create_app
+from sidecar._server import server_config
 
 __all__ = ["ThreadedSidecar"]
 
@@ -21,8 +22,8 @@ class ThreadedSidecar:
     """The real app under uvicorn, in a daemon thread, on 127.0.0.1 and a free port."""
 
     def __init__(self, settings: SidecarSettings) -> None:
-        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=0,
-                                log_level="warning", access_log=False, lifespan="on")
+        config = server_config(create_app(settings), settings, host="127.0.0.1", port=0,
+                               log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = ""

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_ext._barrier import BarrierOutcome
-from engine_ext._cleanup import clear_owner, write_owner
+from engine_ext._cleanup import RANK_SOCKET_FILE, clear_owner, write_owner
 from engine_ext.protocol import RankState
 
 from ._wire import RankChannelError, recv_message, send_message
@@ -125,7 +125,7 @@ class RankGroup:
         private = Path(tempfile.mkdtemp(prefix=f".ranks-{label}-", dir=runtime_root))
         try:
             write_owner(private)
-            return cls.spawn(str(private / "r.sock"), world_size, timeout_s=timeout_s,
+            return cls.spawn(str(private / RANK_SOCKET_FILE), world_size, timeout_s=timeout_s,
                              barrier_delay_s=barrier_delay_s)
         finally:
             clear_owner(private)

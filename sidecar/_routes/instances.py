@@ -66,6 +66,14 @@ async def delete_limit(instance_id: InstanceId, service: Service, request: Reque
     return await _finish(request, service, view, wait)
 
 
+@router.delete("/{instance_id}", status_code=204, dependencies=[Authorized],
+               responses=_PROBLEMS, response_class=Response,
+               summary="Forget the instance: its desired limit, registration and metrics")
+async def forget_instance(instance_id: InstanceId, service: Service) -> Response:
+    await service.forget(instance_id)
+    return Response(status_code=204)
+
+
 async def _finish(request: Request, service: InstanceService, view: InstanceView,
                   wait: float | None) -> Response:
     """Without ``wait``: 200 (stored). With it: 200 once applied, 202 at the deadline."""

@@ -147,3 +147,44 @@ def test_real_process_exit_codes_and_no_traceback() -> None:
                               capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode == code, (args, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("bad", ["zzz/../llama-a", "llama-a?x", "llama-a#x", "../llama-a",
+                                 "-llama", "x" * 64, "llama a", "llama-a/limit", "ll%61ma-a"])
+def test_ids_are_checked_before_any_request(sidecar: ThreadedSidecar, engine: SocketEngine,
+                                            bad: str) -> None:
+    """Issue 14.3: ``kvctl limit zzz/../llama-a 1G`` used to set llama-a's limit."""
+    assert kvctl(sidecar, "limit", "llama-a", "4G")[0] == 0
+    before = kvctl(sidecar, "status", "llama-a", "--json")[1]
+    for args in (["limit", "--", bad, "1G"], ["status", "--", bad], ["delete", "--", bad],
+                 ["forget", "--", bad], ["limit-percent", "--", bad, "10"]):
+        code, out = kvctl(sidecar, *args)
+        assert code == 2, (args, out)
+        assert f"instance_id {bad!r} is not valid" in out and "Traceback" not in out
+    after = kvctl(sidecar, "status", "llama-a", "--json")[1]
+    assert json.loads(after)["desired"] == json.loads(before)["desired"]
+
+
+def test_path_segments_are_encoded() -> None:
+    from sidecar._kvctl_client import _path
+    assert _path("llama-a.v2_1") == "/instances/llama-a.v2_1"
+    assert _path("a/../b?x#y") == "/instances/a%2F..%2Fb%3Fx%23y"
+
+
+def test_forget_drops_an_instance(sidecar: ThreadedSidecar) -> None:
+    assert kvctl(sidecar, "limit", "lama-a", "4G")[0] == 0  # a typo
+    code, out = kvctl(sidecar, "forget", "lama-a")
+    assert code == 0 and "lama-a: forgotten" in out
+    code, out = kvctl(sidecar, "status", "lama-a")
+    assert code == 1 and "'lama-a' is not known" in out
+    code, out = kvctl(sidecar, "forget", "lama-a")
+    assert code == 1 and "'lama-a' is not known" in out
+    code, out = kvctl(sidecar, "forget", "lama-a", token="wrong")
+    assert code == 1 and "token is wrong" in out
+
+
+def test_a_token_with_whitespace_from_the_environment_works(
+        sidecar: ThreadedSidecar, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSIDECAR_TOKEN", "tok\n")  # e.g. read from a file with a newline
+    result = runner.invoke(app, ["--url", sidecar.url, "limit", "llama-b", "1G"])
+    assert result.exit_code == 0, result.output

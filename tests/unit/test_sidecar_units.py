@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import sqlite3
 from pathlib import Path
 
@@ -178,3 +179,54 @@ def test_serve_refuses_a_bad_database_path_in_one_line(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "set KVSIDECAR_DB_PATH (or --db) to a writable file" in result.output
     assert "Traceback" not in result.output
+
+
+def test_decide_never_computes_a_revision_past_the_bound() -> None:
+    from engine_ext.protocol import MAX_REVISION
+    assert decide(GiB, MAX_REVISION - 1, GiB, None) == Decision(MAX_REVISION, True)
+    with pytest.raises(RevisionRejectedError, match="largest revision") as info:
+        decide(GiB, MAX_REVISION, 2 * GiB, None)
+    assert info.value.status is Status.CONFLICT
+
+
+def _consistent(rng: random.Random) -> EngineState:
+    """A random state the real coordinator could send (see ShrinkCoordinator._compute)."""
+    from engine_ext.protocol import RankState
+    num = rng.randint(1, 4)
+    ranks = [RankState(rank=r, mapped_bytes=rng.randrange(0, 8 * GiB)) for r in range(num)]
+    mapped = max(r.mapped_bytes for r in ranks)
+    limit = rng.choice([None, rng.randrange(0, 8 * GiB)])
+    floor = rng.randrange(0, 64 << 20)
+    effective = None if limit is None else max(limit, floor)
+    over = 0 if effective is None else max(0, mapped - effective)
+    applied = over == 0 and rng.random() < 0.7
+    return EngineState(status=Status.APPLIED if applied else Status.DEFERRED,
+                       revision=rng.randint(1, 50), limit_bytes=limit,
+                       effective_limit_bytes=effective, floor_bytes=floor, mapped_bytes=mapped,
+                       overage_bytes=over, num_ranks=num, ranks=ranks,
+                       reason=None if applied else "evicting")
+
+
+def test_report_rules_accept_every_consistent_state_and_catch_each_lie() -> None:
+    """Fuzzed: 2000 states shaped like the coordinator's pass; one lie each is caught."""
+    from sidecar._reports import report_problem
+    rng = random.Random(14)
+    for _ in range(2000):
+        state = _consistent(rng)
+        assert report_problem(state, state.limit_bytes, state.revision) is None, state
+        assert report_problem(state, rng.choice([None, 1]), rng.randint(0, 60)) is None \
+            or state.status is Status.APPLIED
+        if state.status is not Status.APPLIED or state.effective_limit_bytes is None:
+            continue
+        lies = [
+            {"mapped_bytes": state.effective_limit_bytes + 1 + state.mapped_bytes},
+            {"overage_bytes": 1},
+            {"ranks": [r.model_copy(update={"alive": r.rank != 0}) for r in state.ranks]},
+            {"effective_limit_bytes": (state.limit_bytes or 0) - 1}
+            if state.limit_bytes else {"overage_bytes": 2},
+            {"mapped_bytes": max(r.mapped_bytes for r in state.ranks) - 1}
+            if max(r.mapped_bytes for r in state.ranks) > 0 else {"overage_bytes": 3},
+        ]
+        for lie in lies:
+            forged = state.model_copy(update=lie)
+            assert report_problem(forged, state.limit_bytes, state.revision) is not None, lie

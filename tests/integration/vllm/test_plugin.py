@@ -13,7 +13,11 @@ from vllm.v1.engine import core
 from engine_ext import EngineExtConfigError
 from engine_ext.vllm import _runtime, plugin
 from engine_ext.vllm._block_pool import ElasticBlockPool
-from engine_ext.vllm._instance_id import default_instance_id
+from engine_ext.vllm._instance_id import (
+    default_instance_id,
+    export_default_instance_id,
+    host_part,
+)
 from engine_ext.vllm._patches import (
     PATCHES,
     UnsupportedVllmVersion,
@@ -88,11 +92,30 @@ def test_bad_vllm_setting_refuses_before_patching(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["vllm", "serve", "/models/Qwen3-4B", "--port", "8001"], "Qwen3-4B-8001"),
-        (["vllm", "serve", "m", "--served-model-name", "llama a", "--port=9"], "llama-a-9"),
-        (["vllm", "serve", "org/model"], "model-8000"),
+        (["vllm", "serve", "/models/Qwen3-4B", "--port", "8001"], "Qwen3-4B-8001-node1"),
+        (["vllm", "serve", "m", "--served-model-name", "llama a", "--port=9"], "llama-a-9-node1"),
+        (["vllm", "serve", "org/model"], "model-8000-node1"),
+        (["vllm", "serve", "x" * 80], "x" * 52 + "-8000-node1"),
         (["python", "-m", "something"], None),
     ],
 )
 def test_default_instance_id_from_the_command_line(argv: list[str], expected: str | None) -> None:
-    assert default_instance_id(argv) == expected
+    assert default_instance_id(argv, "node1") == expected
+
+
+def test_default_instance_id_differs_per_host_and_pod() -> None:
+    """Replicas of one deployment (same model, same port) get different ids (issue 14.5)."""
+    argv = ["vllm", "serve", "org/model", "--port", "8000"]
+    env_a: dict[str, str] = {"POD_NAME": "vllm-7d9f-abcde"}
+    env_b: dict[str, str] = {"POD_NAME": "vllm-7d9f-fghij"}
+    export_default_instance_id(argv, env_a)
+    export_default_instance_id(argv, env_b)
+    assert env_a["KVSIDECAR_INSTANCE_ID"] == "model-8000-vllm-7d9f-abcde"
+    assert env_a["KVSIDECAR_INSTANCE_ID"] != env_b["KVSIDECAR_INSTANCE_ID"]
+    bare: dict[str, str] = {}
+    export_default_instance_id(argv, bare)  # no pod: the host name
+    assert bare["KVSIDECAR_INSTANCE_ID"].startswith("model-8000-")
+    assert host_part({}) in bare["KVSIDECAR_INSTANCE_ID"]
+    set_by_operator = {"KVSIDECAR_INSTANCE_ID": "mine", "POD_NAME": "p"}
+    export_default_instance_id(argv, set_by_operator)
+    assert set_by_operator["KVSIDECAR_INSTANCE_ID"] == "mine"

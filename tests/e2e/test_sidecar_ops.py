@@ -1,0 +1,382 @@
+"""Operations hardening (issue 14, "Must fix"), over real HTTP: uvicorn on loopback,
+SQLite on disk, raw sockets where a well-behaved client would hide the problem."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_sidecar_support import ThreadedSidecar, db_rows
+
+from engine_ext.protocol import MAX_CLIENT_REVISION, MAX_REVISION, REGISTRATION_HEADER
+from sidecar import SidecarSettings
+
+MiB, GiB = 1 << 20, 1 << 30
+TOKEN_A = "A" * 32
+TOKEN_B = "B" * 32
+
+
+def _register(c: httpx.Client, iid: str = "a", token: str | None = TOKEN_A,
+              **state: Any) -> httpx.Response:
+    body: dict[str, Any] = {"engine": "vllm", "engine_version": "0.33.0",
+                            "socket_path": "/nonexistent/kvsidecar-test.sock",
+                            "state": {"status": "applied", **state}}
+    if token is not None:
+        body["registration_token"] = token
+    return c.post(f"/instances/{iid}/register", json=body)
+
+
+def _report(c: httpx.Client, iid: str = "a", token: str | None = TOKEN_A,
+            **state: Any) -> httpx.Response:
+    headers = {} if token is None else {REGISTRATION_HEADER: token}
+    return c.post(f"/instances/{iid}/report", json={"status": "applied", **state},
+                  headers=headers)
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "sidecar.db"
+
+
+def _serve(db: Path, **kw: Any) -> ThreadedSidecar:
+    return ThreadedSidecar(SidecarSettings(db_path=db, push_backoff_initial_s=0.05,
+                                           push_backoff_max_s=0.2, **kw))
+
+
+@pytest.fixture
+def client(db: Path) -> Iterator[httpx.Client]:
+    with _serve(db) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+# --- 1. revisions ------------------------------------------------------------------------
+
+def test_a_client_revision_near_the_top_never_wedges_the_instance(client: httpx.Client,
+                                                                   db: Path) -> None:
+    r = client.put("/instances/a/limit", json={"limit": "1M", "revision": MAX_REVISION})
+    assert r.status_code == 422 and "less than or equal to" in r.json()["detail"]
+    assert client.get("/instances/a").status_code == 404  # nothing stored
+    r = client.put("/instances/a/limit", json={"limit": "1M", "revision": MAX_CLIENT_REVISION})
+    assert r.status_code == 200, r.text
+    r = client.put("/instances/a/limit", json={"limit": "2M"})  # the next one is taken
+    assert r.status_code == 200 and r.json()["desired"]["revision"] == MAX_CLIENT_REVISION + 1
+    assert client.delete("/instances/a/limit").status_code == 200
+    # every engine path still answers (it was 500 for ever)
+    assert _register(client).status_code == 200
+    rev = MAX_CLIENT_REVISION + 2
+    reply = _report(client, revision=rev, limit_bytes=None)
+    assert reply.status_code == 200 and reply.json()["revision"] == rev
+
+
+def test_the_largest_revision_is_refused_clearly_and_changes_nothing(client: httpx.Client,
+                                                                     db: Path) -> None:
+    # an engine may hold the largest revision (it adopts what it is sent): the sidecar adopts it
+    assert _register(client, revision=MAX_REVISION, limit_bytes=MiB,
+                     effective_limit_bytes=MiB).status_code == 200
+    assert client.get("/instances/a").json()["desired"]["revision"] == MAX_REVISION
+    before = db_rows(db)
+    for r in (client.put("/instances/a/limit", json={"limit": "4M"}),
+              client.delete("/instances/a/limit")):
+        assert r.status_code == 409, r.text
+        assert "largest revision" in r.json()["detail"] and "forget" in r.json()["detail"]
+    assert db_rows(db) == before
+    # register, report and the push path keep working; forget recovers the id
+    assert _register(client, revision=MAX_REVISION, limit_bytes=MiB,
+                     effective_limit_bytes=MiB).status_code == 200
+    assert _report(client, revision=MAX_REVISION, limit_bytes=MiB,
+                   effective_limit_bytes=MiB).status_code == 200
+    assert client.delete("/instances/a").status_code == 204
+    r = client.put("/instances/a/limit", json={"limit": "4M"})
+    assert r.status_code == 200 and r.json()["desired"]["revision"] == 1
+
+
+# --- 2. connections ----------------------------------------------------------------------
+
+def _raw(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    return sock
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (30 s socket timeout)."""
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
+def test_half_sent_requests_are_closed_and_health_still_answers(db: Path) -> None:
+    with _serve(db, header_timeout_s=1, body_timeout_s=1, max_connections=300) as server:
+        headers_only = [_raw(server.url) for _ in range(100)]
+        for sock in headers_only:
+            sock.sendall(b"PUT /instances/a/limit HTTP/1.1\r\nHost: x\r\n")  # never ends
+        bodies = [_raw(server.url) for _ in range(50)]
+        for sock in bodies:  # the headers, then a body that stops short (valid JSON so far!)
+            sock.sendall(b"PUT /instances/a/limit HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                         b'{"limit": 1}')
+        silent = [_raw(server.url) for _ in range(20)]  # connect, send nothing
+        assert httpx.get(f"{server.url}/healthz", timeout=30).status_code == 200
+        for sock in headers_only + bodies + silent:
+            answer = _read_until_closed(sock)
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            sock.close()
+        # the partial body was never used, the server still answers
+        assert httpx.get(f"{server.url}/instances").json() == {"instances": []}
+        assert db_rows(db) == []
+
+
+def test_half_sent_requests_beyond_the_cap_are_evicted_and_health_answers(db: Path) -> None:
+    """A client holding max_connections half-sent requests cannot lock others out."""
+    with _serve(db, max_connections=8, header_timeout_s=60) as server:
+        held = [_raw(server.url) for _ in range(30)]
+        for sock in held:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never ends
+        for _ in range(5):  # each new request evicts the longest-waiting half-sent one
+            assert httpx.get(f"{server.url}/healthz", timeout=30).status_code == 200
+        # 30 - 8 evictions among them (+1 for the first health check; the later ones find
+        # room), the oldest first: the oldest 20 are closed, none was served
+        answers = [_read_until_closed(sock)[:12] for sock in held[:20]]
+        assert set(answers) == {b"HTTP/1.1 408"}
+        for sock in held:
+            sock.close()
+
+
+def test_connections_beyond_the_cap_are_refused_when_all_are_busy(db: Path) -> None:
+    with _serve(db, max_connections=8, max_wait_s=30) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as c:
+        assert c.put("/instances/a/limit", json={"limit": "1G"}).status_code == 200
+        busy = [_raw(server.url) for _ in range(8)]
+        for sock in busy:  # long-polls on an instance that will never apply: busy in the app
+            sock.sendall(b"GET /instances/a?wait=30 HTTP/1.1\r\nHost: x\r\n\r\n")
+        deadline = time.monotonic() + 30
+        while True:  # until the server has them all (no assertion on time)
+            extra = _raw(server.url)
+            extra.settimeout(2)  # sends nothing: a refused one is answered at once
+            try:
+                answer = _read_until_closed(extra)
+            except TimeoutError:
+                answer = b"(accepted)"
+            extra.close()
+            if answer.startswith(b"HTTP/1.1 503"):
+                break
+            assert time.monotonic() < deadline, answer
+            time.sleep(0.05)
+        for sock in busy:
+            sock.close()
+        deadline = time.monotonic() + 30
+        while True:  # once they are gone, new connections are served again
+            try:
+                if httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the sidecar never served again"
+            time.sleep(0.05)
+
+
+def test_no_token_is_refused_before_the_body_is_read(db: Path) -> None:
+    with _serve(db, token="s3cret", body_timeout_s=60) as server:
+        sock = _raw(server.url)
+        sock.settimeout(20)  # well below the body timeout: the answer must not wait for it
+        sock.sendall(b"PUT /instances/a/limit HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 60000\r\n\r\n")
+        answer = _read_until_closed(sock)
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 401"), answer
+        assert b"requires a bearer token" in answer
+        assert b'www-authenticate: bearer realm="kvsidecar"' in answer.lower()
+        for wrong in ("Bearer nope", "Basic czNjcmV0"):
+            sock = _raw(server.url)
+            sock.settimeout(20)
+            sock.sendall(b"POST /instances/a/register HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                         + wrong.encode() + b"\r\nContent-Length: 5000\r\n\r\n")
+            assert _read_until_closed(sock).startswith(b"HTTP/1.1 401")
+            sock.close()
+        assert db_rows(db) == []
+
+
+# --- 4. forget and stopped ---------------------------------------------------------------
+
+def test_forget_removes_an_instance_everywhere(client: httpx.Client, db: Path) -> None:
+    assert client.put("/instances/typo/limit", json={"limit": "1G"}).status_code == 200
+    assert client.put("/instances/kept/limit", json={"limit": "2G"}).status_code == 200
+    r = client.delete("/instances/typo")
+    assert r.status_code == 204 and r.content == b""
+    assert client.get("/instances/typo").status_code == 404
+    assert [v["id"] for v in client.get("/instances").json()["instances"]] == ["kept"]
+    assert 'instance="typo"' not in client.get("/metrics").text
+    assert [row[0] for row in db_rows(db)] == ["kept"]
+    r = client.delete("/instances/typo")
+    assert r.status_code == 404 and "'typo' is not known" in r.json()["detail"]
+
+
+def test_a_forgotten_live_engine_registers_again(client: httpx.Client) -> None:
+    assert _register(client, revision=3, limit_bytes=GiB, effective_limit_bytes=GiB,
+                     mapped_bytes=GiB).status_code == 200
+    assert client.delete("/instances/a").status_code == 204
+    assert _report(client, revision=3, limit_bytes=GiB).status_code == 404  # -> re-register
+    assert _register(client, revision=3, limit_bytes=GiB, effective_limit_bytes=GiB,
+                     mapped_bytes=GiB).status_code == 200
+    assert client.get("/instances/a").json()["desired"]["revision"] == 3  # adopted again
+
+
+def test_a_clean_shutdown_is_stopped_not_unreachable_and_keeps_the_limit(db: Path) -> None:
+    with _serve(db, heartbeat_timeout_s=0.3) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as c:
+        assert c.put("/instances/a/limit", json={"limit": "1G"}).status_code == 200
+        assert _register(c, revision=1, limit_bytes=GiB, effective_limit_bytes=GiB
+                         ).status_code == 200
+        r = c.post("/instances/a/deregister", headers={REGISTRATION_HEADER: TOKEN_A})
+        assert r.status_code == 200, r.text
+        assert (r.json()["status"], r.json()["reason"]) == ("stopped", "deregistered")
+        time.sleep(0.6)  # past the heartbeat timeout: still stopped, never unreachable
+        view = c.get("/instances/a").json()
+        assert view["status"] == "stopped" and view["desired"]["limit_bytes"] == GiB
+        assert 'kvsidecar_instance_status{instance="a",status="stopped"} 1.0' in \
+            c.get("/metrics").text
+        assert _report(c).status_code == 404  # a stopped engine must register again
+    with _serve(db, heartbeat_timeout_s=0.3) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as c:
+        assert c.get("/instances/a").json()["status"] == "stopped"  # durable
+        assert _register(c, token=TOKEN_B, revision=1, limit_bytes=GiB,
+                         effective_limit_bytes=GiB).status_code == 200
+        assert c.get("/instances/a").json()["status"] == "applied"
+
+
+# --- 5. one id, two processes ------------------------------------------------------------
+
+def test_a_second_live_process_on_one_id_is_refused(client: httpx.Client, db: Path) -> None:
+    assert _register(client, revision=0).status_code == 200
+    before_api, before_db = client.get("/instances/a").json(), db_rows(db)
+    r = _register(client, token=TOKEN_B, mapped_bytes=GiB)
+    assert r.status_code == 409, r.text
+    assert "held by another live engine process" in r.json()["detail"]
+    assert "KVSIDECAR_INSTANCE_ID" in r.json()["detail"]
+    r = _report(client, token=TOKEN_B, mapped_bytes=GiB)
+    assert r.status_code == 409
+    r = client.post("/instances/a/deregister", headers={REGISTRATION_HEADER: TOKEN_B})
+    assert r.status_code == 409
+    after = client.get("/instances/a").json()
+    assert {**after, "last_seen_s_ago": None} == {**before_api, "last_seen_s_ago": None}
+    assert db_rows(db) == before_db
+    assert _report(client, token=TOKEN_A).status_code == 200  # the holder carries on
+    # once the holder stops cleanly, the other process takes the id
+    assert client.post("/instances/a/deregister",
+                       headers={REGISTRATION_HEADER: TOKEN_A}).status_code == 200
+    assert _register(client, token=TOKEN_B).status_code == 200
+    assert _report(client, token=TOKEN_A).status_code == 409
+
+
+def test_a_silent_holder_is_released_after_the_heartbeat_timeout(db: Path) -> None:
+    with _serve(db, heartbeat_timeout_s=0.3) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as c:
+        assert _register(c).status_code == 200
+        assert _register(c, token=TOKEN_B).status_code == 409
+        time.sleep(0.6)  # the holder was kill -9'ed: no report since
+        assert _register(c, token=TOKEN_B).status_code == 200
+
+
+# --- 6. reports are checked --------------------------------------------------------------
+
+def test_an_inconsistent_report_is_rejected_logged_and_changes_nothing(
+        client: httpx.Client, db: Path, caplog: pytest.LogCaptureFixture) -> None:
+    assert client.put("/instances/a/limit", json={"limit": "1M"}).status_code == 200
+    assert _register(client, revision=1, limit_bytes=MiB, effective_limit_bytes=MiB,
+                     mapped_bytes=MiB).status_code == 200
+    before_api, before_db = client.get("/instances/a").json(), db_rows(db)
+    with caplog.at_level(logging.WARNING, logger="kvsidecar.service"):
+        r = _report(client, revision=1, limit_bytes=MiB, effective_limit_bytes=MiB,
+                    mapped_bytes=10 * GiB)
+    assert r.status_code == 422 and "inconsistent report" in r.json()["detail"]
+    assert "rejected an inconsistent report" in caplog.text
+    after = client.get("/instances/a").json()
+    assert after["status"] == "applied" and after["mapped_bytes"] == MiB
+    assert {**after, "last_seen_s_ago": None} == {**before_api, "last_seen_s_ago": None}
+    assert db_rows(db) == before_db
+
+
+# --- 8. token, caps, readiness -----------------------------------------------------------
+
+def test_a_token_with_surrounding_whitespace_is_stripped(db: Path) -> None:
+    with _serve(db, token="  s3cret\n") as server, httpx.Client(base_url=server.url) as c:
+        r = c.put("/instances/a/limit", json={"limit": "1G"},
+                  headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200, r.text
+        assert c.put("/instances/a/limit", json={"limit": "1G"}).status_code == 401
+
+
+def test_a_token_with_inner_whitespace_is_refused_at_start(db: Path) -> None:
+    with pytest.raises(ValueError, match="KVSIDECAR_TOKEN must not contain spaces"):
+        SidecarSettings(db_path=db, token="s3 cret")
+
+
+def test_the_instance_count_is_capped(db: Path) -> None:
+    with _serve(db, max_instances=3) as server, httpx.Client(base_url=server.url) as c:
+        for i in range(3):
+            assert c.put(f"/instances/i{i}/limit", json={"limit": "1G"}).status_code == 200
+        before_api, before_db = c.get("/instances").json(), db_rows(db)
+        for r in (c.put("/instances/i3/limit", json={"limit": "1G"}), _register(c, "i3")):
+            assert r.status_code == 409, r.text
+            assert "KVSIDECAR_MAX_INSTANCES" in r.json()["detail"]
+        assert c.get("/instances").json() == before_api and db_rows(db) == before_db
+        assert c.put("/instances/i0/limit", json={"limit": "2G"}).status_code == 200  # known
+        assert _register(c, "i1").status_code == 200
+        assert c.delete("/instances/i2").status_code == 204  # forget makes room
+        assert c.put("/instances/i3/limit", json={"limit": "1G"}).status_code == 200
+
+
+def test_readyz_fails_once_the_database_file_is_deleted(db: Path) -> None:
+    with _serve(db) as server, httpx.Client(base_url=server.url) as c:
+        assert c.get("/readyz").status_code == 200
+        db.unlink()
+        r = c.get("/readyz")
+        assert r.status_code == 503 and "deleted or replaced" in r.json()["detail"]
+        assert c.get("/healthz").status_code == 200  # alive, not ready
+
+
+def test_a_database_with_foreign_columns_is_one_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from test_sidecar_support import ROOT
+    for version in (1, 2):
+        path = tmp_path / f"v{version}.db"
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE instances (id TEXT PRIMARY KEY, lim INTEGER)")
+        conn.execute(f"PRAGMA user_version={version}")
+        conn.commit()
+        conn.close()
+        proc = subprocess.run(
+            [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--db", str(path)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+            timeout=60, check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert "has the columns (id, lim)" in proc.stderr and "--db" in proc.stderr
+
+
+def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "v1.db"
+    conn = sqlite3.connect(path)
+    conn.executescript("""
+        CREATE TABLE instances (id TEXT PRIMARY KEY, limit_bytes INTEGER,
+            revision INTEGER NOT NULL, updated_at REAL NOT NULL, engine TEXT,
+            engine_version TEXT, socket_path TEXT, device_total_bytes INTEGER,
+            registered_at REAL) STRICT;
+        INSERT INTO instances VALUES ('old', 1073741824, 7, 1.0, NULL, NULL, NULL, NULL, NULL);
+        PRAGMA user_version=1;""")
+    conn.close()
+    with _serve(path) as server, httpx.Client(base_url=server.url) as c:
+        view = c.get("/instances/old").json()
+        assert view["desired"] == {**view["desired"], "limit_bytes": GiB, "revision": 7}
+        assert c.get("/readyz").status_code == 200
