@@ -396,14 +396,15 @@ def test_planning_rounds_down_before_the_scheduler_and_leaves_a_plan(
         calls.append(len(args))
         return [planned(1000)]
 
-    configs = _gpu_kv.plan_kv_cache(original)(engine_config, [{}], [0], [])
+    configs = _gpu_kv.plan_kv_cache(original, device_total=lambda: 1 << 30)(
+        engine_config, [{}], [0], [])  # fmt: skip
     assert calls == [4] and [c.num_blocks for c in configs] == [768]
     plan = _gpu_kv._state.plan
     assert plan is not None and plan.num_blocks == 768 and plan.blocks_per_page == 256
 
 
 def test_planning_refuses_what_the_gpu_path_cannot_serve(engine_config: VllmConfig) -> None:
-    plan = _gpu_kv.plan_kv_cache(lambda *args: [planned(1000)])
+    plan = _gpu_kv.plan_kv_cache(lambda *args: [planned(1000)], device_total=lambda: 1 << 30)
     engine_config.model_config.max_model_len = 16384  # 1024 blocks > 768 after rounding
     with pytest.raises(UnsupportedKvCache, match=r"max_model_len 16384 in 768.*needs 1024"):
         plan(engine_config, [{}], [0], [])
@@ -412,3 +413,114 @@ def test_planning_refuses_what_the_gpu_path_cannot_serve(engine_config: VllmConf
     with pytest.raises(UnsupportedKvCache, match=r"MultiprocExecutor"):
         plan(engine_config, [{}], [0], [])
     assert _gpu_kv._state.plan is None  # nothing planned, nothing reserved
+
+
+# -- overcommit: planned for virtual capacity, warm-up pages only ----------------------------
+
+GIB = 1 << 30
+
+
+def _real_planner(engine_config: VllmConfig) -> tuple[list[dict[str, object]], list[object]]:
+    """The tiny model's KV specs and vLLM's global groups for them, as EngineCore builds them."""
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+
+    specs: list[dict[str, object]] = [{name: SPEC for name in LAYERS}]
+    return specs, get_global_kv_cache_groups(engine_config, specs)
+
+
+@pytest.mark.parametrize(
+    ("setting", "explicit", "expected"),
+    [(6 * GIB, None, 6 * GIB), (None, 3 * GIB, 3 * GIB), (None, None, 8 * GIB),
+     (5 * GIB, 3 * GIB, 5 * GIB)],
+    ids=["setting", "kv-cache-memory-bytes", "device-total", "setting-wins"],
+)  # fmt: skip
+def test_planning_uses_the_virtual_capacity_not_the_measured_free_memory(
+    engine_config: VllmConfig, setting: int | None, explicit: int | None, expected: int
+) -> None:
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_configs
+
+    engine_config.cache_config.kv_cache_memory_bytes = explicit
+    seen: list[list[int]] = []
+
+    def original(config: VllmConfig, specs: list[object], available: list[int],
+                 groups: list[object]) -> list[KVCacheConfig]:  # fmt: skip
+        seen.append(list(available))
+        return get_kv_cache_configs(config, specs, available, groups)  # type: ignore[arg-type]
+
+    specs, groups = _real_planner(engine_config)
+    hook = _gpu_kv.plan_kv_cache(original, device_total=lambda: 8 * GIB,
+                                 setting=lambda: setting)  # fmt: skip
+    measured = 200 << 20  # what vLLM's profiler left for KV under a small utilization
+    (config,) = hook(engine_config, specs, [measured], groups)
+    assert seen == [[expected]]
+    kv_bytes = config.num_blocks * BLOCK_BYTES * len(LAYERS)
+    assert expected - (2 << 20) * len(LAYERS) <= kv_bytes <= expected  # whole pages, rounded down
+    assert kv_bytes > 10 * measured  # far above what is physically free
+
+
+def test_two_engines_each_plan_more_than_half_the_device(engine_config: VllmConfig) -> None:
+    """Two engines on one 8 GiB device: the sum of their virtual capacities exceeds it."""
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_configs
+
+    specs, groups = _real_planner(engine_config)
+    device = 8 * GIB
+    capacities = []
+    for virtual in (6 * GIB, 5 * GIB):
+        hook = _gpu_kv.plan_kv_cache(get_kv_cache_configs, device_total=lambda: device,
+                                     setting=lambda v=virtual: v)  # type: ignore[misc]  # fmt: skip
+        (config,) = hook(engine_config, specs, [100 << 20], groups)
+        capacities.append(config.num_blocks * BLOCK_BYTES * len(LAYERS))
+    assert all(c > device // 2 for c in capacities) and sum(capacities) > device
+
+
+def test_warm_up_bound_covers_vllms_warm_up_requests(engine_config: VllmConfig) -> None:
+    scheduler = engine_config.scheduler_config
+    bound = _gpu_kv.warmup_block_bound(engine_config, BLOCK_TOKENS)
+    # _warmup_kernels: max_num_seqs requests of 2 prompt + 3 decode tokens, ids from 1;
+    # run_mixed_prefill_decode_warmup: one prefill of max_num_batched_tokens - 1 tokens.
+    assert bound > scheduler.max_num_seqs * 1 + 1
+    assert bound > -(-scheduler.max_num_batched_tokens // BLOCK_TOKENS) + 2
+    scheduler.max_num_seqs *= 2
+    assert _gpu_kv.warmup_block_bound(engine_config, BLOCK_TOKENS) > bound  # follows the limits
+
+
+def test_only_the_warm_up_pages_are_mapped_before_the_pool(
+    reservations: list[HostBackend],
+) -> None:
+    config = planned(64)  # 16 pages of 4 blocks
+    layout = KVCacheLayout.LBNHC
+    plan = kv_geometry(config, layout, HOST_GRANULARITY)
+    views = allocate_on_reservation(config, torch.device("cpu"), layout, None, plan=plan,
+                                    granularity=HOST_GRANULARITY,
+                                    reserve=host_reserve(reservations),
+                                    synchronize=lambda: None, warmup_blocks=10)  # fmt: skip
+    backend = reservations[0]
+    assert backend.mapped_pages() == [0, 1, 2]  # blocks 0..9 in pages of 4
+    assert backend.mapped_bytes() == 3 * backend.layout.bundle_bytes  # measured (/proc)
+    for name in LAYERS:
+        views[name][:10].fill_(3)  # the warm-up's blocks: mapped (else SIGSEGV)
+    memory = claim_kv_memory()
+    assert memory is not None
+    memory.backend.map_many([0])  # the pool's first map keeps page 0 only
+    assert backend.mapped_pages() == [0]
+
+
+@pytest.mark.parametrize(("blocks", "pages"), [(None, 16), (0, 1), (1, 1), (4, 1), (5, 2),
+                                               (10 ** 9, 16)])  # fmt: skip
+def test_warm_up_pages_are_clamped_to_the_reservation(blocks: int | None, pages: int) -> None:
+    plan = kv_geometry(planned(64), KVCacheLayout.LBNHC, HOST_GRANULARITY)
+    assert _gpu_kv.warmup_pages(plan, blocks) == pages
+
+
+def test_planning_hook_hands_the_warm_up_bound_to_the_allocation(
+    engine_config: VllmConfig, reservations: list[HostBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hook = _gpu_kv.plan_kv_cache(lambda *args: [planned(1000)], device_total=lambda: GIB)
+    hook(engine_config, [{}], [0], [])
+    expected = _gpu_kv.warmup_block_bound(engine_config, BLOCK_TOKENS)
+    assert _gpu_kv._state.warmup_blocks == expected
+    seen: list[int | None] = []
+    monkeypatch.setattr(_gpu_kv, "allocate_on_reservation",
+                        lambda *a, **kw: seen.append(kw["warmup_blocks"]) or {})  # fmt: skip
+    place_kv_cache(allocate_kv_cache)(planned(768), torch.device("cuda"), KVCacheLayout.LBNHC)
+    assert seen == [expected] and _gpu_kv._state.warmup_blocks is None  # taken once
