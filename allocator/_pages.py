@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from enum import IntEnum
 from typing import Protocol
 
 from ._backend import Backend
-from ._errors import AllocatorConfigError, AllocatorContractError, BackendError
+from ._errors import (
+    AllocatorConfigError,
+    AllocatorContractError,
+    BackendError,
+    DeviceOutOfMemory,
+)
 from ._guard import ThreadGuard
 
 __all__ = ["PageAllocator", "PageObserver", "PageState"]
 
 _log = logging.getLogger(__name__)
+
+#: After a map found the device full, acquire() maps nothing more for this long.
+DEVICE_RETRY_S = 1.0
 
 
 class PageState(IntEnum):
@@ -79,6 +88,7 @@ class PageAllocator:
         self._in_use: set[int] = set()  # IN_USE (not retired)
         self._retired: set[int] = set()  # RETIRED
         self._observer: PageObserver | None = None
+        self._device_full_at: float | None = None  # monotonic time of the last device OOM
         self._top_up()
 
     # ------------------------------------------------------------------ counts
@@ -102,10 +112,31 @@ class PageAllocator:
         """In-use pages above the target, waiting for their last block to go."""
         return len(self._retired)
 
+    @property
+    def device_full(self) -> bool:
+        """A map found no free device memory less than ``DEVICE_RETRY_S`` ago.
+
+        Meanwhile :meth:`cap_pages` holds at the pages mapped now, so the
+        headroom the engine sees is what is really there.
+        """
+        at = self._device_full_at
+        if at is None:
+            return False
+        if time.monotonic() - at >= DEVICE_RETRY_S:
+            self._device_full_at = None  # try the device again
+            return False
+        return True
+
     def cap_pages(self) -> int:
-        """Most pages that may be mapped now: the target, or the capacity if unlimited."""
+        """Most pages that may be mapped now: the target, or the capacity if unlimited.
+
+        While :attr:`device_full`, no more than the pages mapped now.
+        """
         target = self.target_pages
-        return self.num_pages if target is None else min(target, self.num_pages)
+        cap = self.num_pages if target is None else min(target, self.num_pages)
+        if self._device_full_at is not None and self.device_full:
+            cap = min(cap, self.num_mapped)
+        return cap
 
     def headroom_pages(self) -> int:
         """Pages :meth:`acquire` could still hand out (free mapped + mappable under the cap)."""
@@ -167,7 +198,14 @@ class PageAllocator:
             page = self._free.pop()
         elif not self._retired and self.num_mapped < self.cap_pages():
             page = self._unmapped[-1]
-            self.backend.map(page)
+            try:
+                self.backend.map(page)
+            except DeviceOutOfMemory as exc:
+                self._device_full_at = time.monotonic()
+                _log.warning("no device memory for page %d (%d pages mapped): %s; holding at "
+                             "%d pages for %.1f s", page, self.num_mapped, exc, self.num_mapped,
+                             DEVICE_RETRY_S)  # fmt: skip
+                return None
             self._unmapped.pop()
         else:
             return None
