@@ -89,6 +89,7 @@ class PageAllocator:
         self._retired: set[int] = set()  # RETIRED
         self._observer: PageObserver | None = None
         self._device_full_at: float | None = None  # monotonic time of the last device OOM
+        self._device_cap = num_pages  # pages mapped when the device was found full
         self._top_up()
 
     # ------------------------------------------------------------------ counts
@@ -116,8 +117,8 @@ class PageAllocator:
     def device_full(self) -> bool:
         """A map found no free device memory less than ``DEVICE_RETRY_S`` ago.
 
-        Meanwhile :meth:`cap_pages` holds at the pages mapped now, so the
-        headroom the engine sees is what is really there.
+        Meanwhile :meth:`cap_pages` holds at the pages mapped when it was
+        found full, so the headroom the engine sees is what is really there.
         """
         at = self._device_full_at
         if at is None:
@@ -130,12 +131,12 @@ class PageAllocator:
     def cap_pages(self) -> int:
         """Most pages that may be mapped now: the target, or the capacity if unlimited.
 
-        While :attr:`device_full`, no more than the pages mapped now.
+        While :attr:`device_full`, no more than were mapped when the device was full.
         """
         target = self.target_pages
         cap = self.num_pages if target is None else min(target, self.num_pages)
         if self._device_full_at is not None and self.device_full:
-            cap = min(cap, self.num_mapped)
+            cap = min(cap, self._device_cap)
         return cap
 
     def headroom_pages(self) -> int:
@@ -202,6 +203,7 @@ class PageAllocator:
                 self.backend.map(page)
             except DeviceOutOfMemory as exc:
                 self._device_full_at = time.monotonic()
+                self._device_cap = self.num_mapped
                 _log.warning("no device memory for page %d (%d pages mapped): %s; holding at "
                              "%d pages for %.1f s", page, self.num_mapped, exc, self.num_mapped,
                              DEVICE_RETRY_S)  # fmt: skip

@@ -524,3 +524,82 @@ def test_planning_hook_hands_the_warm_up_bound_to_the_allocation(
                         lambda *a, **kw: seen.append(kw["warmup_blocks"]) or {})  # fmt: skip
     place_kv_cache(allocate_kv_cache)(planned(768), torch.device("cuda"), KVCacheLayout.LBNHC)
     assert seen == [expected] and _gpu_kv._state.warmup_blocks is None  # taken once
+
+
+# -- a full device under vLLM's real KVCacheManager ----------------------------------------
+
+
+class _SmallDevice:
+    """A HostBackend that refuses maps beyond ``total_pages`` (the device is full)."""
+
+    def __init__(self, inner: HostBackend, total_pages: int) -> None:
+        self.inner = inner
+        self.total_pages = total_pages
+        self.refusals = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def map_many(self, pages: list[int]) -> None:
+        from allocator import DeviceOutOfMemoryError
+
+        if len(self.inner.mapped_pages()) + len(pages) > self.total_pages:  # measured
+            self.refusals += 1
+            raise DeviceOutOfMemoryError(f"no device memory for {len(pages)} page(s)")
+        self.inner.map_many(pages)
+
+    def map(self, page: int) -> None:
+        self.map_many([page])
+
+
+def test_a_full_device_reuses_cached_blocks_and_never_crashes_the_scheduler(
+    reservations: list[HostBackend], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = planned(64)  # 16 pages of 4 blocks: virtual capacity 4x the device below
+    layout = KVCacheLayout.LBNHC
+    devices: list[_SmallDevice] = []
+
+    def reserve(page_layout: PageLayout, device: torch.device) -> _SmallDevice:
+        small = _SmallDevice(host_reserve(reservations)(page_layout, device), total_pages=4)
+        devices.append(small)
+        return small
+
+    plan = kv_geometry(config, layout, HOST_GRANULARITY)
+    views = allocate_on_reservation(config, torch.device("cpu"), layout, None, plan=plan,
+                                    granularity=HOST_GRANULARITY, reserve=reserve,  # type: ignore[arg-type]
+                                    synchronize=lambda: None, warmup_blocks=4)  # fmt: skip
+    (device,) = devices
+    backend = reservations[0]
+    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
+    monkeypatch.setattr(_runtime, "_configured", None)
+    monkeypatch.setattr(_runtime, "_runtime", None)
+    _runtime.configure(EngineSettings(enable=True, thread_guard=True, runtime_dir=tmp_path),
+                       VllmSettings(enable=True))  # fmt: skip
+    manager = KVCacheManager(config, max_model_len=1024, scheduler_block_size=BLOCK_TOKENS,
+                             hash_block_size=BLOCK_TOKENS, enable_caching=True)  # fmt: skip
+    runtime = _runtime.current_runtime()
+    assert runtime is not None
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
+
+    def request(name: str, seed: int, blocks: int) -> Request:
+        prompt = [(i * 31 + seed * 977) % 3000 + 10 for i in range(blocks * BLOCK_TOKENS)]
+        return Request(name, prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+
+    first = request("a", 1, 10)  # null + 10 blocks: pages 0..2
+    got = manager.allocate_slots(first, first.num_tokens)
+    assert got is not None and len(backend.mapped_pages()) == 3
+    first.num_computed_tokens = first.num_tokens
+    manager.free(first)  # its 10 blocks stay cached (evictable)
+
+    second = request("b", 2, 8)  # 1 free block in page 2, page 3 maps, page 4 cannot
+    blocks = manager.allocate_slots(second, second.num_tokens)
+    assert blocks is not None  # filled from cached blocks, not a crash
+    assert device.refusals >= 1 and len(backend.mapped_pages()) == 4
+    for name in LAYERS:  # every handed-out block is backed (else SIGSEGV)
+        views[name][blocks.get_block_ids()[0]].fill_(5)
+
+    third = request("c", 3, 40)  # more than the mapped pages can ever hold
+    assert manager.allocate_slots(third, third.num_tokens) is None  # waits; no exception
+    assert len(backend.mapped_pages()) <= device.total_pages
+    runtime.close()
