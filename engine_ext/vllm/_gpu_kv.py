@@ -309,6 +309,32 @@ def _reserve_cuda(layout: PageLayout, device: torch.device) -> ReservedBackend:
     return CudaBackend.reserve(layout, device=index)
 
 
+def _cuda_empty_cache() -> None:
+    import torch
+
+    torch.cuda.empty_cache()
+
+
+def _prime_warmup(primed: PrimedBackend, pages: int, empty_cache: Callable[[], None]) -> None:
+    """Map the warm-up's ``pages``; on a full device give torch's cached blocks back once."""
+    from allocator import DeviceOutOfMemoryError
+
+    try:
+        primed.prime(range(pages))
+        return
+    except DeviceOutOfMemoryError:
+        _log.warning("kvsidecar: no device memory for the warm-up's %d KV pages; emptying "
+                     "torch's cache and trying again", pages)  # fmt: skip
+    empty_cache()
+    try:
+        primed.prime(range(pages))
+    except DeviceOutOfMemoryError as exc:
+        raise UnsupportedKvCache(
+            f"kvsidecar: the device has no memory for the {pages} KV pages vLLM's warm-up "
+            f"writes ({exc}); lower --max-num-seqs / --max-num-batched-tokens, or lower the "
+            "limits of the other engines on this GPU (docs/overcommit.md)") from exc
+
+
 def _cuda_synchronize(device: torch.device) -> Callable[[], None]:
     """The unmap fence's wait (allocator.UnmapFence: device sync until the runner records)."""
     from allocator import torch_unmap_fence
@@ -374,6 +400,7 @@ def allocate_on_reservation(
     reserve: Callable[[PageLayout, torch.device], ReservedBackend] = _reserve_cuda,
     synchronize: Callable[[], None] | None = None,
     warmup_blocks: int | None = None,
+    empty_cache: Callable[[], None] = _cuda_empty_cache,
 ) -> dict[str, torch.Tensor]:
     """What vLLM's ``allocate_kv_cache`` returns, over a published reservation.
 
@@ -390,7 +417,7 @@ def allocate_on_reservation(
     backend = reserve(geometry.layout, device)
     try:
         primed = PrimedBackend(backend, synchronize or _cuda_synchronize(device))
-        primed.prime(range(warmup_pages(geometry, warmup_blocks)))  # what the warm-up writes
+        _prime_warmup(primed, warmup_pages(geometry, warmup_blocks), empty_cache)
         raw = backend.tensor().view(torch.int8)
         tensor = config.kv_cache_tensors[0]
         spec = config.kv_cache_groups[0].kv_cache_spec

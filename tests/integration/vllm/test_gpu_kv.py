@@ -603,3 +603,36 @@ def test_a_full_device_reuses_cached_blocks_and_never_crashes_the_scheduler(
     assert manager.allocate_slots(third, third.num_tokens) is None  # waits; no exception
     assert len(backend.mapped_pages()) <= device.total_pages
     runtime.close()
+
+
+@pytest.mark.parametrize("freed_by_torch", [1, 0], ids=["empty-cache-helps", "still-full"])
+def test_warm_up_pages_on_a_full_device_empty_torchs_cache_once_then_refuse(
+    reservations: list[HostBackend], freed_by_torch: int
+) -> None:
+    config = planned(64)
+    layout = KVCacheLayout.LBNHC
+    devices: list[_SmallDevice] = []
+    emptied: list[int] = []
+
+    def reserve(page_layout: PageLayout, device: torch.device) -> _SmallDevice:
+        devices.append(_SmallDevice(host_reserve(reservations)(page_layout, device), 2))
+        return devices[-1]
+
+    def empty_cache() -> None:  # torch's caching allocator gives memory back to the device
+        emptied.append(1)
+        devices[0].total_pages += freed_by_torch
+
+    plan = kv_geometry(config, layout, HOST_GRANULARITY)
+    allocate = lambda: allocate_on_reservation(  # noqa: E731
+        config, torch.device("cpu"), layout, None, plan=plan, granularity=HOST_GRANULARITY,
+        reserve=reserve, synchronize=lambda: None, warmup_blocks=12,  # type: ignore[arg-type]
+        empty_cache=empty_cache)
+    if freed_by_torch:
+        allocate()
+        assert reservations[0].mapped_pages() == [0, 1, 2] and emptied == [1]
+        assert claim_kv_memory() is not None
+    else:
+        with pytest.raises(UnsupportedKvCache, match=r"3 KV pages vLLM's warm-up.*max-num-seqs"):
+            allocate()
+        assert emptied == [1] and devices[0].refusals == 2
+        assert reservations[0].mapped_pages() == [] and claim_kv_memory() is None
