@@ -317,18 +317,18 @@ def _cuda_empty_cache() -> None:
 
 def _prime_warmup(primed: PrimedBackend, pages: int, empty_cache: Callable[[], None]) -> None:
     """Map the warm-up's ``pages``; on a full device give torch's cached blocks back once."""
-    from allocator import DeviceOutOfMemoryError
+    from allocator import DeviceOutOfMemory
 
     try:
         primed.prime(range(pages))
         return
-    except DeviceOutOfMemoryError:
+    except DeviceOutOfMemory:
         _log.warning("kvsidecar: no device memory for the warm-up's %d KV pages; emptying "
                      "torch's cache and trying again", pages)  # fmt: skip
     empty_cache()
     try:
         primed.prime(range(pages))
-    except DeviceOutOfMemoryError as exc:
+    except DeviceOutOfMemory as exc:
         raise UnsupportedKvCache(
             f"kvsidecar: the device has no memory for the {pages} KV pages vLLM's warm-up "
             f"writes ({exc}); lower --max-num-seqs / --max-num-batched-tokens, or lower the "

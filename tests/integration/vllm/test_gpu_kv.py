@@ -541,11 +541,11 @@ class _SmallDevice:
         return getattr(self.inner, name)
 
     def map_many(self, pages: list[int]) -> None:
-        from allocator import DeviceOutOfMemoryError
+        from allocator import DeviceOutOfMemory
 
         if len(self.inner.mapped_pages()) + len(pages) > self.total_pages:  # measured
             self.refusals += 1
-            raise DeviceOutOfMemoryError(f"no device memory for {len(pages)} page(s)")
+            raise DeviceOutOfMemory(f"no device memory for {len(pages)} page(s)")
         self.inner.map_many(pages)
 
     def map(self, page: int) -> None:
@@ -623,7 +623,7 @@ def test_warm_up_pages_on_a_full_device_empty_torchs_cache_once_then_refuse(
         devices[0].total_pages += freed_by_torch
 
     plan = kv_geometry(config, layout, HOST_GRANULARITY)
-    allocate = lambda: allocate_on_reservation(  # noqa: E731
+    allocate = lambda: allocate_on_reservation(
         config, torch.device("cpu"), layout, None, plan=plan, granularity=HOST_GRANULARITY,
         reserve=reserve, synchronize=lambda: None, warmup_blocks=12,  # type: ignore[arg-type]
         empty_cache=empty_cache)
