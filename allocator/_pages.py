@@ -174,6 +174,7 @@ class PageAllocator:
                                   or pages < 0):
             raise AllocatorContractError(f"target must be None or an int >= 0; got {pages!r}")
         self.target_pages = pages
+        self._device_full_at = None  # limits moved: memory may be free again, try the device
         cap = self.cap_pages()
         drop = min(self.num_mapped - cap, len(self._free))
         if drop > 0:

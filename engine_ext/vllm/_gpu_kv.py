@@ -246,14 +246,15 @@ class PrimedBackend:
         self._synchronize = synchronize
         self._primed: set[int] = set()
 
-    def prime(self, pages: Sequence[int]) -> None:
+    def prime(self, pages: Sequence[int], free_cache: Callable[[], None] | None = None) -> None:
         """Map ``pages`` now, before the pool exists (worker, at allocation).
 
-        Out of device memory: torch's cache is emptied once, then a clear error.
+        Out of device memory: ``free_cache`` (default: torch's ``empty_cache``)
+        once, then :class:`allocator.DeviceOutOfMemory`, nothing mapped.
         """
         from allocator import map_or_free_cache, torch_empty_cache
 
-        map_or_free_cache(self.inner, pages, torch_empty_cache)
+        map_or_free_cache(self.inner, pages, free_cache or torch_empty_cache)
         self._primed.update(pages)
 
     def map(self, page: int) -> None:
@@ -309,25 +310,13 @@ def _reserve_cuda(layout: PageLayout, device: torch.device) -> ReservedBackend:
     return CudaBackend.reserve(layout, device=index)
 
 
-def _cuda_empty_cache() -> None:
-    import torch
-
-    torch.cuda.empty_cache()
-
-
-def _prime_warmup(primed: PrimedBackend, pages: int, empty_cache: Callable[[], None]) -> None:
-    """Map the warm-up's ``pages``; on a full device give torch's cached blocks back once."""
+def _prime_warmup(primed: PrimedBackend, pages: int, empty_cache: Callable[[], None] | None
+                  ) -> None:
+    """Map the warm-up's ``pages``; a device still full after emptying torch's cache refuses."""
     from allocator import DeviceOutOfMemory
 
     try:
-        primed.prime(range(pages))
-        return
-    except DeviceOutOfMemory:
-        _log.warning("kvsidecar: no device memory for the warm-up's %d KV pages; emptying "
-                     "torch's cache and trying again", pages)  # fmt: skip
-    empty_cache()
-    try:
-        primed.prime(range(pages))
+        primed.prime(range(pages), empty_cache)
     except DeviceOutOfMemory as exc:
         raise UnsupportedKvCache(
             f"kvsidecar: the device has no memory for the {pages} KV pages vLLM's warm-up "
@@ -400,7 +389,7 @@ def allocate_on_reservation(
     reserve: Callable[[PageLayout, torch.device], ReservedBackend] = _reserve_cuda,
     synchronize: Callable[[], None] | None = None,
     warmup_blocks: int | None = None,
-    empty_cache: Callable[[], None] = _cuda_empty_cache,
+    empty_cache: Callable[[], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """What vLLM's ``allocate_kv_cache`` returns, over a published reservation.
 
