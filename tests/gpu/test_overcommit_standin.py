@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
-from allocator import CudaBackend, PageLayout
+from allocator import CudaBackend
 
 PAGE = 2 << 20
 
