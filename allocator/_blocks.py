@@ -149,7 +149,10 @@ class BlockAllocator:
                 need -= self._take(buckets[top][-1], need, out)
             while need:
                 fresh = self.pages.acquire()
-                if fresh is None:  # cannot happen after the headroom check
+                if fresh is None:
+                    if self.pages.device_full:  # the device had no memory: all or nothing
+                        self._free_checked(out)
+                        return None
                     raise AllocatorContractError("PageAllocator refused a page within headroom")
                 self._slots[fresh] = list(range(self.blocks_per_page - 1, -1, -1))
                 self._partial_free += self.blocks_per_page

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections.abc import Sequence
 from enum import IntEnum
 from typing import Protocol
 
 from ._backend import Backend
-from ._errors import AllocatorConfigError, AllocatorContractError, BackendError
+from ._errors import (
+    AllocatorConfigError,
+    AllocatorContractError,
+    BackendError,
+    DeviceOutOfMemory,
+)
 from ._guard import ThreadGuard
 
 __all__ = ["PageAllocator", "PageObserver", "PageState"]
 
 _log = logging.getLogger(__name__)
+
+#: After a map found the device full, acquire() maps nothing more for this long.
+DEVICE_RETRY_S = 1.0
 
 
 class PageState(IntEnum):
@@ -91,6 +100,8 @@ class PageAllocator:
         self._in_use: set[int] = set()  # IN_USE (not retired)
         self._retired: set[int] = set()  # RETIRED
         self._observer: PageObserver | None = None
+        self._device_full_at: float | None = None  # monotonic time of the last device OOM
+        self._device_cap = num_pages  # pages mapped when the device was found full
         self._top_up()
 
     # ------------------------------------------------------------------ counts
@@ -114,10 +125,31 @@ class PageAllocator:
         """In-use pages above the target, waiting for their last block to go."""
         return len(self._retired)
 
+    @property
+    def device_full(self) -> bool:
+        """A map found no free device memory less than ``DEVICE_RETRY_S`` ago.
+
+        Meanwhile :meth:`cap_pages` holds at the pages mapped when it was
+        found full, so the headroom the engine sees is what is really there.
+        """
+        at = self._device_full_at
+        if at is None:
+            return False
+        if time.monotonic() - at >= DEVICE_RETRY_S:
+            self._device_full_at = None  # try the device again
+            return False
+        return True
+
     def cap_pages(self) -> int:
-        """Most pages that may be mapped now: the target, or the capacity if unlimited."""
+        """Most pages that may be mapped now: the target, or the capacity if unlimited.
+
+        While :attr:`device_full`, no more than were mapped when the device was full.
+        """
         target = self.target_pages
-        return self.num_pages if target is None else min(target, self.num_pages)
+        cap = self.num_pages if target is None else min(target, self.num_pages)
+        if self._device_full_at is not None and self.device_full:
+            cap = min(cap, self._device_cap)
+        return cap
 
     def headroom_pages(self) -> int:
         """Pages :meth:`acquire` could still hand out (free mapped + mappable under the cap)."""
@@ -154,6 +186,7 @@ class PageAllocator:
                                   or pages < 0):
             raise AllocatorContractError(f"target must be None or an int >= 0; got {pages!r}")
         self.target_pages = pages
+        self._device_full_at = None  # limits moved: memory may be free again, try the device
         cap = self.cap_pages()
         drop = min(self.num_mapped - cap, len(self._free))
         if drop > 0:
@@ -179,7 +212,15 @@ class PageAllocator:
             page = self._free.pop()
         elif not self._retired and self.num_mapped < self.cap_pages():
             page = self._unmapped[-1]
-            self.backend.map(page)
+            try:
+                self.backend.map(page)
+            except DeviceOutOfMemory as exc:
+                self._device_full_at = time.monotonic()
+                self._device_cap = self.num_mapped
+                _log.warning("no device memory for page %d (%d pages mapped): %s; holding at "
+                             "%d pages for %.1f s", page, self.num_mapped, exc, self.num_mapped,
+                             DEVICE_RETRY_S)  # fmt: skip
+                return None
             self._unmapped.pop()
         else:
             return None

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from allocator import BackendError
+from allocator import BackendError, DeviceOutOfMemory
 
 from ._barrier import BarrierOutcome, BarrierResult, RankBarrier
 from ._mailbox import LimitMailbox, Target
@@ -112,9 +112,11 @@ class ShrinkCoordinator:
         self._barrier: RankBarrier | None = None
         self._barrier_epoch = 0  # the barrier's liveness epoch at the last pass
         self._backend_failed = False  # the last pass hit a map/unmap error
+        self._device_oom = False  # ... for lack of device memory
         self._target = Target(None, 0)
         self._passes = 0
         self._seen_num_mapped = -1  # allocator's mapped-page count at the last state
+        self._seen_device_full = False  # the allocator's device_full at the last state
         self._reclaimable_pages = 0  # from the last scan
         self._scanned_at = float("-inf")
         self._reported: tuple[Status, int, int, str | None] | None = None
@@ -165,7 +167,8 @@ class ShrinkCoordinator:
         target = self._mailbox.take()
         demand_moved = self._probe_demand()
         if target is None:
-            moved = self._pages.num_mapped != self._seen_num_mapped
+            moved = (self._pages.num_mapped != self._seen_num_mapped
+                     or self._pages.device_full != self._seen_device_full)
             rank_died = self._barrier is not None and self._barrier.epoch != self._barrier_epoch
             if self._settled and not rank_died:
                 # nothing waits; the common case returns here without a syscall
@@ -186,11 +189,12 @@ class ShrinkCoordinator:
                 self._apply_target(target)
             done = self._shrink()
             self._backend_failed = False
-        except BackendError:
+        except BackendError as exc:
             # The target is held; the status says why it is not met and the next pass
             # retries. Raising here would end the engine (idle callbacks, allocation path).
             _log.exception("kvsidecar: a map/unmap failed during a limit pass; retrying")
             self._backend_failed = True
+            self._device_oom = isinstance(exc, DeviceOutOfMemory)
             done = _Pass(self._overage_pages(), 0)
         barrier = None
         if self._barrier is not None:
@@ -298,6 +302,7 @@ class ShrinkCoordinator:
 
     def _compute(self, done: _Pass, barrier: BarrierResult | None) -> EngineState:
         self._seen_num_mapped = self._pages.num_mapped
+        self._seen_device_full = self._pages.device_full
         local_mapped = self._backend.mapped_bytes()
         ranks = list(barrier.ranks) if barrier is not None and barrier.ranks else []
         if not ranks:
@@ -340,9 +345,11 @@ class ShrinkCoordinator:
             if barrier.outcome is BarrierOutcome.TIMEOUT and limited:
                 return DeferReason.RANK_TIMEOUT  # unmaps not confirmed by every rank yet
         if over == 0:
+            if limited and self._seen_device_full:
+                return DeferReason.DEVICE_OUT_OF_MEMORY  # the limit allows more than is there
             return None
         if self._backend_failed:
-            return DeferReason.BACKEND_ERROR
+            return DeferReason.DEVICE_OUT_OF_MEMORY if self._device_oom else DeferReason.BACKEND_ERROR
         if not self._config.reclaim:
             return DeferReason.RECLAIM_DISABLED
         if reclaimable > 0:

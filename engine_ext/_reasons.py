@@ -16,6 +16,7 @@ class DeferReason(str, Enum):
     RANK_TIMEOUT = "rank_timeout"  # a TP/PP rank did not confirm its unmaps in time
     RANK_FAILED = "rank_failed"  # a TP/PP rank is dead or reported an error
     BACKEND_ERROR = "backend_error"  # a map/unmap failed (OS/driver); the next pass retries
+    DEVICE_OUT_OF_MEMORY = "device_out_of_memory"  # under its limit, but the device is full
 
 
 class WaitReason(str, Enum):

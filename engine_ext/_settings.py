@@ -13,13 +13,19 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from allocator import ThreadGuard
 
 from ._errors import EngineExtConfigError
-from .protocol import ID_PATTERN, parse_limit
+from .protocol import ID_PATTERN, parse_limit, parse_size
 
 __all__ = ["EngineSettings", "load_engine_settings"]
 
 
 def _limit(value: Any) -> int | None:
     return parse_limit(value)
+
+
+def _size(value: Any) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip() == ""):
+        return None
+    return parse_size(value)
 
 
 class EngineSettings(BaseSettings):
@@ -41,6 +47,10 @@ class EngineSettings(BaseSettings):
     thread_guard: bool = False  # raise on allocator mutation from a foreign thread
     reserve_pages: int = Field(default=0, ge=0)  # pre-mapped free pages (adapters pass it on)
     max_evict_pages_per_step: int | None = Field(default=None, ge=1)  # None: whole overage
+    #: Virtual KV capacity of this engine (GPU path, docs/overcommit.md): the engine sizes
+    #: its KV cache for this many bytes whatever its physical share; pages are mapped on
+    #: demand up to the limit. None: the device's total memory.
+    virtual_kv_bytes: Annotated[int | None, BeforeValidator(_size)] = Field(default=None, gt=0)
     heartbeat_s: float = Field(default=5.0, gt=0, le=3600)
     register_timeout_s: float = Field(default=10.0, ge=0, le=600)
 

@@ -16,6 +16,7 @@ so block 0 is held by the allocator for the life of the pool.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ from .._errors import EngineExtConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVGeometry", "KVReservation", "reserve_kv"]
+__all__ = ["KVGeometry", "KVReservation", "cuda_index", "reserve_kv", "virtual_kv_bytes"]
 
 #: Host mapping granularity (one OS page).
 HOST_GRANULARITY = 4096
@@ -111,16 +112,55 @@ def plan_layout(geometry: KVGeometry, granularity: int) -> tuple[PageLayout, int
     return PageLayout(page_bytes, num_pages, 2 * geometry.layer_num), blocks_per_page
 
 
-def reserve_kv(geometry: KVGeometry, *, device: str, name: str = "kvsidecar-sglang"
-               ) -> KVReservation:
+def _current_cuda_device() -> int:
+    import torch
+
+    return int(torch.cuda.current_device())
+
+
+def cuda_index(device: str, current: Callable[[], int] = _current_cuda_device) -> int:
+    """The CUDA ordinal ``device`` means, as torch reads it.
+
+    SGLang 0.5.23 gives its pools the bare string ``"cuda"`` and keeps the
+    ordinal in ``gpu_id``, after ``torch.cuda.set_device(gpu_id)``: a bare
+    ``"cuda"`` is the *current* device, never GPU 0.
+    """
+    _, _, index = device.partition(":")
+    if not index:
+        return current()
+    if not index.isdigit():
+        raise EngineExtConfigError(f"cannot read the CUDA device {device!r}; expected cuda:N")
+    return int(index)
+
+
+def virtual_kv_bytes(device: str, gpu_id: int, setting: int | None,
+                     device_total: Callable[[int], int] | None = None) -> int | None:
+    """The KV budget SGLang should size its pool for, or ``None`` for SGLang's own sizing.
+
+    ``setting`` (``KVSIDECAR_VIRTUAL_KV_BYTES``) wins; on CUDA the default is the
+    device's total memory (docs/overcommit.md); on CPU SGLang's own sizing stays.
+    """
+    if setting is not None:
+        return setting
+    if not device.startswith("cuda"):
+        return None
+    if device_total is None:
+        import torch
+
+        return int(torch.cuda.get_device_properties(gpu_id).total_memory)
+    return device_total(gpu_id)
+
+
+def reserve_kv(geometry: KVGeometry, *, device: str, name: str = "kvsidecar-sglang",
+               current_cuda: Callable[[], int] = _current_cuda_device) -> KVReservation:
     """Reserve (not map) the KV memory for ``geometry`` on ``device`` ("cpu" or "cuda[:n]")."""
     backend: HostBackend | CudaBackend
     if device == "cpu":
         layout, bpp = plan_layout(geometry, HOST_GRANULARITY)
         backend = HostBackend.reserve(layout, name=name)
     elif device.startswith("cuda"):
+        index = cuda_index(device, current_cuda)
         layout, bpp = plan_layout(geometry, CUDA_GRANULARITY)
-        index = int(device.partition(":")[2] or 0)
         backend = CudaBackend.reserve(layout, device=index)
     else:
         raise EngineExtConfigError(f"kvsidecar cannot place SGLang's KV cache on {device!r}; "

@@ -11,6 +11,9 @@ target                                                        what the wrapper a
                                                               :func:`._child.run_scheduler_process`
                                                               (SGLang spawns them: patches made in
                                                               the parent do not reach them)
+``KVCacheConfigurator._profile_available_bytes``              the pool is sized for the virtual KV
+                                                              capacity (docs/overcommit.md), not
+                                                              for the free memory measured now
 ``MHATokenToKVPool._create_buffers_normal``                   K/V tensors on a kvsidecar reservation
 ``KVCacheConfigurator._build_token_to_kv_pool_allocator``     :class:`ElasticTokenAllocator`
 ``Scheduler.__init__``                                        attach the :class:`ElasticPool` (the
@@ -72,6 +75,20 @@ def _wrap_scheduler_process_func(original: Any, session: Session) -> Any:
     from ._child import run_scheduler_process
 
     return run_scheduler_process
+
+
+def _wrap_profile_bytes(original: Any, session: Session) -> Any:
+    from ._kv_memory import virtual_kv_bytes
+
+    @functools.wraps(original)
+    def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
+        virtual = virtual_kv_bytes(str(self.device), int(getattr(self, "gpu_id", 0) or 0),
+                                   session.settings.virtual_kv_bytes)
+        if virtual is None:
+            return int(original(self, pre_model_load_memory))
+        return virtual  # address space only: pages are mapped on demand, up to the limit
+
+    return _profile_available_bytes
 
 
 def _wrap_create_buffers(original: Any, session: Session) -> Any:
@@ -159,6 +176,8 @@ _SCHED = "sglang.srt.managers.scheduler"
 PATCHES: tuple[Patch, ...] = (
     Patch("sglang.srt.entrypoints.engine", "Engine", "run_scheduler_process_func", V0_5_23,
           _wrap_scheduler_process_func, static=True),
+    Patch("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator",
+          "_profile_available_bytes", V0_5_23, _wrap_profile_bytes),
     Patch("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool", "_create_buffers_normal",
           V0_5_23, _wrap_create_buffers),
     Patch("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator",

@@ -149,7 +149,11 @@ class ElasticBlockPool(BlockPool):
         if num_fresh:
             self._fresh_free = -1  # stale if alloc raises (a failed map is rolled back)
             ids = self._blocks.alloc(num_fresh)
-            assert ids is not None, "num_free_blocks promised these blocks"
+            if ids is None:  # the device had no memory for a new page (docs/overcommit.md)
+                if num_blocks - self._blocks.num_free_blocks > self.free_block_queue.num_free_blocks:
+                    raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: the "
+                                     "device is out of memory (lower another engine's limit)")
+                return self.get_new_blocks(num_blocks)  # the headroom is what is mapped now
             all_blocks = self.blocks
             ret = [all_blocks[i] for i in ids]
         else:

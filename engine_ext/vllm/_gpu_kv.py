@@ -13,14 +13,22 @@ patches (``_patches.PATCHES``) replace that with a reservation whose pages the
 2. the worker, same process and thread (``allocate_kv_cache`` as imported by
    ``vllm.v1.worker.gpu_model_runner`` and, for the default model runner V2,
    by ``vllm.v1.worker.gpu.attn_utils``): reserve a ``CudaBackend`` of one
-   region per layer, map every page for the warm-up (runner V2's warm-up
-   writes KV into blocks 1..n with made-up requests, ``gpu/warmup.py``; the
-   native cache is fully resident then too), build the per-layer views with
-   vLLM's own ``create_kv_cache_views`` and publish a
-   :class:`~._kv_memory.KVMemory`;
+   region per layer, map only the pages the warm-up writes (runner V2's
+   warm-up writes KV into blocks 1..n with made-up requests,
+   ``gpu/warmup.py``; :func:`warmup_block_bound` bounds n from the scheduler
+   limits), build the per-layer views with vLLM's own
+   ``create_kv_cache_views`` and publish a :class:`~._kv_memory.KVMemory`;
 3. the scheduler's ``ElasticBlockPool`` claims it after the warm-up; its
    first map (page 0, the null block) keeps page 0 and unmaps every other
    page, which from then on is mapped on demand.
+
+Overcommit (docs/overcommit.md). The planning hook sizes the KV cache for the
+engine's *virtual* capacity (``KVSIDECAR_VIRTUAL_KV_BYTES``, else vLLM's
+``--kv-cache-memory-bytes``, else the device's total memory) instead of what
+vLLM's profiler measured free: the reservation is address space only, and
+physical memory follows the limit. ``--gpu-memory-utilization`` then only has
+to cover weights, activations and CUDA graphs (vLLM's start-up check wants
+that much free), so two engines on one GPU each see more KV than half of it.
 
 Geometry. vLLM 0.33 stores K and V of a layer together (``C`` = (head_size +
 head_size_v) x dtype bytes of the logical ``[B, H, N, C]`` page), so a layer
@@ -71,6 +79,8 @@ __all__ = [
     "kv_geometry",
     "place_kv_cache",
     "plan_kv_cache",
+    "virtual_kv_bytes",
+    "warmup_block_bound",
     "whole_page_config",
 ]
 
@@ -236,14 +246,15 @@ class PrimedBackend:
         self._synchronize = synchronize
         self._primed: set[int] = set()
 
-    def prime(self, pages: Sequence[int]) -> None:
+    def prime(self, pages: Sequence[int], free_cache: Callable[[], None] | None = None) -> None:
         """Map ``pages`` now, before the pool exists (worker, at allocation).
 
-        Out of device memory: torch's cache is emptied once, then a clear error.
+        Out of device memory: ``free_cache`` (default: torch's ``empty_cache``)
+        once, then :class:`allocator.DeviceOutOfMemory`, nothing mapped.
         """
         from allocator import map_or_free_cache, torch_empty_cache
 
-        map_or_free_cache(self.inner, pages, torch_empty_cache)
+        map_or_free_cache(self.inner, pages, free_cache or torch_empty_cache)
         self._primed.update(pages)
 
     def map(self, page: int) -> None:
@@ -299,11 +310,72 @@ def _reserve_cuda(layout: PageLayout, device: torch.device) -> ReservedBackend:
     return CudaBackend.reserve(layout, device=index)
 
 
+def _prime_warmup(primed: PrimedBackend, pages: int, empty_cache: Callable[[], None] | None
+                  ) -> None:
+    """Map the warm-up's ``pages``; a device still full after emptying torch's cache refuses."""
+    from allocator import DeviceOutOfMemory
+
+    try:
+        primed.prime(range(pages), empty_cache)
+    except DeviceOutOfMemory as exc:
+        raise UnsupportedKvCache(
+            f"kvsidecar: the device has no memory for the {pages} KV pages vLLM's warm-up "
+            f"writes ({exc}); lower --max-num-seqs / --max-num-batched-tokens, or lower the "
+            "limits of the other engines on this GPU (docs/overcommit.md)") from exc
+
+
 def _cuda_synchronize(device: torch.device) -> Callable[[], None]:
     """The unmap fence's wait (allocator.UnmapFence: device sync until the runner records)."""
     from allocator import torch_unmap_fence
 
     return torch_unmap_fence(device).wait
+
+
+def warmup_pages(geometry: KvGeometry, warmup_blocks: int | None) -> int:
+    """Pages covering blocks ``0 .. warmup_blocks - 1`` (at least page 0; ``None``: all)."""
+    if warmup_blocks is None:
+        return geometry.num_pages
+    return max(1, min(geometry.num_pages, -(-warmup_blocks // geometry.blocks_per_page)))
+
+
+def warmup_block_bound(vllm_config: VllmConfig, block_size: int) -> int:
+    """Blocks ``0 .. n - 1`` that vLLM's start-up may write, an upper bound on ``n``.
+
+    vLLM 0.33's V2 warm-up (``vllm/v1/worker/gpu/warmup.py``) hands block ids
+    out from 1 upwards: ``_warmup_kernels`` gives at most ``max_num_seqs``
+    requests of ``decode_query_len + 1`` prompt tokens and up to 5 decode steps
+    each, ``run_mixed_prefill_decode_warmup`` one prefill of up to
+    ``max_num_batched_tokens`` tokens and one short decode request. Profiling
+    and CUDA-graph capture write through the null block (block 0) or not at
+    all. Both warm-ups are counted in full, one after the other.
+    """
+    scheduler = vllm_config.scheduler_config
+    speculative = vllm_config.speculative_config
+    spec_tokens = int(getattr(speculative, "num_speculative_tokens", 0) or 0)
+    query = 1 + spec_tokens
+    decode_len = query + 1 + (5 if spec_tokens else 3) * query
+    per_request = -(-decode_len // block_size) + 1  # + 1: a page boundary inside a request
+    kernels = int(scheduler.max_num_seqs) * per_request
+    mixed = -(-int(scheduler.max_num_batched_tokens) // block_size) + 2 * per_request
+    return 1 + kernels + mixed  # + 1: the null block
+
+
+def _cuda_total_memory() -> int:
+    import torch
+
+    return int(torch.cuda.mem_get_info()[1])
+
+
+def virtual_kv_bytes(
+    vllm_config: VllmConfig, setting: int | None, device_total: Callable[[], int]
+) -> int:
+    """The KV capacity to plan for: the setting, ``--kv-cache-memory-bytes``, or the device."""
+    if setting is not None:
+        return setting
+    explicit = vllm_config.cache_config.kv_cache_memory_bytes
+    if explicit:
+        return int(explicit)
+    return device_total()
 
 
 def allocate_on_reservation(
@@ -316,8 +388,14 @@ def allocate_on_reservation(
     granularity: int = CUDA_GRANULARITY,
     reserve: Callable[[PageLayout, torch.device], ReservedBackend] = _reserve_cuda,
     synchronize: Callable[[], None] | None = None,
+    warmup_blocks: int | None = None,
+    empty_cache: Callable[[], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """What vLLM's ``allocate_kv_cache`` returns, over a published reservation."""
+    """What vLLM's ``allocate_kv_cache`` returns, over a published reservation.
+
+    Only the pages holding blocks ``0 .. warmup_blocks - 1`` are mapped before
+    the block pool takes over (``None``: every page, as vLLM's own cache).
+    """
     import torch
     from vllm.v1.kv_cache_interface import create_kv_cache_views
 
@@ -328,7 +406,7 @@ def allocate_on_reservation(
     backend = reserve(geometry.layout, device)
     try:
         primed = PrimedBackend(backend, synchronize or _cuda_synchronize(device))
-        primed.prime(range(geometry.num_pages))  # resident for the warm-up, as vLLM's own
+        _prime_warmup(primed, warmup_pages(geometry, warmup_blocks), empty_cache)
         raw = backend.tensor().view(torch.int8)
         tensor = config.kv_cache_tensors[0]
         spec = config.kv_cache_groups[0].kv_cache_spec
@@ -340,9 +418,10 @@ def allocate_on_reservation(
         raise
     publish_kv_memory(KVMemory(primed, geometry.layout, geometry.block_bytes, config.num_blocks))
     _log.info("kvsidecar: KV cache of %d blocks x %d layers on a reservation of %d pages of %d "
-              "bytes (%d blocks/page); mapped until the block pool takes over", config.num_blocks,
-              len(geometry.layer_names), geometry.num_pages, geometry.page_bytes,
-              geometry.blocks_per_page)  # fmt: skip
+              "bytes (%d blocks/page); %d pages mapped for the warm-up until the block pool "
+              "takes over", config.num_blocks, len(geometry.layer_names), geometry.num_pages,
+              geometry.page_bytes, geometry.blocks_per_page,
+              warmup_pages(geometry, warmup_blocks))  # fmt: skip
     return dict(zip(tensor.layers, views, strict=True))
 
 
@@ -352,6 +431,7 @@ def allocate_on_reservation(
 @dataclass(slots=True)
 class _State:
     plan: KvGeometry | None = None  # set by the planning hook, taken by the allocation
+    warmup_blocks: int | None = None  # blocks the warm-up may write (planning hook)
 
 
 _state = _State()
@@ -366,8 +446,23 @@ def _gpu_path_applies(vllm_config: VllmConfig) -> bool:
     return not Executor.get_class(vllm_config).__module__.startswith("engine_ext.")
 
 
-def plan_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Patch factory for ``vllm.v1.engine.core:get_kv_cache_configs``."""
+def _virtual_setting() -> int | None:
+    from engine_ext import load_engine_settings
+
+    return load_engine_settings().virtual_kv_bytes
+
+
+def plan_kv_cache(
+    original: Callable[..., Any],
+    *,
+    device_total: Callable[[], int] = _cuda_total_memory,
+    setting: Callable[[], int | None] = _virtual_setting,
+) -> Callable[..., Any]:
+    """Patch factory for ``vllm.v1.engine.core:get_kv_cache_configs``.
+
+    vLLM plans for its *virtual* KV capacity (:func:`virtual_kv_bytes`), not
+    for the free memory its profiler measured: nothing is mapped by the plan.
+    """
 
     def get_kv_cache_configs(
         vllm_config: VllmConfig,
@@ -375,16 +470,24 @@ def plan_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
         available_memory: list[int],
         global_kv_cache_groups: list[Any],
     ) -> list[KVCacheConfig]:
-        configs: list[KVCacheConfig] = original(
-            vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups
-        )
         if not _gpu_path_applies(vllm_config):
-            return configs
+            native: list[KVCacheConfig] = original(
+                vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups
+            )
+            return native
         from vllm.v1.executor.abstract import Executor
 
         reason = engine_refusal(vllm_config, Executor.get_class(vllm_config))
         if reason is not None:
             raise _refuse(reason)
+        virtual = virtual_kv_bytes(vllm_config, setting(), device_total)
+        _log.info("kvsidecar: KV cache planned for %d virtual bytes (vLLM measured %s bytes "
+                  "free for KV); physical memory follows the limit", virtual,
+                  list(available_memory))  # fmt: skip
+        configs: list[KVCacheConfig] = original(
+            vllm_config, kv_cache_specs, [virtual] * len(available_memory),
+            global_kv_cache_groups,
+        )  # fmt: skip
         if len(configs) != 1:
             raise _refuse(f"{len(configs)} workers")
         layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
@@ -401,6 +504,7 @@ def plan_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
             _log.info("kvsidecar: KV blocks %d -> %d (whole pages of %d blocks)",
                       configs[0].num_blocks, planned.num_blocks, geometry.blocks_per_page)  # fmt: skip
         _state.plan = geometry
+        _state.warmup_blocks = warmup_block_bound(vllm_config, spec.block_size)
         return [planned]
 
     get_kv_cache_configs.__wrapped__ = original  # type: ignore[attr-defined]
@@ -417,6 +521,7 @@ def place_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
         kernel_block_sizes: list[int] | None = None,
     ) -> dict[str, torch.Tensor]:
         plan, _state.plan = _state.plan, None
+        warmup_blocks, _state.warmup_blocks = _state.warmup_blocks, None
         if plan is None:
             # Before planning (the profiling run's minimal cache) or not the GPU path. The
             # supported set-ups never re-allocate after start-up (sleep mode, elastic EP
@@ -428,7 +533,7 @@ def place_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
         if device.type != "cuda":
             raise _refuse(f"KV tensors on device {device}")
         return allocate_on_reservation(kv_cache_config, device, layout, kernel_block_sizes,
-                                       plan=plan)  # fmt: skip
+                                       plan=plan, warmup_blocks=warmup_blocks)  # fmt: skip
 
     allocate_kv_cache.__wrapped__ = original  # type: ignore[attr-defined]
     return allocate_kv_cache

@@ -27,6 +27,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 BLOCK_TOKENS = 16
 MAX_TOKENS = 8
 KV_BYTES = 256 << 20  # --kv-cache-memory-bytes: a few hundred 2 MiB pages at most
+PROMPT_TOKENS = 900  # + MAX_TOKENS fits max_model_len 1024
+NUM_PROMPTS = 12  # 12 x 57 blocks: with the tiny model's 256 blocks per 2 MiB page, 3+ pages
 
 
 def _unavailable() -> str | None:
@@ -56,9 +58,9 @@ class Engine:
     llm: Any  # vllm.LLM
     memory: Any  # engine_ext.vllm._kv_memory.KVMemory
     runtime: Any  # engine_ext.vllm._runtime.VllmRuntime
-    prompts: list[str]
+    prompts: list[Any]  # vllm TokensPrompt: exact lengths, whatever the tokenizer
 
-    def generate(self, prompts: list[str]) -> list[list[int]]:
+    def generate(self, prompts: list[Any]) -> list[list[int]]:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -76,7 +78,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     reason = _unavailable()
     if reason is not None:
         pytest.skip(reason)
-    from engine_ext.vllm._tiny_model import make_document, make_tiny_model_dir
+    from engine_ext.vllm._tiny_model import make_tiny_model_dir
 
     tmp = tmp_path_factory.mktemp("vllm-gpu-kv")
     model_dir = make_tiny_model_dir(Path(tmp) / "model")
@@ -102,10 +104,27 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         memory = claim_kv_memory()
         runtime = current_runtime()
         assert memory is not None and runtime is not None
-        prompts = [make_document(300, seed=s) for s in range(4)]
-        yield Engine(llm, memory, runtime, prompts)
+        yield Engine(llm, memory, runtime, _prompts(llm))
         runtime.close()
         del llm
+
+
+def _prompts(llm: Any) -> list[Any]:
+    """``NUM_PROMPTS`` distinct token-id prompts of exactly ``PROMPT_TOKENS`` tokens."""
+    import random
+
+    from vllm.inputs import TokensPrompt
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    rng = random.Random(0)
+    return [TokensPrompt(prompt_token_ids=[rng.randrange(10, vocab) for _ in range(PROMPT_TOKENS)])
+            for _ in range(NUM_PROMPTS)]  # fmt: skip
+
+
+def _pages_needed(memory: Any) -> int:
+    """Pages the prompts' blocks occupy at the least (null block included)."""
+    per_request = -(-(PROMPT_TOKENS + MAX_TOKENS) // BLOCK_TOKENS)
+    return -(-(1 + NUM_PROMPTS * per_request) // memory.blocks_per_page)
 
 
 def _worker_kv_caches(worker: Any) -> list[tuple[int, tuple[int, ...], tuple[int, ...], str]]:
@@ -140,9 +159,11 @@ def test_pages_map_on_demand_and_a_limit_gives_device_memory_back(engine: Engine
     bundle = memory.layout.bundle_bytes
     assert cuda.mapped_bytes() == bundle  # only page 0 (null block) before any request
 
+    needed = _pages_needed(memory)
+    assert needed >= 3, (needed, memory.blocks_per_page)  # the test must span several pages
     first = engine.generate(engine.prompts)
     mapped = cuda.mapped_bytes()
-    assert mapped > bundle  # 4 x 300 tokens: pages were mapped before blocks were handed out
+    assert mapped >= needed * bundle  # pages were mapped before blocks were handed out
     assert engine.generate(engine.prompts) == first  # prefix hits read back the same KV
 
     free_before = cuda.device_free_bytes()

@@ -396,14 +396,15 @@ def test_planning_rounds_down_before_the_scheduler_and_leaves_a_plan(
         calls.append(len(args))
         return [planned(1000)]
 
-    configs = _gpu_kv.plan_kv_cache(original)(engine_config, [{}], [0], [])
+    configs = _gpu_kv.plan_kv_cache(original, device_total=lambda: 1 << 30)(
+        engine_config, [{}], [0], [])  # fmt: skip
     assert calls == [4] and [c.num_blocks for c in configs] == [768]
     plan = _gpu_kv._state.plan
     assert plan is not None and plan.num_blocks == 768 and plan.blocks_per_page == 256
 
 
 def test_planning_refuses_what_the_gpu_path_cannot_serve(engine_config: VllmConfig) -> None:
-    plan = _gpu_kv.plan_kv_cache(lambda *args: [planned(1000)])
+    plan = _gpu_kv.plan_kv_cache(lambda *args: [planned(1000)], device_total=lambda: 1 << 30)
     engine_config.model_config.max_model_len = 16384  # 1024 blocks > 768 after rounding
     with pytest.raises(UnsupportedKvCache, match=r"max_model_len 16384 in 768.*needs 1024"):
         plan(engine_config, [{}], [0], [])
@@ -412,3 +413,226 @@ def test_planning_refuses_what_the_gpu_path_cannot_serve(engine_config: VllmConf
     with pytest.raises(UnsupportedKvCache, match=r"MultiprocExecutor"):
         plan(engine_config, [{}], [0], [])
     assert _gpu_kv._state.plan is None  # nothing planned, nothing reserved
+
+
+# -- overcommit: planned for virtual capacity, warm-up pages only ----------------------------
+
+GIB = 1 << 30
+
+
+def _real_planner(engine_config: VllmConfig) -> tuple[list[dict[str, object]], list[object]]:
+    """The tiny model's KV specs and vLLM's global groups for them, as EngineCore builds them."""
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+
+    specs: list[dict[str, object]] = [{name: SPEC for name in LAYERS}]
+    return specs, get_global_kv_cache_groups(engine_config, specs)
+
+
+@pytest.mark.parametrize(
+    ("setting", "explicit", "expected"),
+    [(6 * GIB, None, 6 * GIB), (None, 3 * GIB, 3 * GIB), (None, None, 8 * GIB),
+     (5 * GIB, 3 * GIB, 5 * GIB)],
+    ids=["setting", "kv-cache-memory-bytes", "device-total", "setting-wins"],
+)  # fmt: skip
+def test_planning_uses_the_virtual_capacity_not_the_measured_free_memory(
+    engine_config: VllmConfig, setting: int | None, explicit: int | None, expected: int
+) -> None:
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_configs
+
+    engine_config.cache_config.kv_cache_memory_bytes = explicit
+    seen: list[list[int]] = []
+
+    def original(config: VllmConfig, specs: list[object], available: list[int],
+                 groups: list[object]) -> list[KVCacheConfig]:  # fmt: skip
+        seen.append(list(available))
+        return get_kv_cache_configs(config, specs, available, groups)  # type: ignore[arg-type]
+
+    specs, groups = _real_planner(engine_config)
+    hook = _gpu_kv.plan_kv_cache(original, device_total=lambda: 8 * GIB,
+                                 setting=lambda: setting)  # fmt: skip
+    measured = 200 << 20  # what vLLM's profiler left for KV under a small utilization
+    (config,) = hook(engine_config, specs, [measured], groups)
+    assert seen == [[expected]]
+    kv_bytes = config.num_blocks * BLOCK_BYTES * len(LAYERS)
+    assert expected - (2 << 20) * len(LAYERS) <= kv_bytes <= expected  # whole pages, rounded down
+    assert kv_bytes > 10 * measured  # far above what is physically free
+
+
+def test_two_engines_each_plan_more_than_half_the_device(engine_config: VllmConfig) -> None:
+    """Two engines on one 8 GiB device: the sum of their virtual capacities exceeds it."""
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_configs
+
+    specs, groups = _real_planner(engine_config)
+    device = 8 * GIB
+    capacities = []
+    for virtual in (6 * GIB, 5 * GIB):
+        hook = _gpu_kv.plan_kv_cache(get_kv_cache_configs, device_total=lambda: device,
+                                     setting=lambda v=virtual: v)  # type: ignore[misc]  # fmt: skip
+        (config,) = hook(engine_config, specs, [100 << 20], groups)
+        capacities.append(config.num_blocks * BLOCK_BYTES * len(LAYERS))
+    assert all(c > device // 2 for c in capacities) and sum(capacities) > device
+
+
+def test_warm_up_bound_covers_vllms_warm_up_requests(engine_config: VllmConfig) -> None:
+    scheduler = engine_config.scheduler_config
+    bound = _gpu_kv.warmup_block_bound(engine_config, BLOCK_TOKENS)
+    # _warmup_kernels: max_num_seqs requests of 2 prompt + 3 decode tokens, ids from 1;
+    # run_mixed_prefill_decode_warmup: one prefill of max_num_batched_tokens - 1 tokens.
+    assert bound > scheduler.max_num_seqs * 1 + 1
+    assert bound > -(-scheduler.max_num_batched_tokens // BLOCK_TOKENS) + 2
+    scheduler.max_num_seqs *= 2
+    assert _gpu_kv.warmup_block_bound(engine_config, BLOCK_TOKENS) > bound  # follows the limits
+
+
+def test_only_the_warm_up_pages_are_mapped_before_the_pool(
+    reservations: list[HostBackend],
+) -> None:
+    config = planned(64)  # 16 pages of 4 blocks
+    layout = KVCacheLayout.LBNHC
+    plan = kv_geometry(config, layout, HOST_GRANULARITY)
+    views = allocate_on_reservation(config, torch.device("cpu"), layout, None, plan=plan,
+                                    granularity=HOST_GRANULARITY,
+                                    reserve=host_reserve(reservations),
+                                    synchronize=lambda: None, warmup_blocks=10)  # fmt: skip
+    backend = reservations[0]
+    assert backend.mapped_pages() == [0, 1, 2]  # blocks 0..9 in pages of 4
+    assert backend.mapped_bytes() == 3 * backend.layout.bundle_bytes  # measured (/proc)
+    for name in LAYERS:
+        views[name][:10].fill_(3)  # the warm-up's blocks: mapped (else SIGSEGV)
+    memory = claim_kv_memory()
+    assert memory is not None
+    memory.backend.map_many([0])  # the pool's first map keeps page 0 only
+    assert backend.mapped_pages() == [0]
+
+
+@pytest.mark.parametrize(("blocks", "pages"), [(None, 16), (0, 1), (1, 1), (4, 1), (5, 2),
+                                               (10 ** 9, 16)])  # fmt: skip
+def test_warm_up_pages_are_clamped_to_the_reservation(blocks: int | None, pages: int) -> None:
+    plan = kv_geometry(planned(64), KVCacheLayout.LBNHC, HOST_GRANULARITY)
+    assert _gpu_kv.warmup_pages(plan, blocks) == pages
+
+
+def test_planning_hook_hands_the_warm_up_bound_to_the_allocation(
+    engine_config: VllmConfig, reservations: list[HostBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hook = _gpu_kv.plan_kv_cache(lambda *args: [planned(1000)], device_total=lambda: GIB)
+    hook(engine_config, [{}], [0], [])
+    expected = _gpu_kv.warmup_block_bound(engine_config, BLOCK_TOKENS)
+    assert _gpu_kv._state.warmup_blocks == expected
+    seen: list[int | None] = []
+    monkeypatch.setattr(_gpu_kv, "allocate_on_reservation",
+                        lambda *a, **kw: seen.append(kw["warmup_blocks"]) or {})  # fmt: skip
+    place_kv_cache(allocate_kv_cache)(planned(768), torch.device("cuda"), KVCacheLayout.LBNHC)
+    assert seen == [expected] and _gpu_kv._state.warmup_blocks is None  # taken once
+
+
+# -- a full device under vLLM's real KVCacheManager ----------------------------------------
+
+
+class _SmallDevice:
+    """A HostBackend that refuses maps beyond ``total_pages`` (the device is full)."""
+
+    def __init__(self, inner: HostBackend, total_pages: int) -> None:
+        self.inner = inner
+        self.total_pages = total_pages
+        self.refusals = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def map_many(self, pages: list[int]) -> None:
+        from allocator import DeviceOutOfMemory
+
+        if len(self.inner.mapped_pages()) + len(pages) > self.total_pages:  # measured
+            self.refusals += 1
+            raise DeviceOutOfMemory(f"no device memory for {len(pages)} page(s)")
+        self.inner.map_many(pages)
+
+    def map(self, page: int) -> None:
+        self.map_many([page])
+
+
+def test_a_full_device_reuses_cached_blocks_and_never_crashes_the_scheduler(
+    reservations: list[HostBackend], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = planned(64)  # 16 pages of 4 blocks: virtual capacity 4x the device below
+    layout = KVCacheLayout.LBNHC
+    devices: list[_SmallDevice] = []
+
+    def reserve(page_layout: PageLayout, device: torch.device) -> _SmallDevice:
+        small = _SmallDevice(host_reserve(reservations)(page_layout, device), total_pages=4)
+        devices.append(small)
+        return small
+
+    plan = kv_geometry(config, layout, HOST_GRANULARITY)
+    views = allocate_on_reservation(config, torch.device("cpu"), layout, None, plan=plan,
+                                    granularity=HOST_GRANULARITY, reserve=reserve,  # type: ignore[arg-type]
+                                    synchronize=lambda: None, warmup_blocks=4)  # fmt: skip
+    (device,) = devices
+    backend = reservations[0]
+    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
+    monkeypatch.setattr(_runtime, "_configured", None)
+    monkeypatch.setattr(_runtime, "_runtime", None)
+    _runtime.configure(EngineSettings(enable=True, thread_guard=True, runtime_dir=tmp_path),
+                       VllmSettings(enable=True))  # fmt: skip
+    manager = KVCacheManager(config, max_model_len=1024, scheduler_block_size=BLOCK_TOKENS,
+                             hash_block_size=BLOCK_TOKENS, enable_caching=True)  # fmt: skip
+    runtime = _runtime.current_runtime()
+    assert runtime is not None
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
+
+    def request(name: str, seed: int, blocks: int) -> Request:
+        prompt = [(i * 31 + seed * 977) % 3000 + 10 for i in range(blocks * BLOCK_TOKENS)]
+        return Request(name, prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+
+    first = request("a", 1, 10)  # null + 10 blocks: pages 0..2
+    got = manager.allocate_slots(first, first.num_tokens)
+    assert got is not None and len(backend.mapped_pages()) == 3
+    first.num_computed_tokens = first.num_tokens
+    manager.free(first)  # its 10 blocks stay cached (evictable)
+
+    second = request("b", 2, 8)  # 1 free block in page 2, page 3 maps, page 4 cannot
+    blocks = manager.allocate_slots(second, second.num_tokens)
+    assert blocks is not None  # filled from cached blocks, not a crash
+    assert device.refusals >= 1 and len(backend.mapped_pages()) == 4
+    for name in LAYERS:  # every handed-out block is backed (else SIGSEGV)
+        views[name][blocks.get_block_ids()[0]].fill_(5)
+
+    third = request("c", 3, 40)  # more than the mapped pages can ever hold
+    assert manager.allocate_slots(third, third.num_tokens) is None  # waits; no exception
+    assert len(backend.mapped_pages()) <= device.total_pages
+    runtime.close()
+
+
+@pytest.mark.parametrize("freed_by_torch", [1, 0], ids=["empty-cache-helps", "still-full"])
+def test_warm_up_pages_on_a_full_device_empty_torchs_cache_once_then_refuse(
+    reservations: list[HostBackend], freed_by_torch: int
+) -> None:
+    config = planned(64)
+    layout = KVCacheLayout.LBNHC
+    devices: list[_SmallDevice] = []
+    emptied: list[int] = []
+
+    def reserve(page_layout: PageLayout, device: torch.device) -> _SmallDevice:
+        devices.append(_SmallDevice(host_reserve(reservations)(page_layout, device), 2))
+        return devices[-1]
+
+    def empty_cache() -> None:  # torch's caching allocator gives memory back to the device
+        emptied.append(1)
+        devices[0].total_pages += freed_by_torch
+
+    plan = kv_geometry(config, layout, HOST_GRANULARITY)
+    allocate = lambda: allocate_on_reservation(
+        config, torch.device("cpu"), layout, None, plan=plan, granularity=HOST_GRANULARITY,
+        reserve=reserve, synchronize=lambda: None, warmup_blocks=12,  # type: ignore[arg-type]
+        empty_cache=empty_cache)
+    if freed_by_torch:
+        allocate()
+        assert reservations[0].mapped_pages() == [0, 1, 2] and emptied == [1]
+        assert claim_kv_memory() is not None
+    else:
+        with pytest.raises(UnsupportedKvCache, match=r"3 KV pages vLLM's warm-up.*max-num-seqs"):
+            allocate()
+        assert emptied == [1] and devices[0].refusals == 2
+        assert reservations[0].mapped_pages() == [] and claim_kv_memory() is None
