@@ -9,14 +9,28 @@ leaves the free list empty again. Frees go back to the block allocator, so
 a page whose last block is freed is unmapped (retired pages) or kept as
 reserve at once.
 
-Accounting stays consistent with the scheduler's checks:
+Admission = allocation (what SGLang's ``PrefillBudget`` counts is what an
+allocation under the current limit can get):
 
-* :meth:`available_size` is what an allocation could get *now*, under the
-  current limit: blocks on free mapped pages, on mappable pages under the
-  target and the free slots of partly used pages. Evictable cache blocks
-  sitting on *retired* pages are subtracted, because evicting them unmaps
-  their page instead of making room; admission (``available + evictable``)
-  therefore never promises what allocation cannot deliver.
+* :meth:`available_size` is exactly what an allocation could get *now*
+  without evicting: free blocks on mapped, non-retired pages plus pages
+  mappable under the target. Never negative.
+* While no page is retired, evicting a cached block frees exactly one block,
+  so SGLang's ``available + evictable`` is exact. While pages are retired
+  (a shrink is deferred, e.g. with ``max_evict_pages_per_step``), evicting a
+  block on a retired page frees nothing, and emptying a page un-retires
+  another one that brings its own blocks back into service (so evicting can
+  even *lower* what is available). The budget
+  (:class:`._budget.ElasticPrefillBudget`) then counts ``min(available +
+  evictable, obtainable)``, *obtainable* being a lower bound of what is
+  free once every unlocked cache block is evicted (:meth:`obtainable_blocks`),
+  and :meth:`evict_to_free_tokens` keeps evicting until the allocation fits
+  or nothing is left, so the promise is always kept.
+* Running requests are never retracted *because of* a limit: a decode (and,
+  as a last resort, a prefill SGLang forces through, such as a chunked
+  continuation) that cannot be served under the target is served above it,
+  while physical capacity lasts (:meth:`_take_over_target`); the pages above
+  the target are retired and the coordinator reports ``running_requests``.
 * :meth:`capacity_tokens` is the total the idle leak check must use in place
   of the configured ``max_total_num_tokens``: configured capacity minus what
   a limit took away (see :mod:`._accounting`).
@@ -26,6 +40,8 @@ Thread: the scheduler thread only (the block allocator's guard enforces it).
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +52,11 @@ from sglang.srt.utils.common import get_num_new_pages
 if TYPE_CHECKING:
     from allocator import BlockAllocator
 
+    from ._budget import ElasticPrefillBudget
+
 __all__ = ["ElasticTokenAllocator"]
+
+_log = logging.getLogger("engine_ext.sglang")
 
 PADDING_BLOCK = 0  # SGLang page 0 absorbs padded writes; never handed out
 
@@ -63,10 +83,18 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         self._padding_held = False
         self._initialized = False  # clear() ran once (the constructor calls it)
         self._before_alloc: Callable[[], None] | None = None
-        self._retired_evictable: Callable[[], int] | None = None
+        self._unlocked_blocks: Callable[[], frozenset[int]] | None = None
+        self._obtainable_key: tuple[int, ...] | None = None
+        self._obtainable_source: frozenset[int] = frozenset()
+        self._obtainable = 0
         self.num_failed_allocs = 0  # allocations that returned None (SGLang then waits/evicts)
         self.num_allocs = 0  # successful block allocations (change detection for reclaimers)
         self.num_frees = 0  # block frees (change detection for reclaimers)
+        self.num_overdraft_blocks = 0  # blocks served above the target (running requests)
+        self.num_prefill_overdrafts = 0  # prefill allocations served above it (last resort)
+        self.num_decode_shortages = 0  # decode capacity checks that failed (SGLang retracts)
+        # demand, refreshed by each admission round (see ElasticPrefillBudget.check_prefill)
+        self.refused_tokens = 0  # tokens of the request admission just refused (0: none)
         size = (blocks.num_blocks - 1) * page_size
         # need_sort (PD staging) is not used: freed pages go back to the block allocator at once.
         super().__init__(size, page_size, dtype, device, kvcache, need_sort=False)
@@ -78,33 +106,121 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         (see :mod:`._runtime`): the pool only makes sure its first pass ran."""
         self._before_alloc = hook
 
-    def set_retired_evictable(self, count: Callable[[], int] | None) -> None:
-        """Counts evictable cache blocks on retired pages (they cannot make room)."""
-        self._retired_evictable = count
+    def set_unlocked_blocks(self, scan: Callable[[], frozenset[int]] | None) -> None:
+        """Every cache block SGLang could evict (unlocked tree nodes); the same object
+        while nothing changed (the reclaimer caches it)."""
+        self._unlocked_blocks = scan
 
     # -- accounting --------------------------------------------------------------------
 
     def available_size(self) -> int:
-        """Token slots an allocation could get now, under the current limit.
+        """Token slots an allocation could get now, under the current limit, without evicting.
 
         0 while the padding page is given back (idle under a limit): nothing
         is admitted until :meth:`claim_padding` succeeded.
         """
         if not self._padding_held:
             return 0
-        free = self.blocks.num_free_blocks
-        if self._retired_evictable is not None and self.blocks.num_retired_blocks:
-            free -= self._retired_evictable()
-        return int(free * self.page_size)
+        return int(self.blocks.num_free_blocks * self.page_size)
+
+    def admission_tokens(self, evictable_tokens: int) -> int:
+        """What admission may count as available (``PrefillBudget``'s available + evictable).
+
+        ``available + evictable`` while no page is retired (exact then); else
+        at most what allocation is sure to get: now, or after evicting every
+        unlocked block (evicting may lower what is available now, see the
+        module doc). Never more than ``available + evictable``.
+        """
+        if not self._padding_held:
+            return 0
+        available = self.available_size()
+        stock = available + evictable_tokens
+        if not self.blocks.num_retired_blocks or self._unlocked_blocks is None:
+            return stock
+        # Not max(available, obtainable): SGLang evicts for its conservative estimate (one
+        # page per request more than it may need), and a partial eviction can *lower*
+        # available here; only "after evicting everything" is sure.
+        return min(stock, self.obtainable_blocks() * self.page_size)
+
+    def obtainable_blocks(self) -> int:
+        """A lower bound of the free blocks once every unlocked cache block is evicted.
+
+        Pages still holding locked blocks stay in use. If they fit under the
+        cap, the free blocks are the cap's blocks minus the locked ones; else
+        ``in use - cap`` of them stay retired and only the others take blocks:
+        counted as the cap's *fullest* pages, the least room any choice leaves.
+        Cached by the allocator's and the tree's change counters (O(tree) when
+        they moved; asked only while a page is retired).
+        """
+        blocks = self.blocks
+        pages = blocks.pages
+        scan = self._unlocked_blocks
+        source = scan() if scan is not None else frozenset()
+        key = (self.num_allocs, self.num_frees, pages.num_retired, pages.num_mapped,
+               pages.cap_pages())
+        if key == self._obtainable_key and source is self._obtainable_source:
+            return self._obtainable
+        bpp = blocks.blocks_per_page
+        unlocked = Counter(b // bpp for b in source)
+        locked = [n for n in (blocks.occupancy(p) - unlocked.get(p, 0)
+                              for p in range(pages.num_pages)) if n > 0]
+        cap = pages.cap_pages()
+        if len(locked) <= cap:
+            obtainable = cap * bpp - sum(locked)
+        else:
+            obtainable = sum(bpp - n for n in sorted(locked, reverse=True)[:cap])
+        self._obtainable_key, self._obtainable_source = key, source
+        self._obtainable = max(0, obtainable)
+        return self._obtainable
 
     def capacity_tokens(self) -> int:
         """Token capacity under the current limit (what the leak check's total must be)."""
         if not self._padding_held:
             return 0  # released only with nothing else allocated: nothing to account for
         usable = self.blocks.num_free_blocks + self.blocks.num_allocated_blocks - 1
-        if self._retired_evictable is not None and self.blocks.num_retired_blocks:
-            usable -= self._retired_evictable()
         return int(usable * self.page_size)
+
+    # -- SGLang's admission and eviction entry points ------------------------------------
+
+    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0
+                              ) -> ElasticPrefillBudget:
+        """SGLang's ``PrefillBudget`` counting :meth:`admission_tokens` (a new admission round)."""
+        from ._budget import ElasticPrefillBudget
+
+        self.refused_tokens = 0
+        return ElasticPrefillBudget(self, tree_cache,
+                                    num_mixed_decode_tokens=num_mixed_decode_tokens)
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> None:
+        """Evict unlocked cache until ``num_tokens`` can be allocated, or nothing is left.
+
+        Unlike the stock single pass, this loops: with retired pages an
+        evicted token does not always free a token (see the module doc).
+        """
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return
+        shortfall = num_tokens - self.available_size()
+        if shortfall <= 0:
+            return
+        tree_cache.evict_for_alloc(EvictParams(num_tokens=shortfall))
+        while (shortfall := num_tokens - self.available_size()) > 0:
+            result = tree_cache.evict(EvictParams(num_tokens=max(shortfall, self.page_size)))
+            if not result.num_tokens_evicted:
+                return
+
+    def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
+                              spec_algorithm: Any = None) -> bool:
+        """Room for the next decode step: under the limit after evicting, else above it
+        (running requests finish above a limit rather than being retracted for it)."""
+        self.evict_to_free_tokens(tree_cache, num_tokens)
+        if self.available_size() >= num_tokens:
+            return True
+        if self._padding_held and self._physical_free_blocks() * self.page_size >= num_tokens:
+            return True
+        self.num_decode_shortages += 1  # SGLang retracts: the device is full, not the limit
+        return False
 
     def get_all_free_pages(self) -> torch.Tensor:
         """Not enumerable (free pages are virtual until mapped); an empty census."""
@@ -161,7 +277,12 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
                                        prefix_lens=prefix_lens_cpu))
         pages = self._take(needed)
         if pages is None:
-            return None
+            pages = self._take_over_target(needed)
+            if pages is None:
+                return None
+            self.num_prefill_overdrafts += 1
+            _log.warning("kvsidecar: a prefill SGLang admitted without budget (e.g. a chunked "
+                         "continuation) took %d page(s) above the KV limit", needed)
         parent = super().alloc_extend
         return self._run_with(pages, lambda: parent(
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
@@ -175,7 +296,9 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
                                        decode=True))
         pages = self._take(needed)
         if pages is None:
-            return None
+            pages = self._take_over_target(needed)  # a running request: above the limit
+            if pages is None:
+                return None
         parent = super().alloc_decode
         return self._run_with(pages, lambda: parent(seq_lens, seq_lens_cpu, last_loc))
 
@@ -226,6 +349,34 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         self.num_allocs += 1
         return torch.tensor(got, dtype=torch.int64, device=self.device)
 
+    def _physical_free_blocks(self) -> int:
+        """Blocks an allocation could get with no target (the device's capacity)."""
+        return int(self.blocks.num_blocks - self.blocks.num_allocated_blocks)
+
+    def _take_over_target(self, num_pages: int) -> torch.Tensor | None:
+        """``num_pages`` blocks above the target, for requests already running.
+
+        The target is lifted for this call only and put back at once: the pages
+        now above it are retired (no new blocks; unmapped when they empty) and the
+        coordinator reports the overage. Runs only while a limit is short.
+        """
+        if not self._padding_held or self._physical_free_blocks() < num_pages:
+            self.num_failed_allocs += 1
+            return None
+        pages = self.blocks.pages
+        saved = pages.target_pages
+        pages.set_target(None)
+        try:
+            got = self.blocks.alloc(num_pages)
+        finally:
+            pages.set_target(saved)
+        if got is None:
+            self.num_failed_allocs += 1
+            return None
+        self.num_allocs += 1
+        self.num_overdraft_blocks += num_pages
+        return torch.tensor(got, dtype=torch.int64, device=self.device)
+
     def _run_with(self, pages: torch.Tensor, call: Callable[[], torch.Tensor | None]
                   ) -> torch.Tensor | None:
         """Run the parent's allocation with exactly ``pages`` as its free list."""
@@ -265,3 +416,4 @@ def claim_block(blocks: BlockAllocator, wanted: int) -> None:
 def blocks_of(slots: Iterable[int], page_size: int) -> set[int]:
     """The blocks (SGLang pages) that hold these token slots."""
     return {s // page_size for s in slots}
+

@@ -18,7 +18,10 @@ target                                                        what the wrapper a
 ``KVCacheConfigurator._build_token_to_kv_pool_allocator``     :class:`ElasticTokenAllocator`
 ``Scheduler.__init__``                                        attach the :class:`ElasticPool` (the
                                                               tree cache exists now); refuse what
-                                                              the adapter does not support
+                                                              the adapter does not support (before
+                                                              and after SGLang's own __init__:
+                                                              pdmux, PD role switch, PP,
+                                                              disaggregation loops)
 ``Scheduler.get_next_batch_to_run``                           coordinator pass before admission
 ``Scheduler.on_idle``                                         pass when a limit is pending; leak
                                                               check total synced
@@ -120,7 +123,9 @@ def _wrap_scheduler_init(original: Any, session: Session) -> Any:
     def __init__(self: Any, server_args: Any, port_args: Any, *args: Any, **kwargs: Any) -> None:
         _refuse_unsupported(server_args)
         original(self, server_args, port_args, *args, **kwargs)
-        pool = ElasticPool.attach(self, session.settings, engine_version=session.engine_version)
+        _refuse_unsupported_loop(self)
+        pool = ElasticPool.attach(self, session.settings, engine_version=session.engine_version,
+                                  signal_cleanup=True)
         session.pools.append(pool)
 
     return __init__
@@ -161,13 +166,46 @@ def _refuse_unsupported(server_args: Any) -> None:
     if getattr(server_args, "enable_hierarchical_cache", False):
         problems.append("--enable-hierarchical-cache")
     if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
-        problems.append("--disaggregation-mode")
+        problems.append("--disaggregation-mode (its event loops run no kvsidecar pass)")
+    problems.extend(_loop_problems(server_args))
     if int(getattr(server_args, "page_size", None) or 1) < 2:
         problems.append("--page-size 1 (pass --page-size 16 or larger)")
     if problems:
         raise EngineExtConfigError(
             "kvsidecar's SGLang adapter does not support: " + ", ".join(problems)
             + "; remove these options or start without kvsidecar (KVSIDECAR_ENABLE=0)")
+
+
+def _loop_problems(flags: Any) -> list[str]:
+    """Options that select an event loop where the adapter's hooks never run.
+
+    A limit is taken only in ``get_next_batch_to_run`` and ``on_idle``
+    (docs/sglang.md, "Safe points"): ``event_loop_normal``/``_overlap`` call
+    both. The pdmux loop never calls ``get_next_batch_to_run`` (a limit would
+    be accepted and never applied); the PD role switch runs the
+    disaggregation loops.
+    """
+    problems = []
+    if getattr(flags, "enable_pdmux", False):
+        problems.append("--enable-pdmux (its loop never calls get_next_batch_to_run, where "
+                        "kvsidecar applies limits)")
+    if getattr(flags, "enable_pd_role_switch", False):
+        problems.append("--enable-pd-role-switch (it runs the disaggregation loops)")
+    return problems
+
+
+def _refuse_unsupported_loop(scheduler: Any) -> None:
+    """After SGLang chose its flags: fail closed if the loop it will run has no hooks."""
+    problems = _loop_problems(scheduler)
+    problems.extend(_loop_problems(getattr(scheduler, "server_args", None)))
+    mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null")
+    if mode not in (None, "null"):
+        problems.append("--disaggregation-mode (its event loops run no kvsidecar pass)")
+    if problems:
+        raise EngineExtConfigError(
+            "kvsidecar's SGLang adapter cannot apply limits in the event loop SGLang would "
+            "run: " + ", ".join(sorted(set(problems))) + "; remove these options or start "
+            "without kvsidecar (KVSIDECAR_ENABLE=0)")
 
 
 _SCHED = "sglang.srt.managers.scheduler"

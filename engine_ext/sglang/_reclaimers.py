@@ -48,8 +48,8 @@ class _TreeReclaimer:
         self.num_evicted_blocks = 0  # blocks freed by evict(), collateral included
         self._key: tuple[int, ...] | None = None
         self._evictable: frozenset[int] = frozenset()
-        self._retired_key: tuple[int, ...] | None = None
-        self._retired_count = 0
+        self._unlocked_key: tuple[int, ...] | None = None
+        self._unlocked_set: frozenset[int] = frozenset()
 
     # Reclaimer protocol ----------------------------------------------------------
     def evictable_blocks(self) -> Iterable[int]:
@@ -70,17 +70,15 @@ class _TreeReclaimer:
         return sum(1 for b in wanted if not self.blocks.is_allocated(b))
 
     # admission truth ---------------------------------------------------------------
-    def retired_evictable(self) -> int:
-        """Evictable blocks on retired pages (evicting them frees no room)."""
-        pages = self.blocks.pages
-        key = self._state_key() + (pages.num_retired, pages.num_mapped)
-        if key != self._retired_key:
-            # Every unlocked block, read-only: this runs inside SGLang's own eviction walk
-            # (via available_size()), where a second walk must not start.
-            page_of = self.blocks.page_of
-            self._retired_count = sum(1 for b in self._scan() if pages.is_retired(page_of(b)))
-            self._retired_key = key
-        return self._retired_count
+    def unlocked_blocks(self) -> frozenset[int]:
+        """Every block of an unlocked node (what SGLang's eviction could free), read-only:
+        it runs inside admission and inside SGLang's own eviction walk, where a second
+        walk must not start. The same object while the allocator and tree did not change."""
+        key = self._state_key()
+        if key != self._unlocked_key:
+            self._unlocked_set = frozenset(self._scan())
+            self._unlocked_key = key
+        return self._unlocked_set
 
     # internals -----------------------------------------------------------------------
     def _state_key(self) -> tuple[int, ...]:

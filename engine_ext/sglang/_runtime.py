@@ -20,9 +20,11 @@ Thread: the scheduler thread, except :meth:`set_limit` and :meth:`state`.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from typing import TYPE_CHECKING, Any
 
-from .. import ElasticInstance, EngineBinding, EngineSettings, Reclaimer
+from .. import Demand, ElasticInstance, EngineBinding, EngineSettings, Reclaimer
 from ._accounting import sync_capacity
 from ._allocator import ElasticTokenAllocator
 from ._reclaimers import make_reclaimer
@@ -56,9 +58,15 @@ class ElasticPool:
 
     @classmethod
     def attach(cls, scheduler: Any, settings: EngineSettings, *, engine_version: str,
-               sidecar_transport: httpx.BaseTransport | None = None) -> ElasticPool:
+               sidecar_transport: httpx.BaseTransport | None = None,
+               signal_cleanup: bool = False) -> ElasticPool:
         """Build the reclaimer for the scheduler's (already built) tree cache, register,
-        apply the retained or configured limit, and hang the pool on the scheduler."""
+        apply the retained or configured limit, and hang the pool on the scheduler.
+
+        ``signal_cleanup`` (the scheduler process's main thread): SIGTERM and SIGINT
+        remove the runtime dir before SGLang's own handling (SGLang's scheduler installs
+        no handler, so SIGTERM would leave ``.owner`` and ``control.sock`` behind).
+        """
         allocator = scheduler.token_to_kv_pool_allocator
         if not isinstance(allocator, ElasticTokenAllocator):
             raise TypeError(f"the scheduler's allocator is {type(allocator).__name__}, not the "
@@ -72,9 +80,12 @@ class ElasticPool:
         instance = ElasticInstance(settings, binding, sidecar_transport=sidecar_transport)
         pool = cls(scheduler, instance, allocator, reclaimer)
         pool.waker = waker
-        allocator.set_retired_evictable(reclaimer.retired_evictable)
+        allocator.set_unlocked_blocks(reclaimer.unlocked_blocks)
         allocator.set_before_alloc(pool._ensure_started)
+        instance.coordinator.set_demand_probe(pool.demand)
         instance.start()
+        if signal_cleanup:
+            _install_signal_cleanup(instance)
         pool.before_schedule()  # the retained limit is applied before the first request
         setattr(scheduler, ATTR, pool)
         return pool
@@ -102,6 +113,23 @@ class ElasticPool:
                     and self._drain_padding_page():
                 self._step()  # page 0 unmapped: recompute the status
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
+
+    def demand(self) -> Demand:
+        """The demand probe (scheduler thread, O(1)): queue lengths and the allocator's
+        counters. ``waiting_for_memory``: the last admission round refused a request
+        for memory while a limit is set; ``waiting_blocks`` is what that request needs."""
+        scheduler, allocator = self.scheduler, self.allocator
+        waiting = _num_waiting(scheduler)
+        refused = allocator.refused_tokens if waiting else 0
+        pages = allocator.blocks.pages
+        limited = pages.target_pages is not None and pages.target_pages < pages.num_pages
+        return Demand(
+            num_running_requests=_num_running(scheduler),
+            num_waiting_requests=waiting,
+            waiting_blocks=-(-refused // allocator.page_size),
+            waiting_for_memory=bool(refused and limited),
+            num_preemptions=allocator.num_decode_shortages,
+        )
 
     def _step(self) -> EngineState:
         """A coordinator pass (a failed map/unmap is logged by the instance, never fatal)."""
@@ -140,6 +168,34 @@ class ElasticPool:
         self.instance.close()
         if self.waker is not None:
             self.waker.close()
+
+
+def _num_waiting(scheduler: Any) -> int:
+    queue = getattr(scheduler, "waiting_queue", None)  # SGLang's Scheduler
+    if queue is None:
+        queue = getattr(scheduler, "waiting", ())  # the CPU harness
+    return len(queue)
+
+
+def _num_running(scheduler: Any) -> int:
+    batch = getattr(scheduler, "running_batch", None)  # SGLang's Scheduler
+    if batch is not None:
+        return len(getattr(batch, "reqs", None) or ())
+    return len(getattr(scheduler, "running", ()))  # the CPU harness
+
+
+def _install_signal_cleanup(instance: ElasticInstance) -> None:
+    """Chain the instance's cleanup in front of SIGTERM/SIGINT (main thread only);
+    a signal the process ignores stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        _log.warning("kvsidecar: not on the main thread; SIGTERM will leave %s behind",
+                     instance.runtime_dir)
+        return
+    ignored = [s for s in (signal.SIGINT, signal.SIGTERM)
+               if signal.getsignal(s) == signal.SIG_IGN]
+    instance.install_signal_cleanup()
+    for signum in ignored:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _device_total_bytes(device: Any) -> int | None:

@@ -53,6 +53,7 @@ class HarnessConfig:
     max_running: int = 16  # ReqToTokenPool rows
     max_context: int = 1024
     sleep_on_idle: bool = False  # build SGLang's IdleSleeper (the adapter registers its waker)
+    signal_cleanup: bool = False  # as a scheduler process: SIGTERM/SIGINT remove the runtime dir
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +69,7 @@ class HarnessRequest:
     lock: Any = None  # tree lock on the matched node
     kv_len: int = 0  # token slots written for this request
     done: bool = False
+    aborted: bool = False  # aborted by :meth:`CpuHarness.abort` (not in ``finished``)
 
     @property
     def seq(self) -> list[int]:
@@ -125,7 +127,13 @@ class CpuHarness:
         self.finished: list[HarnessRequest] = []
         self._rids = itertools.count()
         self.num_retracted = 0  # decode shortages answered by retraction (as SGLang does)
-        self.pool = ElasticPool.attach(self, settings, engine_version=installed_sglang_version())
+        self.num_prefix_hits = 0  # admitted requests that matched a cached prefix
+        # Test instrumentation: called with "admitted" after admission, before the prefill
+        # allocation, and "decode" before the decode capacity check (the points where a
+        # foreign thread's limit must not change what the scheduler was promised).
+        self.at_point: Callable[[str], None] | None = None
+        self.pool = ElasticPool.attach(self, settings, engine_version=installed_sglang_version(),
+                                       signal_cleanup=cfg.signal_cleanup)
 
     # -- building ----------------------------------------------------------------------
 
@@ -198,6 +206,20 @@ class CpuHarness:
         self.waiting.append(req)
         return req
 
+    def abort(self, req: HarnessRequest) -> bool:
+        """Abort a waiting or running request (SGLang finishes a running one as aborted:
+        its KV goes through ``cache_finished_req``). False if it already ended."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.running:
+            self._finish(req)
+            self.finished.remove(req)
+            req.done = False
+        else:
+            return False
+        req.aborted = True
+        return True
+
     def is_fully_idle(self) -> bool:
         return not self.waiting and not self.running
 
@@ -209,6 +231,8 @@ class CpuHarness:
         self.pool.before_schedule()
         admitted = self._admit()
         if admitted:
+            if self.at_point is not None:
+                self.at_point("admitted")
             self._prefill(admitted)
         elif self.running:
             self._decode()
@@ -257,30 +281,35 @@ class CpuHarness:
 
         return RadixKey(array("q", tokens))
 
-    def _reserved_tokens(self) -> int:
-        """Decode room promised to running requests (their remaining new tokens, paged)."""
-        ps = self.config.page_size
-        return sum(-(-(r.max_new_tokens - len(r.generated)) // ps) * ps + ps for r in self.running)
+    def _running_offset(self) -> int:
+        """What ``PrefillAdder`` adds to the budget's offset for the running batch."""
+        return sum(max(r.max_new_tokens - len(r.generated), 0) for r in self.running)
 
     def _admit(self) -> list[HarnessRequest]:
+        """``PrefillAdder``'s memory part: the allocator's budget, ``check_prefill``, ``reserve``."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
         ps = self.config.page_size
         admitted: list[HarnessRequest] = []
         budget = self.token_to_kv_pool_allocator.create_prefill_budget(self.tree_cache)
-        promised = self._reserved_tokens()
+        budget.total_offset += self._running_offset()
         for req in list(self.waiting):
             if len(admitted) + len(self.running) >= self.config.max_running:
                 break
             match = self.tree_cache.match_prefix(MatchPrefixParams(key=self._key(req.tokens)))
             prefix = min(match.device_prefix_len, (len(req.tokens) - 1) // ps * ps)
-            need = -(-(len(req.tokens) - prefix + req.max_new_tokens) // ps) * ps + ps
-            lock = self.tree_cache.lock(match.last_device_node)
-            if need + promised > budget.remaining_total:  # SGLang's NO_TOKEN: stay waiting
+            extend = len(req.tokens) - prefix
+            total = budget.ceil_paged_tokens(extend) + ps + req.max_new_tokens
+            lock = self.tree_cache.lock(match.last_device_node)  # the pin before the check
+            ok, _ = budget.check_prefill(
+                extend_input_len=extend, total_tokens=total, max_new_tokens=req.max_new_tokens,
+                input_tokens=len(req.tokens), swa_host_hit_length=0, chunk_limit=None)
+            if not ok:  # SGLang's NO_TOKEN: stay waiting
                 self.tree_cache.unlock(lock)
                 break
-            promised += need
             req.prefix_len, req.lock = prefix, lock
+            budget.reserve(extend, req.max_new_tokens)
+            self.num_prefix_hits += prefix > 0
             self.waiting.remove(req)
             admitted.append(req)
         return admitted
@@ -324,6 +353,8 @@ class CpuHarness:
 
         allocator = self.token_to_kv_pool_allocator
         table = self.req_to_token_pool.req_to_token
+        if self.at_point is not None:
+            self.at_point("decode")
         while self.running:
             need = self._decode_pages(self.running) * self.config.page_size
             if allocator.check_decode_capacity(num_tokens=need, tree_cache=self.tree_cache):
@@ -338,7 +369,7 @@ class CpuHarness:
         if out is None:
             raise RuntimeError("decode allocation failed after the capacity check passed")
         for req, slot in zip(batch, out.tolist()):
-            token = 1024 + (req.rid * 31 + len(req.generated)) % 1024  # exact in fp16
+            token = self._next_token(req)
             table[req.row, req.kv_len] = slot
             self._write([slot], [token])
             req.generated.append(token)
@@ -394,6 +425,16 @@ class CpuHarness:
         for layer in range(self.config.layer_num):
             self.k_buffer[layer][index, 0, 0] = values
             self.v_buffer[layer][index, 0, 0] = -values
+
+    def _next_token(self, req: HarnessRequest) -> int:
+        """The "model": a function of the request's KV as read from memory (last layer's
+        K), so a page unmapped or reused under a running request changes the tokens."""
+        import torch
+
+        slots = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].long()
+        ids = self.k_buffer[-1][slots, 0, 0].to(torch.float64)
+        weights = torch.arange(1, len(slots) + 1, dtype=torch.float64)
+        return 1024 + int(torch.sum(ids * weights).item()) % 1021  # < 2048: exact in fp16
 
     def _check_kv(self, req: HarnessRequest, slots: list[int]) -> None:
         """A prefix hit must read back the KV its tokens wrote (fp16 holds ids < 2048 exactly)."""

@@ -145,6 +145,46 @@ def test_scheduler_init_refuses_multi_rank_before_building_anything(
         Scheduler(args, None)
 
 
+@pytest.mark.parametrize(("option", "value", "named"), [
+    ("enable_pdmux", True, "--enable-pdmux"),
+    ("enable_pd_role_switch", True, "--enable-pd-role-switch"),
+    ("pp_size", 2, "--pp-size"),
+    ("disaggregation_mode", "prefill", "--disaggregation-mode"),
+])
+def test_loops_without_the_hooks_refuse_to_start(installed: EngineSettings, option: str,
+                                                 value: object, named: str) -> None:
+    """Issue 11: a loop where no pass runs would accept limits and never apply them."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    args = SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, page_size=16,
+                           enable_hierarchical_cache=False, disaggregation_mode="null",
+                           enable_pdmux=False, enable_pd_role_switch=False)
+    setattr(args, option, value)
+    with pytest.raises(EngineExtConfigError) as info:
+        Scheduler(args, None)  # refused before SGLang builds anything
+    message = str(info.value)
+    assert named in message and "KVSIDECAR_ENABLE=0" in message
+
+
+def test_loop_chosen_by_sglang_is_checked_after_its_init() -> None:
+    """SGLang derives its loop flags in __init__ (e.g. pdmux from its disagg config)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from engine_ext.sglang._patches import _refuse_unsupported_loop
+
+    normal = SimpleNamespace(enable_pdmux=False, disaggregation_mode=DisaggregationMode.NULL,
+                             server_args=SimpleNamespace(enable_pd_role_switch=False))
+    _refuse_unsupported_loop(normal)  # event_loop_normal / _overlap: supported
+    pdmux = SimpleNamespace(enable_pdmux=True, disaggregation_mode=DisaggregationMode.NULL,
+                            server_args=SimpleNamespace(enable_pd_role_switch=False))
+    with pytest.raises(EngineExtConfigError, match="--enable-pdmux.*get_next_batch_to_run"):
+        _refuse_unsupported_loop(pdmux)
+    decode = SimpleNamespace(enable_pdmux=False, disaggregation_mode=DisaggregationMode.DECODE,
+                             server_args=SimpleNamespace(enable_pd_role_switch=False))
+    with pytest.raises(EngineExtConfigError, match="--disaggregation-mode"):
+        _refuse_unsupported_loop(decode)
+
+
 def test_idle_and_schedule_wrappers_run_the_pool_before_sglang(make_harness: Any) -> None:
     h = make_harness()
     calls: list[str] = []

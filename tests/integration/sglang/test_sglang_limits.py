@@ -276,3 +276,45 @@ def test_only_the_scheduler_thread_may_touch_the_pool(make_harness: Make) -> Non
     assert h.pages.target_pages is None  # nothing applied off the scheduler thread
     h.on_idle()
     assert h.pages.target_pages == 3
+
+
+def test_small_limit_running_request_finishes_and_waiting_one_is_named(
+        make_harness: Make, cache_kind: str) -> None:
+    """Issue 11 hang scenario: 2-page limit, A running, B waiting. A is never retracted
+    for the limit (it finishes above it, reported), B waits with the state saying so
+    and what it needs, and completes once the limit is raised."""
+    h = make_harness(cache_kind)
+    bundle = h.bundle_bytes
+    a = h.submit(prompt(50, length=120), max_new_tokens=120)  # grows well past 2 pages
+    h.iterate()
+    assert a in h.running
+    h.pool.set_limit(2 * bundle)
+    b = h.submit(prompt(51, length=300), max_new_tokens=8)
+    samples = 0
+    while not a.done:
+        running = len(h.running)
+        h.iterate()
+        state = h.pool.state()
+        assert state.num_running_requests == running  # read at the iteration's top
+        # refreshed at every iteration's top: within the one page this iteration's decode
+        # may have mapped since
+        assert abs(state.mapped_bytes - h.mapped_bytes()) <= bundle
+        if a in h.running and state.mapped_bytes > 2 * bundle:
+            assert state.status is Status.DEFERRED and state.reason == "running_requests"
+            assert state.overage_bytes == state.mapped_bytes - 2 * bundle
+        samples += 1
+    assert h.num_retracted == 0 and a.done  # never retracted because of the limit
+    assert h.token_to_kv_pool_allocator.num_overdraft_blocks > 0  # it finished above it
+    # A's KV is cached now: the next passes shrink to the limit (retries are throttled)
+    h.idle_until(lambda: h.pool.state().status is Status.APPLIED)
+    state = h.pool.state()
+    assert b in h.waiting and state.num_waiting_requests == 1
+    assert state.waiting_reason == "waiting_for_memory"
+    page = h.config.page_size
+    needed = -(-(-(-300 // page) * page + page + 8) // page)  # blocks B asked admission for
+    assert state.waiting_bytes == needed * (bundle // h.blocks.blocks_per_page)
+    assert state.status is Status.APPLIED and h.mapped_bytes() <= 2 * bundle
+    h.pool.set_limit(None)
+    h.run_until_idle()
+    assert b.done
+    assert h.pool.state().waiting_reason is None and h.pool.state().num_waiting_requests == 0
