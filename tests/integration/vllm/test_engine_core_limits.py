@@ -131,12 +131,14 @@ def drive(
 
     def publish() -> None:
         choice = limit_rng.random()
-        if choice < 0.2:
+        if choice < 0.15:
             limit: int | None = 0
-        elif choice < 0.4:
+        elif choice < 0.3:
             limit = bundle
-        elif choice < 0.6:
+        elif choice < 0.45:
             limit = None
+        elif choice < 0.75:  # just below what is mapped: a few cached pages must go
+            limit = max(0, backend.mapped_bytes() - limit_rng.randrange(1, 4) * bundle)
         else:
             limit = limit_rng.randrange(0, NUM_PAGES * bundle)
         in_foreign_thread(lambda: instance.set_limit(limit))
@@ -152,13 +154,14 @@ def drive(
         return result
 
     monkeypatch.setattr(KVCacheManager, "get_computed_blocks", get_computed_blocks)
-    docs = [[rng.randrange(10, 3000) for _ in range(rng.choice((48, 80, 130)))] for _ in range(4)]
+    docs = [[rng.randrange(10, 3000) for _ in range(rng.choice((48, 80, 130)))] for _ in range(8)]
     live: dict[str, list[int]] = {}
     abort_at: dict[int, str] = {}  # drawn at arrival: the same in every run
     step = 0
     next_id = 0
     while step < num_steps or live:
-        if step < num_steps and rng.random() < 0.3:
+        # bursts then quiet spells: cached documents sit unreferenced between their hits
+        if step < num_steps and rng.random() < (0.5 if (step // 40) % 2 else 0.04):
             request_id = f"r{next_id}"
             next_id += 1
             tokens = rng.choice(docs) + [rng.randrange(10, 3000) for _ in range(rng.randrange(1, 40))]
