@@ -294,11 +294,15 @@ class VllmRuntime:
 
 def _blocks_needed(request: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                    block_tokens: int) -> int:
-    """Blocks an admission asked ``allocate_slots`` for (its hit blocks excluded)."""
+    """Blocks a refused admission needs for its whole prompt (its hit blocks excluded).
+
+    Not only the chunk ``allocate_slots`` was asked for: once started, a request
+    runs to the end (it is never preempted by a limit), so this is what it maps.
+    """
     num_new = int(args[0]) if args else int(kwargs.get("num_new_tokens", 0))
     num_hit = int(args[1]) if len(args) > 1 else int(kwargs.get("num_new_computed_tokens", 0))
     num_ext = int(kwargs.get("num_external_computed_tokens", 0))
-    total = request.num_computed_tokens + num_hit + num_ext + num_new
+    total = max(request.num_tokens, request.num_computed_tokens + num_hit + num_ext + num_new)
     return max(1, -(-total // block_tokens) - num_hit // block_tokens)
 
 

@@ -65,13 +65,15 @@ def plugin_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path
     clear_kv_memory()
 
 
-def build_core(model_dir: Path, num_pages: int = NUM_PAGES) -> EngineCore:
-    from engine_ext.vllm import _gpu_kv  # noqa: F401 - the CPU path leaves the plan unused
-
-    bundle = PAGE_BYTES * 4  # 2 layers x (K, V) regions
+def build_core(
+    model_dir: Path, num_pages: int = NUM_PAGES, *, page_bytes: int = PAGE_BYTES,
+    max_model_len: int = 2048,
+) -> EngineCore:  # fmt: skip
+    bundle = page_bytes * 4  # 2 layers x (K, V) regions
     args = EngineArgs(
         model=str(model_dir), load_format="dummy", dtype="float16", block_size=BLOCK_TOKENS,
-        max_model_len=2048, enable_prefix_caching=True, kv_cache_memory_bytes=num_pages * bundle,
+        max_model_len=max_model_len, enable_prefix_caching=True,
+        kv_cache_memory_bytes=num_pages * bundle,
         distributed_executor_backend=StubExecutor, max_num_seqs=6, max_num_batched_tokens=512,
         disable_log_stats=True, enforce_eager=True,
     )  # fmt: skip
@@ -216,6 +218,65 @@ def test_limits_from_a_foreign_thread_never_break_the_engine_core(
     assert len(both) > 200
     for request_id in both:  # the same tokens as without limit changes
         assert stressed.outputs[request_id] == baseline.outputs[request_id], request_id
+
+
+def test_small_limit_never_hangs_a_request_silently(
+    plugin_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11's hang: a 2-page limit, A (700 + 3000 tokens) running, B (1500) waiting."""
+    page_bytes = 64 << 10  # 16 blocks of 16 tokens per page (the default)
+    monkeypatch.setenv("KVSIDECAR_PAGE_BYTES", str(page_bytes))
+    core = build_core(plugin_env, 64, page_bytes=page_bytes, max_model_len=4096)
+    runtime = _runtime.current_runtime()
+    assert runtime is not None and runtime.instance is not None and runtime.pool is not None
+    instance = runtime.instance
+    backend = runtime.pool._blocks.pages.backend
+    bundle = instance.state().page_bundle_bytes
+    rng = random.Random(3)
+    finished: dict[str, int] = {}
+    seen_waiting: list[int] = []
+
+    def step() -> None:
+        outputs, _ = core.step()
+        for client_outputs in outputs.values():
+            for out in client_outputs.outputs:
+                finished[out.request_id] = finished.get(out.request_id, 0) + len(out.new_token_ids)
+        state = instance.state()
+        assert abs(state.mapped_bytes - backend.mapped_bytes()) <= bundle, state
+
+    try:
+        prompt_a = [rng.randrange(10, 3000) for _ in range(700)]
+        core.add_request(*core.preprocess_add_request(make_request("A", prompt_a, 3000)))
+        step()  # A is running
+        in_foreign_thread(lambda: instance.set_limit(2 * bundle))
+        prompt_b = [rng.randrange(10, 3000) for _ in range(1500)]
+        core.add_request(*core.preprocess_add_request(make_request("B", prompt_b, 16)))
+        for _ in range(4000):
+            step()
+            state = instance.state()
+            if state.waiting_reason == "waiting_for_memory":
+                seen_waiting.append(state.waiting_bytes)
+            if "A" in finished and finished["A"] >= 3000:
+                break
+        assert finished.get("A") == 3000  # A was never preempted by the limit: it finished
+        assert finished.get("B", 0) == 0
+        step()  # B still waits: the engine keeps stepping, the counts follow
+        state = instance.state()
+        block_bytes = bundle // 16
+        needed = -(-1500 // BLOCK_TOKENS) * block_bytes
+        assert state.num_waiting_requests == 1 and state.num_running_requests == 0
+        assert state.waiting_reason == "waiting_for_memory" and state.waiting_bytes >= needed
+        assert seen_waiting and state.status is Status.APPLIED  # A's overage is gone
+        assert backend.mapped_bytes() <= 2 * bundle
+        in_foreign_thread(lambda: instance.set_limit(None))  # raising the limit lets B run
+        for _ in range(200):
+            step()
+            if finished.get("B", 0) >= 16:
+                break
+        assert finished.get("B") == 16
+        assert instance.state().waiting_reason is None
+    finally:
+        core.shutdown()
 
 
 def test_in_process_engine_core_is_refused(
