@@ -204,12 +204,10 @@ class VllmRuntime:
         admission (waiting or preempted): it gets only what fits under the target,
         and a refusal under a limit is recorded for the demand probe. O(1).
         """
-        from vllm.v1.request import RequestStatus
-
         pool = self.pool
         if pool is None or manager.block_pool is not pool:
             return original(manager, request, *args, **kwargs)
-        running = request.status == RequestStatus.RUNNING
+        running = request.status == _running_status()
         was_in_schedule = pool.in_schedule
         pool.overdraft = running
         pool.in_schedule = True  # frees inside allocate_slots (sliding window) evict later
@@ -290,6 +288,19 @@ class VllmRuntime:
             self.pool.invalidate_capacity()
         self._last_mapped = instance.binding.blocks.pages.num_mapped
         return state
+
+
+_RUNNING: Any = None
+
+
+def _running_status() -> Any:
+    """vLLM's ``RequestStatus.RUNNING`` (imported once, on first use)."""
+    global _RUNNING
+    if _RUNNING is None:
+        from vllm.v1.request import RequestStatus
+
+        _RUNNING = RequestStatus.RUNNING
+    return _RUNNING
 
 
 def _blocks_needed(request: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
