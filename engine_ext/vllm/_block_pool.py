@@ -48,9 +48,6 @@ _log = logging.getLogger("engine_ext.vllm.block_pool")
 class PoolHooks(Protocol):
     """What the pool tells the adapter runtime (busy-loop thread)."""
 
-    def before_alloc(self) -> None:
-        """A target was published: apply it now (top of an allocation check)."""
-
     def after_change(self) -> None:
         """Blocks were freed or evicted: the runtime may need an idle pass."""
 
@@ -62,7 +59,7 @@ class PoolBacking:
     blocks: BlockAllocator  # block ids <-> pages (its PageAllocator maps the KV memory)
     guard: ThreadGuard  # bound to the busy-loop thread
     hooks: PoolHooks
-    mailbox: LimitMailbox  # has_untaken: a lock-free read on every capacity check
+    mailbox: LimitMailbox  # kept for the adapter; allocation never takes a target from it
     reclaim: bool  # False: never evict on our own (the "without reclaim" baseline)
     max_cached_tokens: int  # -1 unlimited, 0 evict on free, N keep at most N tokens
 
@@ -96,6 +93,14 @@ class ElasticBlockPool(BlockPool):
         # allocator resets it: this pool's own methods and, via invalidate_capacity(),
         # the runtime after a coordinator pass.
         self._fresh_free = -1
+        # Set by the allocate_slots wrapper (_runtime.allocating) for a RUNNING request:
+        # its blocks may be mapped above the target (liveness: a limit never preempts).
+        self.overdraft = False
+        # True while Scheduler.schedule() runs (between a prefix lookup and the touch
+        # in allocate_slots hit blocks have ref_cnt 0): the pool evicts nothing on its
+        # own then; the evictions it owes run at the next safe point (cleanup()).
+        self.in_schedule = False
+        self._cleanup_due = False
         bound = backing.max_cached_tokens
         self._max_cached_blocks = None if bound < 0 else bound // hash_block_size
         # Evictable blocks only (none yet): unlink what BlockPool linked.
@@ -111,12 +116,18 @@ class ElasticBlockPool(BlockPool):
 
     # -- counts ---------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
-        if self._mailbox.has_untaken:  # a new target: apply it before capacity is read
-            self._hooks.before_alloc()
+        # Read-only: never takes a target, never evicts (docs/vllm.md, "Safe points").
+        if self.overdraft:  # a running request: every unallocated block, above the target
+            blocks = self._blocks
+            return blocks.num_blocks - blocks.num_allocated_blocks + self.free_block_queue.num_free_blocks
         fresh = self._fresh_free
         if fresh < 0:
             fresh = self._fresh_free = self._blocks.num_free_blocks
         return fresh + self.free_block_queue.num_free_blocks
+
+    def blocks_target(self) -> int | None:
+        """The allocator's page target (None = unlimited)."""
+        return self._blocks.pages.target_pages
 
     def invalidate_capacity(self) -> None:
         """The allocator changed outside this pool's methods (a coordinator pass)."""
@@ -143,8 +154,9 @@ class ElasticBlockPool(BlockPool):
         if fresh_free < 0:
             fresh_free = self._blocks.num_free_blocks
         num_fresh = min(num_blocks, fresh_free)
-        num_reused = num_blocks - num_fresh
-        if num_reused > self.free_block_queue.num_free_blocks:
+        num_reused = min(num_blocks - num_fresh, self.free_block_queue.num_free_blocks)
+        num_over = num_blocks - num_fresh - num_reused  # above the target: running requests only
+        if num_over and not self.overdraft:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         if num_fresh:
             self._fresh_free = -1  # stale if alloc raises (a failed map is rolled back)
@@ -159,6 +171,8 @@ class ElasticBlockPool(BlockPool):
         else:
             ret = []
         self._fresh_free = fresh_free - num_fresh  # alloc(k) lowers the free count by k
+        if num_over:
+            ret.extend(self._alloc_over_target(num_over))
         if num_reused:  # evictable blocks, least recently used first (vLLM's order)
             reused = self.free_block_queue.popleft_n(num_reused)
             for block in reused:
@@ -174,6 +188,29 @@ class ElasticBlockPool(BlockPool):
                 collector.on_block_allocated(block)
         return ret
 
+    def _alloc_over_target(self, count: int) -> list[KVCacheBlock]:
+        """Map ``count`` blocks above the target for a running request (rare: over a limit).
+
+        The allocator's target is lifted just enough for this call and put back at
+        once: the pages now above it are retired (no new blocks, unmapped when they
+        empty) and the coordinator reports the overage as ``running_requests``.
+        Costs one ``set_target`` pair (O(in-use pages log k)), only while over a limit.
+        """
+        blocks = self._blocks
+        pages = blocks.pages
+        saved = pages.target_pages
+        self._fresh_free = -1
+        pages.set_target(None)
+        try:
+            ids = blocks.alloc(count)
+        finally:
+            pages.set_target(saved)
+        if ids is None:
+            raise ValueError(f"Cannot get {count} blocks: the KV memory is full")
+        self._cleanup_due = True  # pages were retired: evict cached blocks on them later
+        all_blocks = self.blocks
+        return [all_blocks[i] for i in ids]
+
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         self._guard.check()
         super().touch(blocks)
@@ -185,8 +222,11 @@ class ElasticBlockPool(BlockPool):
         others: dict[BlockPool, list[KVCacheBlock]] = {}
         # Cached blocks are evicted at once with caching off, with a bound of 0, and
         # (reclaim on) on retired pages, which must empty to be unmapped.
+        # Inside schedule() a freed block may be a hit of a pending lookup of another
+        # request (shared prefix): keep it cached and evict at the next safe point.
+        deferred = self.in_schedule
         evict_all = not self.enable_caching or self._max_cached_blocks == 0
-        retired = self._backing.reclaim and self._blocks.num_retired_blocks > 0
+        retired = self._backing.reclaim and self._blocks.num_retired_blocks > 0 and not deferred
         for block in ordered_blocks:
             if block.is_null:
                 continue
@@ -198,7 +238,7 @@ class ElasticBlockPool(BlockPool):
                 continue
             if block.block_hash is None:
                 to_free.append(block.block_id)
-            elif evict_all or (retired and self._on_retired_page(block)):
+            elif (evict_all and not deferred) or (retired and self._on_retired_page(block)):
                 self._maybe_evict_cached_block(block)
                 to_free.append(block.block_id)
             else:
@@ -209,9 +249,23 @@ class ElasticBlockPool(BlockPool):
             self._blocks.free(to_free)
         for pool, group in others.items():
             pool.free_blocks(group)
-        if self._max_cached_blocks is not None:
+        if deferred:
+            self._cleanup_due = self._cleanup_due or bool(to_cache)
+        elif self._max_cached_blocks is not None:
             self._enforce_cache_bound()
         self._hooks.after_change()
+
+    def cleanup(self) -> None:
+        """Safe point only: the evictions ``free_blocks`` deferred during ``schedule()``."""
+        if not self._cleanup_due:
+            return
+        self._cleanup_due = False
+        if not self.enable_caching or self._max_cached_blocks == 0:
+            self.evict(self.evictable_block_ids())
+        else:
+            self.evict_on_retired_pages()
+            if self._max_cached_blocks is not None:
+                self._enforce_cache_bound()
 
     # -- eviction (the reclaimer and the cache bound) ---------------------------------
     def evict(self, block_ids: Sequence[int]) -> int:

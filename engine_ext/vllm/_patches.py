@@ -64,6 +64,55 @@ def _run_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
     return run_busy_loop
 
 
+def _schedule(original: Callable[..., Any]) -> Callable[..., Any]:
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from engine_ext.vllm._runtime import current_runtime
+
+        runtime = current_runtime()
+        if runtime is None:
+            return original(self, *args, **kwargs)
+        runtime.begin_schedule(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            runtime.end_schedule()
+
+    schedule.__wrapped__ = original  # type: ignore[attr-defined]
+    return schedule
+
+
+def _allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
+    def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        from engine_ext.vllm._runtime import current_runtime
+
+        runtime = current_runtime()
+        if runtime is None:
+            return original(self, request, *args, **kwargs)
+        return runtime.allocating(original, self, request, args, kwargs)
+
+    allocate_slots.__wrapped__ = original  # type: ignore[attr-defined]
+    return allocate_slots
+
+
+def _refuse_dp_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
+    def run_busy_loop(self: Any) -> Any:
+        from engine_ext.vllm._runtime import current_runtime
+
+        if current_runtime() is not None:
+            from engine_ext._errors import EngineExtConfigError
+
+            raise EngineExtConfigError(
+                "kvsidecar: data parallel (DPEngineCoreProc) is not supported: its busy loop "
+                "keeps stepping dummy batches and never reaches the hook that applies limits; "
+                "run one vLLM server per GPU with --data-parallel-size 1, or unset "
+                "KVSIDECAR_ENABLE"
+            )
+        return original(self)
+
+    run_busy_loop.__wrapped__ = original  # type: ignore[attr-defined]
+    return run_busy_loop
+
+
 def _plan_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
     from engine_ext.vllm._gpu_kv import plan_kv_cache
 
@@ -87,6 +136,20 @@ PATCHES: tuple[Patch, ...] = (
         "vllm.v1.engine.core:EngineCoreProc.run_busy_loop", _V033, _run_busy_loop,
         "start the control socket/registration on the busy-loop thread (after any fork); "
         "close them when the loop ends",
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler:Scheduler.schedule", _V033, _schedule,
+        "safe points: limit passes (take target, evict, unmap) run only before and after "
+        "schedule(), never between a prefix lookup and its touch (docs/vllm.md)",
+    ),
+    Patch(
+        "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", _V033, _allocate_slots,
+        "liveness: a RUNNING request's blocks may go above the target (never preempted by a "
+        "limit); admissions the limit keeps out are reported as waiting_for_memory",
+    ),
+    Patch(
+        "vllm.v1.engine.core:DPEngineCoreProc.run_busy_loop", _V033, _refuse_dp_busy_loop,
+        "refuse data parallel with the extension on: its loop never applies a limit",
     ),
     Patch(
         "vllm.v1.engine.core:get_kv_cache_configs", _V033, _plan_kv_cache,

@@ -12,11 +12,17 @@ survive a fork. The rest happens in the EngineCore process:
 2. ``EngineCoreProc.run_busy_loop`` (patched) -> :meth:`VllmRuntime.attach_engine`:
    starts the control socket, registers with the sidecar, and runs a first
    pass so a retained limit applies before the first request;
-3. from then on: :meth:`before_alloc` applies a new target at the top of each
-   allocation; a publish from any thread calls :meth:`wake`, which registers a
-   one-shot callback on ``EngineCore._idle_state_callbacks`` and puts a
-   ``WAKEUP`` on the input queue, so an idle engine applies the limit within
-   one busy-loop pass (ENGINES.md 1.7).
+3. from then on, passes run only at *safe points* (docs/vllm.md, "Safe
+   points"): :meth:`safe_point` at the top and the end of every
+   ``Scheduler.schedule()`` (patched), :meth:`after_change` when blocks are
+   freed outside ``schedule()``, and the idle hook: a publish from any thread
+   calls :meth:`wake`, which registers a one-shot callback on
+   ``EngineCore._idle_state_callbacks`` and puts a ``WAKEUP`` on the input
+   queue, so an idle engine applies the limit within one busy-loop pass
+   (ENGINES.md 1.7). Allocation never runs a pass;
+   :meth:`allocating` (the patched ``KVCacheManager.allocate_slots``) lets a
+   RUNNING request's blocks go above the target and records admissions the
+   limit keeps out (the demand probe).
 
 Threads: :meth:`wake` from any thread; everything else on the busy-loop thread.
 """
@@ -34,6 +40,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from engine_ext._cleanup import clear_owner
+from engine_ext._coordinator import Demand
+from engine_ext._errors import EngineExtConfigError
 from engine_ext.protocol import EngineState, Status
 from engine_ext.vllm._block_pool import PoolBacking
 from engine_ext.vllm._kv_memory import claim_kv_memory
@@ -78,14 +86,24 @@ class VllmRuntime:
         self._armed = False
         self._arm_lock = threading.Lock()
         self._last_mapped = -1
+        self._scheduler: Any = None  # vLLM's Scheduler, seen at the first schedule()
+        self._refused_blocks = 0  # blocks the admission the limit kept out needed (this step)
+        self._num_preemptions = 0  # running requests vLLM could not extend (it preempts)
 
     # -- construction (EngineCore main thread) -------------------------------------
     def build_backing(self, pool: ElasticBlockPool, num_gpu_blocks: int) -> PoolBacking:
         import vllm
+        import vllm.envs
 
         from allocator import BlockAllocator, PageAllocator, ThreadGuard
         from engine_ext import ElasticInstance, EngineBinding
 
+        if not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            raise EngineExtConfigError(
+                "kvsidecar: the in-process EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0) has no "
+                "busy loop, so the control socket never starts and no limit could ever apply; "
+                "unset VLLM_ENABLE_V1_MULTIPROCESSING (or set it to 1), or unset KVSIDECAR_ENABLE"
+            )
         memory = claim_kv_memory()
         if memory is None:
             raise RuntimeError(
@@ -113,6 +131,7 @@ class VllmRuntime:
             floor_pages=1,  # vLLM's null block 0 keeps page 0 mapped for the engine's life
         )  # fmt: skip
         self.instance = ElasticInstance(self.engine_settings, binding)
+        self.instance.coordinator.set_demand_probe(self._demand)
         if memory.rank_barrier is not None:  # rank processes (engine_ext.vllm._multirank)
             memory.rank_barrier.set_wake(self.wake)
             self.instance.coordinator.set_rank_barrier(memory.rank_barrier)
@@ -140,17 +159,97 @@ class VllmRuntime:
         if self.instance is not None:
             self.instance.close()
 
-    # -- PoolHooks (busy-loop thread) ------------------------------------------------
-    def before_alloc(self) -> None:
-        if self.instance is not None and self.instance.mailbox.has_untaken:
-            self._pass()
+    # -- safe points (busy-loop thread) -------------------------------------------------
+    def safe_point(self, scheduler: Any = None) -> EngineState | None:
+        """No prefix lookup of this step is pending: take a target, evict, refresh the state.
 
+        Called at the top and at the end of ``Scheduler.schedule()``. Between
+        ``get_computed_blocks`` and the ``touch`` in ``allocate_slots`` the hit
+        blocks have ``ref_cnt`` 0 and look evictable; evicting them there kills
+        the EngineCore (ENGINES.md 1.6), so no pass runs inside ``schedule()``.
+        When nothing waits this costs a few attribute reads plus the O(1) probe.
+        """
+        instance, pool = self.instance, self.pool
+        if instance is None or pool is None:
+            return None
+        if scheduler is not None:
+            self._scheduler = scheduler
+        pool.cleanup()
+        if instance.coordinator.pending:
+            return self._pass()
+        state = instance.step()  # O(1) unless pages moved: demand + mapped stay fresh
+        self._last_mapped = instance.binding.blocks.pages.num_mapped
+        return state
+
+    def begin_schedule(self, scheduler: Any) -> None:
+        """Top of ``schedule()``: a safe point, then the pool defers its own evictions."""
+        self.safe_point(scheduler)
+        self._refused_blocks = 0
+        if self.pool is not None:
+            self.pool.in_schedule = True
+
+    def end_schedule(self) -> None:
+        """End of ``schedule()`` (also on error): lookups are done, a safe point again."""
+        if self.pool is not None:
+            self.pool.in_schedule = False
+        self.safe_point()
+
+    def allocating(self, original: Any, manager: Any, request: Any, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        """``KVCacheManager.allocate_slots``: running requests may go above the target.
+
+        A RUNNING request is extending: vLLM would preempt it if we said no, so its
+        blocks may be mapped above the target (the overage is reported as
+        ``running_requests`` and shed when it finishes). Anything else is an
+        admission (waiting or preempted): it gets only what fits under the target,
+        and a refusal under a limit is recorded for the demand probe. O(1).
+        """
+        pool = self.pool
+        if pool is None or manager.block_pool is not pool:
+            return original(manager, request, *args, **kwargs)
+        running = request.status == _running_status()
+        was_in_schedule = pool.in_schedule
+        pool.overdraft = running
+        pool.in_schedule = True  # frees inside allocate_slots (sliding window) evict later
+        try:
+            result = original(manager, request, *args, **kwargs)
+        finally:
+            pool.overdraft = False
+            pool.in_schedule = was_in_schedule
+        if result is None:
+            if running:
+                self._num_preemptions += 1
+            elif pool.blocks_target() is not None:
+                self._refused_blocks = _blocks_needed(request, args, kwargs, pool.hash_block_size)
+        return result
+
+    def _demand(self) -> Demand:
+        sched = self._scheduler
+        if sched is None:
+            return Demand(num_preemptions=self._num_preemptions)
+        waiting = len(sched.waiting) + len(getattr(sched, "kv_holding_waiting", ()))
+        refused = self._refused_blocks if waiting else 0
+        return Demand(
+            num_running_requests=len(sched.running),
+            num_waiting_requests=waiting,
+            waiting_blocks=refused,
+            waiting_for_memory=refused > 0,
+            num_preemptions=self._num_preemptions,
+        )
+
+    # -- PoolHooks (busy-loop thread) ------------------------------------------------
     def after_change(self) -> None:
-        if self._armed or self._engine_core is None or self.instance is None:
-            return  # an idle pass is already due, or not serving yet
-        instance = self.instance
+        instance, pool = self.instance, self.pool
+        if instance is None or pool is None or pool.in_schedule:
+            return  # inside schedule(): the end-of-schedule safe point refreshes
+        # Frees outside schedule() (finished requests, aborts, resets) happen with no
+        # prefix lookup pending: a safe point, so the state follows /proc at once.
         mapped = instance.binding.blocks.pages.num_mapped
-        if mapped != self._last_mapped or instance.coordinator.pending:
+        if mapped != self._last_mapped:
+            self.safe_point()
+        if self._armed or self._engine_core is None:
+            return  # an idle pass is already due, or not serving yet
+        if instance.coordinator.pending:
             self._arm(wakeup=False)
 
     # -- idle application ------------------------------------------------------------
@@ -181,6 +280,7 @@ class VllmRuntime:
     def _pass(self) -> EngineState:
         instance = self.instance
         assert instance is not None and self.pool is not None
+        self.pool.cleanup()
         state = instance.step()
         self.pool.invalidate_capacity()
         if self.pool.evict_on_retired_pages():
@@ -188,6 +288,33 @@ class VllmRuntime:
             self.pool.invalidate_capacity()
         self._last_mapped = instance.binding.blocks.pages.num_mapped
         return state
+
+
+_RUNNING: Any = None
+
+
+def _running_status() -> Any:
+    """vLLM's ``RequestStatus.RUNNING`` (imported once, on first use)."""
+    global _RUNNING
+    if _RUNNING is None:
+        from vllm.v1.request import RequestStatus
+
+        _RUNNING = RequestStatus.RUNNING
+    return _RUNNING
+
+
+def _blocks_needed(request: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   block_tokens: int) -> int:
+    """Blocks a refused admission needs for its whole prompt (its hit blocks excluded).
+
+    Not only the chunk ``allocate_slots`` was asked for: once started, a request
+    runs to the end (it is never preempted by a limit), so this is what it maps.
+    """
+    num_new = int(args[0]) if args else int(kwargs.get("num_new_tokens", 0))
+    num_hit = int(args[1]) if len(args) > 1 else int(kwargs.get("num_new_computed_tokens", 0))
+    num_ext = int(kwargs.get("num_external_computed_tokens", 0))
+    total = max(request.num_tokens, request.num_computed_tokens + num_hit + num_ext + num_new)
+    return max(1, -(-total // block_tokens) - num_hit // block_tokens)
 
 
 def _unlink_first_on_signal(socket_path: str) -> None:

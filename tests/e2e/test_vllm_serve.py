@@ -266,3 +266,29 @@ def test_limit_zero_drains_and_serves_after_raise(engines: tuple[Engine, Engine]
         raised = elastic.set_limit(None)
         assert waiting.result()["usage"]["completion_tokens"] == 8
     elastic.wait_state(raised, status="applied")
+
+
+def test_one_page_limit_right_after_a_cache_hit_never_kills_the_engine(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """Issue 11: a limit published while a request's prefix hit is looked up (100 tries)."""
+    import random
+
+    elastic, _ = engines
+    elastic.reset()
+    rng = random.Random(11)
+    bundle = elastic.state()["page_bundle_bytes"]
+    elastic.complete(f"{DOC} warm the cache")
+    with ThreadPoolExecutor(1) as pool:
+        for i in range(100):
+            posted = pool.submit(elastic.complete, f"{DOC} question {i}", 4)
+            time.sleep(rng.uniform(0.0, 0.02))
+            elastic.set_limit(bundle)  # one page: the document's cached pages must go
+            time.sleep(rng.uniform(0.0, 0.02))
+            revision = elastic.set_limit(None)  # the request may wait for memory until here
+            assert posted.result()["usage"]["completion_tokens"] == 4  # 200, engine alive
+            state = elastic.wait_state(revision, status="applied")
+            assert abs(state["mapped_bytes"] - elastic.server.kv_memfd_bytes()) <= bundle
+            if i % 10 == 0:
+                elastic.complete(f"{DOC} warm the cache")  # hits again in the next rounds
+    assert httpx.get(elastic.server.base_url + "/health", timeout=5).status_code == 200

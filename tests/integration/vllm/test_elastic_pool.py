@@ -185,7 +185,10 @@ def test_lower_limit_evicts_whole_pages(
     assert e.mapped_pages() == 7  # 24 blocks + the null block
     limit = 4 * e.bundle_bytes
     e.runtime.instance.set_limit(limit)  # type: ignore[union-attr]
-    free_seen = e.pool.get_num_free_blocks()  # top of an allocation: applies the target
+    assert e.pool.get_num_free_blocks() == 64 - 25 + 24  # allocation only reads: no target taken
+    assert e.mapped_pages() == 7
+    e.runtime.safe_point()  # the top of a scheduler step: takes the target, evicts
+    free_seen = e.pool.get_num_free_blocks()
     state = e.runtime.instance.state()  # type: ignore[union-attr]
     assert state.status is Status.APPLIED
     assert e.backend.mapped_bytes() <= limit
@@ -210,7 +213,7 @@ def test_reclaim_disabled_keeps_memory_and_still_serves(
         assert e.admit(request)
         e.finish(request)
     e.runtime.instance.set_limit(4 * e.bundle_bytes)  # type: ignore[union-attr]
-    e.pool.get_num_free_blocks()
+    e.runtime.safe_point()
     state = e.runtime.instance.state()  # type: ignore[union-attr]
     assert state.status is Status.DEFERRED and state.reason == "reclaim_disabled"
     assert e.mapped_pages() == 7  # only the free reserve went; cached pages stay mapped
@@ -262,12 +265,13 @@ def test_limit_zero_drains_then_serves_after_raise(make_elastic: Callable[..., E
     assert e.admit(request)
     e.finish(request)
     e.runtime.instance.set_limit(0)  # type: ignore[union-attr]
-    e.pool.get_num_free_blocks()
+    e.runtime.safe_point()
     assert e.pool.num_evictable_blocks == 0
     assert e.mapped_pages() == 1  # vLLM's null block pins one page for good
     waiting = e.make_request("w", tokens(2, PAGE_TOKENS))
     assert not e.admit(waiting)
     e.runtime.instance.set_limit(None)  # type: ignore[union-attr]
+    e.runtime.safe_point()
     assert e.admit(waiting)
 
 

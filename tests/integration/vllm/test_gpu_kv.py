@@ -360,7 +360,9 @@ def test_pool_maps_before_handing_out_and_unmaps_after_sync(
     manager.free(request)
 
     runtime.instance.set_limit(backend.layout.bundle_bytes)  # one page: the floor
-    manager.block_pool.get_num_free_blocks()  # top of an allocation: applies the target
+    manager.block_pool.get_num_free_blocks()  # allocation only reads: nothing unmapped here
+    assert len(backend.mapped_pages()) == 3
+    runtime.safe_point()  # the top of a scheduler step: takes the target, evicts, unmaps
     assert backend.mapped_pages() == [0]
     assert len(syncs) >= 2  # these unmaps ran after a device synchronize too
     assert int(views[LAYERS[0]][0].flatten()[0]) != 0  # the null block's page kept its data

@@ -1,0 +1,298 @@
+"""Limits published from a foreign thread at any point of vLLM's real ``EngineCore.step()``.
+
+The engine is vLLM's own ``EngineCore`` (scheduler, ``KVCacheManager``, prefix
+caching) with the plugin's patches and the CPU stub executor, whose tokens are
+computed from the KV memory read back (a block evicted or reused under a live
+request changes them). Limits (0, one page, unlimited, random) are published
+from a separate thread at the top of steps and, through a wrapper around
+``KVCacheManager.get_computed_blocks``, between a request's prefix lookup and
+its ``allocate_slots`` (the race that killed the EngineCore, ENGINES.md 1.6).
+Memory is measured from the kernel (the memfd's ``fstat`` blocks, what
+``/proc`` shows).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.core import EngineCore
+
+from engine_ext import EngineExtConfigError
+from engine_ext.protocol import Status
+from engine_ext.vllm import _patches, _runtime, make_tiny_model_dir, plugin
+from engine_ext.vllm._kv_memory import clear_kv_memory
+from engine_ext.vllm._stub_executor import StubExecutor
+
+pytestmark = pytest.mark.vllm
+
+BLOCK_TOKENS = 16
+PAGE_BYTES = 16 << 10  # per region: 4 blocks of the tiny model (2 layers x K/V regions)
+NUM_PAGES = 64
+
+
+@pytest.fixture
+def plugin_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """The plugin on (patches applied for this test only), settings from the environment."""
+    for key, value in {
+        "KVSIDECAR_ENABLE": "1", "KVSIDECAR_THREAD_GUARD": "1",
+        "KVSIDECAR_RUNTIME_DIR": str(tmp_path / "run"), "KVSIDECAR_PAGE_BYTES": str(PAGE_BYTES),
+        "KVSIDECAR_INSTANCE_ID": "core-test", "VLLM_TARGET_DEVICE": "cpu",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("KVSIDECAR_SIDECAR_URL", raising=False)
+    for patch in _patches.PATCHES:  # monkeypatch puts every original back afterwards
+        owner, name = _patches._resolve(patch.target)
+        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        monkeypatch.setattr(owner, name, original)
+    monkeypatch.setattr(_runtime, "_configured", None)
+    monkeypatch.setattr(_runtime, "_runtime", None)
+    plugin.register()
+    yield make_tiny_model_dir(tmp_path / "tiny")
+    clear_kv_memory()
+
+
+def build_core(
+    model_dir: Path, num_pages: int = NUM_PAGES, *, page_bytes: int = PAGE_BYTES,
+    max_model_len: int = 2048,
+) -> EngineCore:  # fmt: skip
+    bundle = page_bytes * 4  # 2 layers x (K, V) regions
+    args = EngineArgs(
+        model=str(model_dir), load_format="dummy", dtype="float16", block_size=BLOCK_TOKENS,
+        max_model_len=max_model_len, enable_prefix_caching=True,
+        kv_cache_memory_bytes=num_pages * bundle,
+        distributed_executor_backend=StubExecutor, max_num_seqs=6, max_num_batched_tokens=512,
+        disable_log_stats=True, enforce_eager=True,
+    )  # fmt: skip
+    config = args.create_engine_config()
+    return EngineCore(config, executor_class=StubExecutor, log_stats=False)
+
+
+def make_request(request_id: str, tokens: list[int], max_tokens: int) -> EngineCoreRequest:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    return EngineCoreRequest(
+        request_id=request_id, prompt_token_ids=tokens, mm_features=None, sampling_params=params,
+        pooling_params=None, arrival_time=time.time(), lora_request=None, cache_salt=None,
+        data_parallel_rank=None,
+    )  # fmt: skip
+
+
+def in_foreign_thread(action: Callable[[], object]) -> None:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            action()
+        except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="control")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+@dataclass
+class Run:
+    """What one randomized run produced."""
+
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # finished, not aborted
+    aborted: set[str] = field(default_factory=set)
+    applied_checks: int = 0
+    publishes: int = 0
+    races: int = 0  # publishes between get_computed_blocks and allocate_slots
+    tail: bool = False  # no more arrivals or limit changes: the limit is lifted, all drain
+
+
+def drive(
+    core: EngineCore, seed: int, *, num_steps: int, limits: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Run:  # fmt: skip
+    rng = random.Random(seed)
+    limit_rng = random.Random(seed + 1)
+    runtime = _runtime.current_runtime()
+    assert runtime is not None and runtime.instance is not None and runtime.pool is not None
+    instance = runtime.instance
+    backend = runtime.pool._blocks.pages.backend
+    bundle = instance.state().page_bundle_bytes
+    run = Run()
+
+    def publish() -> None:
+        choice = limit_rng.random()
+        if choice < 0.15:
+            limit: int | None = 0
+        elif choice < 0.3:
+            limit = bundle
+        elif choice < 0.45:
+            limit = None
+        elif choice < 0.75:  # just below what is mapped: a few cached pages must go
+            limit = max(0, backend.mapped_bytes() - limit_rng.randrange(1, 4) * bundle)
+        else:
+            limit = limit_rng.randrange(0, NUM_PAGES * bundle)
+        in_foreign_thread(lambda: instance.set_limit(limit))
+        run.publishes += 1
+
+    lookup = KVCacheManager.get_computed_blocks
+
+    def get_computed_blocks(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
+        result = lookup(self, *args, **kwargs)
+        if limits and not run.tail and result[1] > 0 and limit_rng.random() < 0.5:
+            publish()  # the hit blocks have ref_cnt 0 until allocate_slots touches them
+            run.races += 1
+        return result
+
+    monkeypatch.setattr(KVCacheManager, "get_computed_blocks", get_computed_blocks)
+    docs = [[rng.randrange(10, 3000) for _ in range(rng.choice((48, 80, 130)))] for _ in range(8)]
+    live: dict[str, list[int]] = {}
+    abort_at: dict[int, str] = {}  # drawn at arrival: the same in every run
+    step = 0
+    next_id = 0
+    while step < num_steps or live:
+        # bursts then quiet spells: cached documents sit unreferenced between their hits
+        if step < num_steps and rng.random() < (0.5 if (step // 40) % 2 else 0.04):
+            request_id = f"r{next_id}"
+            next_id += 1
+            tokens = rng.choice(docs) + [rng.randrange(10, 3000) for _ in range(rng.randrange(1, 40))]
+            core.add_request(*core.preprocess_add_request(
+                make_request(request_id, tokens, rng.randrange(1, 40))))  # fmt: skip
+            live[request_id] = []
+            if rng.random() < 0.1:
+                abort_at[step + rng.randrange(0, 30)] = request_id
+        victim = abort_at.pop(step, None)
+        if victim is not None and victim in live:
+            core.abort_requests([victim])
+            run.aborted.add(victim)
+            del live[victim]
+        if limits and step < num_steps and limit_rng.random() < 0.3:
+            publish()
+        if limits and step == num_steps:
+            run.tail = True
+            in_foreign_thread(lambda: instance.set_limit(None))  # let the tail drain
+        outputs, _ = core.step()
+        for client_outputs in outputs.values():
+            for out in client_outputs.outputs:
+                if out.request_id not in live:
+                    continue
+                live[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    run.outputs[out.request_id] = live.pop(out.request_id)
+        state = instance.state()
+        if state.status is Status.APPLIED and state.effective_limit_bytes is not None:
+            assert backend.mapped_bytes() <= state.effective_limit_bytes, state
+            run.applied_checks += 1
+        assert abs(state.mapped_bytes - backend.mapped_bytes()) <= bundle, state
+        step += 1
+        assert step < num_steps * 20, f"requests never finished: {sorted(live)} {state}"
+    monkeypatch.setattr(KVCacheManager, "get_computed_blocks", lookup)
+    return run
+
+
+def test_limits_from_a_foreign_thread_never_break_the_engine_core(
+    plugin_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = build_core(plugin_env)
+    try:
+        baseline = drive(core, 7, num_steps=1500, limits=False, monkeypatch=monkeypatch)
+        core.reset_prefix_cache()
+        stressed = drive(core, 7, num_steps=1500, limits=True, monkeypatch=monkeypatch)
+    finally:
+        core.shutdown()
+    assert stressed.races > 50 and stressed.publishes > 300 and stressed.applied_checks > 100
+    # every request completed or was aborted (drive() asserts none is left running)
+    assert set(stressed.outputs) | stressed.aborted == set(baseline.outputs) | baseline.aborted
+    both = set(stressed.outputs) & set(baseline.outputs)
+    assert len(both) > 200
+    for request_id in both:  # the same tokens as without limit changes
+        assert stressed.outputs[request_id] == baseline.outputs[request_id], request_id
+
+
+def test_small_limit_never_hangs_a_request_silently(
+    plugin_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11's hang: a 2-page limit, A (700 + 3000 tokens) running, B (1500) waiting."""
+    page_bytes = 64 << 10  # 16 blocks of 16 tokens per page (the default)
+    monkeypatch.setenv("KVSIDECAR_PAGE_BYTES", str(page_bytes))
+    core = build_core(plugin_env, 64, page_bytes=page_bytes, max_model_len=4096)
+    runtime = _runtime.current_runtime()
+    assert runtime is not None and runtime.instance is not None and runtime.pool is not None
+    instance = runtime.instance
+    backend = runtime.pool._blocks.pages.backend
+    bundle = instance.state().page_bundle_bytes
+    rng = random.Random(3)
+    finished: dict[str, int] = {}
+    seen_waiting: list[int] = []
+
+    def step() -> None:
+        outputs, _ = core.step()
+        for client_outputs in outputs.values():
+            for out in client_outputs.outputs:
+                finished[out.request_id] = finished.get(out.request_id, 0) + len(out.new_token_ids)
+        state = instance.state()
+        assert abs(state.mapped_bytes - backend.mapped_bytes()) <= bundle, state
+
+    try:
+        prompt_a = [rng.randrange(10, 3000) for _ in range(700)]
+        core.add_request(*core.preprocess_add_request(make_request("A", prompt_a, 3000)))
+        step()  # A is running
+        in_foreign_thread(lambda: instance.set_limit(2 * bundle))
+        prompt_b = [rng.randrange(10, 3000) for _ in range(1500)]
+        core.add_request(*core.preprocess_add_request(make_request("B", prompt_b, 16)))
+        for _ in range(4000):
+            step()
+            state = instance.state()
+            if state.waiting_reason == "waiting_for_memory":
+                seen_waiting.append(state.waiting_bytes)
+            if "A" in finished and finished["A"] >= 3000:
+                break
+        assert finished.get("A") == 3000  # A was never preempted by the limit: it finished
+        assert finished.get("B", 0) == 0
+        step()  # B still waits: the engine keeps stepping, the counts follow
+        state = instance.state()
+        block_bytes = bundle // 16
+        needed = -(-1500 // BLOCK_TOKENS) * block_bytes
+        assert state.num_waiting_requests == 1 and state.num_running_requests == 0
+        assert state.waiting_reason == "waiting_for_memory" and state.waiting_bytes >= needed
+        assert seen_waiting and state.status is Status.APPLIED  # A's overage is gone
+        assert backend.mapped_bytes() <= 2 * bundle
+        in_foreign_thread(lambda: instance.set_limit(None))  # raising the limit lets B run
+        for _ in range(200):
+            step()
+            if finished.get("B", 0) >= 16:
+                break
+        assert finished.get("B") == 16
+        assert instance.state().waiting_reason is None
+    finally:
+        core.shutdown()
+
+
+def test_in_process_engine_core_is_refused(
+    plugin_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with pytest.raises(EngineExtConfigError, match="VLLM_ENABLE_V1_MULTIPROCESSING"):
+        build_core(plugin_env)
+
+
+def test_data_parallel_busy_loop_is_refused(plugin_env: Path) -> None:
+    from vllm.v1.engine.core import DPEngineCoreProc
+
+    class Probe:  # run_busy_loop refuses before touching the engine
+        pass
+
+    _runtime._runtime = _runtime.VllmRuntime(*_runtime._configured)  # type: ignore[misc]
+    with pytest.raises(EngineExtConfigError, match="data parallel"):
+        DPEngineCoreProc.run_busy_loop(Probe())  # type: ignore[arg-type]
