@@ -135,10 +135,10 @@ def test_two_vllm_engines_overcommit_the_device_and_memory_follows_the_limits(
     # The operator moves memory: A down to 8 page bundles, B then gets 20.
     ma.block_pool.free_blocks(got_a[8 * blocks_per_page:])
     ra.instance.set_limit(8 * bundle)
-    ma.block_pool.get_num_free_blocks()
+    ra.safe_point()  # limits apply at safe points only (top of a scheduler step, idle)
     assert mem_a.backend.mapped_bytes() <= 9 * bundle
     rb.instance.set_limit(None)
-    mb.block_pool.get_num_free_blocks()
+    rb.safe_point()
     got_b = mb.block_pool.get_new_blocks(20 * blocks_per_page)
     assert len(got_b) == 20 * blocks_per_page and used() <= device
     for _, runtime, _, _ in engines:
