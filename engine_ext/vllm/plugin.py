@@ -35,7 +35,7 @@ def register() -> None:
     from engine_ext.vllm._settings import load_vllm_settings
 
     vllm_settings = load_vllm_settings()  # bad values refuse to start before anything changes
-    changed = apply_patches(vllm.__version__)
+    changed = apply_patches(vllm.__version__).targets
     if engine.thread_guard:
         ThreadGuard.set_default_enabled(True)
     if engine.instance_id is None:
