@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -411,9 +411,3 @@ def claim_block(blocks: BlockAllocator, wanted: int) -> None:
     finally:
         if taken:
             blocks.free(taken)
-
-
-def blocks_of(slots: Iterable[int], page_size: int) -> set[int]:
-    """The blocks (SGLang pages) that hold these token slots."""
-    return {s // page_size for s in slots}
-

@@ -24,7 +24,14 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .. import Demand, ElasticInstance, EngineBinding, EngineSettings, Reclaimer
+from .. import (
+    Demand,
+    ElasticInstance,
+    EngineBinding,
+    EngineExtConfigError,
+    EngineSettings,
+    Reclaimer,
+)
 from ._accounting import sync_capacity
 from ._allocator import ElasticTokenAllocator
 from ._reclaimers import make_reclaimer
@@ -53,7 +60,6 @@ class ElasticPool:
         self.allocator = allocator
         self.reclaimer = reclaimer
         self.waker: PipeWaker | None = None  # wakes --sleep-on-idle polls on publish
-        self.num_idle_passes = 0  # on_idle calls that ran a coordinator pass
         self._stepped = False
 
     @classmethod
@@ -69,7 +75,7 @@ class ElasticPool:
         """
         allocator = scheduler.token_to_kv_pool_allocator
         if not isinstance(allocator, ElasticTokenAllocator):
-            raise TypeError(f"the scheduler's allocator is {type(allocator).__name__}, not the "
+            raise EngineExtConfigError(f"the scheduler's allocator is {type(allocator).__name__}, not the "
                             "kvsidecar allocator; call install() before building the scheduler")
         reclaimer = make_reclaimer(scheduler.tree_cache, allocator)
         waker = PipeWaker()
@@ -107,11 +113,9 @@ class ElasticPool:
             self.waker.drain()
         pending = self.instance.coordinator.pending
         self._step()  # not pending: cheap, only refreshes the state if mapped memory moved
-        if pending:
-            self.num_idle_passes += 1
-            if self._over_target() and self.scheduler.is_fully_idle() \
-                    and self._drain_padding_page():
-                self._step()  # page 0 unmapped: recompute the status
+        if pending and self._over_target() and self.scheduler.is_fully_idle() \
+                and self._drain_padding_page():
+            self._step()  # page 0 unmapped: recompute the status
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
 
     def demand(self) -> Demand:

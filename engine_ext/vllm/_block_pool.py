@@ -36,6 +36,8 @@ from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
+from engine_ext._errors import EngineExtConfigError
+
 if TYPE_CHECKING:
     from allocator import BlockAllocator, ThreadGuard
     from engine_ext import LimitMailbox
@@ -104,7 +106,7 @@ class ElasticBlockPool(BlockPool):
         self.free_block_queue = FreeKVCacheBlockQueue([])
         null = self._blocks.alloc(1)
         if null != [0]:
-            raise RuntimeError(
+            raise EngineExtConfigError(
                 f"the block allocator handed out {null} first, not vLLM's null block 0: "
                 "build the pool over a fresh allocator with KVSIDECAR_RESERVE_PAGES=0"
             )

@@ -34,6 +34,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from engine_ext._cleanup import clear_owner
+from engine_ext._errors import EngineExtConfigError
 from engine_ext.protocol import EngineState, Status
 from engine_ext.vllm._block_pool import PoolBacking
 from engine_ext.vllm._kv_memory import claim_kv_memory
@@ -83,12 +84,12 @@ class VllmRuntime:
     def build_backing(self, pool: ElasticBlockPool, num_gpu_blocks: int) -> PoolBacking:
         import vllm
 
-        from allocator import BlockAllocator, PageAllocator, ThreadGuard
+        from allocator import BlockAllocator, PageAllocator
         from engine_ext import ElasticInstance, EngineBinding
 
         memory = claim_kv_memory()
         if memory is None:
-            raise RuntimeError(
+            raise EngineExtConfigError(
                 "kvsidecar: the KV cache is not on a kvsidecar reservation. On CPU run vLLM with "
                 "--distributed-executor-backend engine_ext.vllm.cpu_harness.StubExecutor; on a "
                 "GPU the worker must run in the EngineCore process (world size 1, "
@@ -96,12 +97,12 @@ class VllmRuntime:
                 "Or unset KVSIDECAR_ENABLE."
             )
         if memory.num_blocks != num_gpu_blocks or num_gpu_blocks % memory.blocks_per_page:
-            raise RuntimeError(
+            raise EngineExtConfigError(
                 f"kvsidecar: vLLM plans {num_gpu_blocks} KV blocks but the reservation holds "
                 f"{memory.num_blocks} in pages of {memory.blocks_per_page}; the block count must "
                 "be a whole number of pages (size the KV memory in whole pages)"
             )
-        guard = ThreadGuard("vllm-block-pool", enabled=self.engine_settings.thread_guard or None)
+        guard = self.engine_settings.new_thread_guard("vllm-block-pool")
         guard.bind_current()
         pages = PageAllocator(memory.backend, reserve_pages=self.engine_settings.reserve_pages,
                               guard=guard)  # fmt: skip

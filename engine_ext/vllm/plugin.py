@@ -28,7 +28,6 @@ def register() -> None:
         return
     import vllm
 
-    from allocator import ThreadGuard
     from engine_ext.vllm._instance_id import export_default_instance_id
     from engine_ext.vllm._patches import apply_patches
     from engine_ext.vllm._runtime import configure
@@ -36,8 +35,6 @@ def register() -> None:
 
     vllm_settings = load_vllm_settings()  # bad values refuse to start before anything changes
     changed = apply_patches(vllm.__version__).targets
-    if engine.thread_guard:
-        ThreadGuard.set_default_enabled(True)
     if engine.instance_id is None:
         export_default_instance_id(sys.argv, os.environ)
         engine = load_engine_settings()
