@@ -6,6 +6,8 @@ import pytest
 
 from allocator import ThreadGuard
 
+pytest_plugins = ["support.fixtures"]  # sidecar_url, module_sidecar_url (see tests/support)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     ThreadGuard.set_default_enabled(True)

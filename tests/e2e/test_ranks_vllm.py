@@ -22,11 +22,9 @@ import pytest
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
 import psutil
-from live_sidecar import ThreadedSidecar
 
 from engine_ext.ranks import memfd_view
 from engine_ext.vllm import VllmServer, launch_vllm_server, make_document, make_tiny_model_dir
-from sidecar import SidecarSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -82,12 +80,6 @@ class Engine:
         return [sum(n for _, n in memfd_view(pid, "kvsidecar-stub-kv")) for pid in self.rank_pids()]
 
 
-@pytest.fixture(scope="module")
-def sidecar_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    settings = SidecarSettings(db_path=tmp_path_factory.mktemp("sidecar") / "s.db")
-    with ThreadedSidecar(settings) as server:
-        yield server.url
-
 
 def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine:
     runtime = tmp / name
@@ -100,12 +92,12 @@ def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory, sidecar_url: str) -> Iterator[dict[str, Engine]]:
+def engines(tmp_path_factory: pytest.TempPathFactory, module_sidecar_url: str) -> Iterator[dict[str, Engine]]:
     tmp = tmp_path_factory.mktemp("vllm-ranks")
     model_dir = make_tiny_model_dir(tmp / "model")
     with ThreadPoolExecutor(2) as pool:
         tp2 = pool.submit(_start, tmp, model_dir, "tp2", {
-            "KVSIDECAR_STUB_TP": "2", "KVSIDECAR_SIDECAR_URL": sidecar_url,
+            "KVSIDECAR_STUB_TP": "2", "KVSIDECAR_SIDECAR_URL": module_sidecar_url,
             "KVSIDECAR_HEARTBEAT_S": "0.5"})
         pp2 = pool.submit(_start, tmp, model_dir, "pp2", {"KVSIDECAR_STUB_PP": "2"})
         started = {"tp2": tp2.result(), "pp2": pp2.result()}
@@ -171,9 +163,9 @@ def _scenario(engine: Engine, lower: Callable[[int], int]) -> None:
     assert [engine.complete(p, timeout_s=60) for p in KEPT] == reference  # serving, same tokens
 
 
-def test_tp2_reference_scenario_via_sidecar(engines: dict[str, Engine], sidecar_url: str) -> None:
+def test_tp2_reference_scenario_via_sidecar(engines: dict[str, Engine], module_sidecar_url: str) -> None:
     engine = engines["tp2"]
-    api = httpx.Client(base_url=sidecar_url, timeout=30)
+    api = httpx.Client(base_url=module_sidecar_url, timeout=30)
 
     def lower(limit: int) -> int:
         reply = api.put("/instances/tp2/limit", json={"limit": limit})

@@ -24,7 +24,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
-from live_sidecar import ThreadedSidecar
 
 from engine_ext.vllm import (
     VllmServer,
@@ -32,7 +31,6 @@ from engine_ext.vllm import (
     make_document,
     make_tiny_model_dir,
 )
-from sidecar import SidecarSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 RETAINED_LIMIT = 4 << 20  # PUT before the engine exists: applied before its first request
@@ -88,12 +86,6 @@ class Engine:
         self.wait_state(revision, status="applied")
 
 
-@pytest.fixture(scope="module")
-def sidecar_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    settings = SidecarSettings(db_path=tmp_path_factory.mktemp("sidecar") / "s.db")
-    with ThreadedSidecar(settings) as server:
-        yield server.url
-
 
 def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine:
     runtime_dir = tmp / name
@@ -115,13 +107,13 @@ def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine
 
 @pytest.fixture(scope="module")
 def engines(
-    tmp_path_factory: pytest.TempPathFactory, sidecar_url: str
+    tmp_path_factory: pytest.TempPathFactory, module_sidecar_url: str
 ) -> Iterator[tuple[Engine, Engine]]:
     tmp = tmp_path_factory.mktemp("vllm-serve")
     model_dir = make_tiny_model_dir(tmp / "model")
-    retained = httpx.put(f"{sidecar_url}/instances/elastic/limit", json={"limit": RETAINED_LIMIT})
+    retained = httpx.put(f"{module_sidecar_url}/instances/elastic/limit", json={"limit": RETAINED_LIMIT})
     assert retained.status_code in (200, 202) and retained.json()["status"] == "pending"
-    to_sidecar = {"KVSIDECAR_SIDECAR_URL": sidecar_url, "KVSIDECAR_HEARTBEAT_S": "0.5"}
+    to_sidecar = {"KVSIDECAR_SIDECAR_URL": module_sidecar_url, "KVSIDECAR_HEARTBEAT_S": "0.5"}
     with ThreadPoolExecutor(2) as pool:
         elastic_f = pool.submit(_start, tmp, model_dir, "elastic", to_sidecar)
         main_f = pool.submit(_start, tmp, model_dir, "main", {"KVSIDECAR_RECLAIM": "0"})
@@ -137,10 +129,10 @@ def engines(
 
 
 def test_sidecar_retained_limit_then_push_applies(
-    engines: tuple[Engine, Engine], sidecar_url: str
+    engines: tuple[Engine, Engine], module_sidecar_url: str
 ) -> None:
     elastic, _ = engines
-    api = httpx.Client(base_url=sidecar_url, timeout=30)
+    api = httpx.Client(base_url=module_sidecar_url, timeout=30)
     state = elastic.state()  # retained limit taken before the first request
     assert (state["revision"], state["limit_bytes"], state["status"]) == (1, RETAINED_LIMIT, "applied")
     _fill_prefix_cache(elastic)
