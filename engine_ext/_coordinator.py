@@ -314,7 +314,7 @@ class ShrinkCoordinator:
         over = 0 if effective is None else max(0, mapped - effective)
         reclaimable = self._scan_reclaimable(force=done.requested_pages > 0)
         # a slow or dead rank keeps the status deferred even with no limit: never "applied"
-        # while a rank has not confirmed (DESIGN.md, Statuses)
+        # while a rank has not confirmed (docs/design.md, "Statuses")
         reason = self._reason(over, reclaimable, barrier, limited=limit is not None)
         bundle = self._bundle_bytes
         return EngineState(

@@ -1,4 +1,4 @@
-"""Shared test set-up: the thread guard is on for every test (DESIGN.md, "the one rule")."""
+"""Shared test set-up: the thread guard is on for every test (docs/design.md, "the one rule")."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Where the coordinator runs, and why there:
   ``available + evictable``. A pass between admission and allocation could
   take away capacity admission already promised, and SGLang turns a failed
   prefill allocation into a ``RuntimeError`` that ends the scheduler
-  (ENGINES.md 2.6); so the allocation-time hook only makes sure the first
+  (docs/engine-hooks.md 2.6); so the allocation-time hook only makes sure the first
   pass (the retained limit) ran, and capacity never shrinks under a batch.
 * :meth:`ElasticPool.on_idle` -- wraps ``Scheduler.on_idle``: a pass when a
   limit is pending, then the leak check's total is synced

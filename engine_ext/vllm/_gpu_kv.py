@@ -2,7 +2,7 @@
 
 vLLM's GPU worker makes one ``torch.zeros(size, int8)`` backing allocation for
 every KV tensor and views it per layer (``vllm/v1/worker/utils.py``
-``allocate_kv_cache``, ENGINES.md 1.10). With kvsidecar enabled on CUDA two
+``allocate_kv_cache``, docs/engine-hooks.md 1.10). With kvsidecar enabled on CUDA two
 patches (``_patches.PATCHES``) replace that with a reservation whose pages the
 ``ElasticBlockPool`` maps on demand:
 

@@ -88,7 +88,7 @@ _V033 = SpecifierSet(">=0.33.0,<0.34")
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "vllm.v1.core.kv_cache_coordinator:BlockPool", _V033, _block_pool,
-        "KVCacheCoordinator builds its BlockPool by this module-level name (ENGINES.md 1.5)",
+        "KVCacheCoordinator builds its BlockPool by this module-level name (docs/engine-hooks.md 1.5)",
     ),
     Patch(
         "vllm.v1.engine.core:EngineCoreProc.run_busy_loop", _V033, _run_busy_loop,
@@ -98,12 +98,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "vllm.v1.engine.core:get_kv_cache_configs", _V033, _plan_kv_cache,
         "GPU path (CUDA, uni executor): refuse unsupported set-ups, round num_blocks down to "
-        "whole CudaBackend pages before the scheduler is built (ENGINES.md 1.10)",
+        "whole CudaBackend pages before the scheduler is built (docs/engine-hooks.md 1.10)",
     ),
     Patch(
         "vllm.v1.worker.gpu_model_runner:allocate_kv_cache", _V033, _place_kv_cache,
         "GPU path: KV tensors as vLLM's own views over a CudaBackend reservation, published "
-        "for the ElasticBlockPool, which maps pages on demand (ENGINES.md 1.10)",
+        "for the ElasticBlockPool, which maps pages on demand (docs/engine-hooks.md 1.10)",
     ),
     Patch(
         "vllm.v1.worker.gpu.attn_utils:allocate_kv_cache", _V033, _place_kv_cache,

@@ -16,7 +16,7 @@ survive a fork. The rest happens in the EngineCore process:
    allocation; a publish from any thread calls :meth:`wake`, which registers a
    one-shot callback on ``EngineCore._idle_state_callbacks`` and puts a
    ``WAKEUP`` on the input queue, so an idle engine applies the limit within
-   one busy-loop pass (ENGINES.md 1.7).
+   one busy-loop pass (docs/engine-hooks.md 1.7).
 
 Threads: :meth:`wake` from any thread; everything else on the busy-loop thread.
 """
