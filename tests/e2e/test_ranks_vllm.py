@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support import wait_until
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
@@ -52,6 +53,12 @@ class Engine:
         assert response.status_code == 200, response.text
         return str(response.json()["choices"][0]["text"])
 
+    def requests_in_flight(self) -> int:
+        """Requests the API server holds right now (``--enable-server-load-tracking``)."""
+        response = httpx.get(self.server.base_url + "/load", timeout=10)
+        assert response.status_code == 200, response.text
+        return int(response.json()["server_load"])
+
     def rank_pids(self) -> list[int]:
         tree = psutil.Process(self.server.proc.pid).children(recursive=True)
         return [p.pid for p in tree if "engine_ext.ranks" in " ".join(p.cmdline())]
@@ -80,19 +87,20 @@ class Engine:
         return [sum(n for _, n in memfd_view(pid, "kvsidecar-stub-kv")) for pid in self.rank_pids()]
 
 
-
 def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine:
     runtime = tmp / name
     server = launch_vllm_server(model_dir, env={
         "KVSIDECAR_ENABLE": "1", "KVSIDECAR_THREAD_GUARD": "1", "KVSIDECAR_INSTANCE_ID": name,
         "KVSIDECAR_RUNTIME_DIR": str(runtime), **env,
-    }, extra_args=["--max-num-seqs", "8"], log_path=tmp / f"{name}.log")
+    }, extra_args=["--max-num-seqs", "8", "--enable-server-load-tracking"],
+        log_path=tmp / f"{name}.log")
     world = int(env.get("KVSIDECAR_STUB_TP", "1")) * int(env.get("KVSIDECAR_STUB_PP", "1"))
     return Engine(server, runtime / name / "control.sock", str(model_dir), world)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory, module_sidecar_url: str) -> Iterator[dict[str, Engine]]:
+def engines(tmp_path_factory: pytest.TempPathFactory,
+            module_sidecar_url: str) -> Iterator[dict[str, Engine]]:
     tmp = tmp_path_factory.mktemp("vllm-ranks")
     model_dir = make_tiny_model_dir(tmp / "model")
     with ThreadPoolExecutor(2) as pool:
@@ -137,7 +145,8 @@ def _scenario(engine: Engine, lower: Callable[[int], int]) -> None:
     with ThreadPoolExecutor(8) as pool:
         kept = [pool.submit(engine.complete, p) for p in KEPT]
         aborted = [pool.submit(abandoned, i) for i in range(4)]
-        time.sleep(0.3)
+        wait_until(lambda: engine.requests_in_flight() >= len(KEPT),
+                   what="requests in flight")
         revision = lower(limit)
         texts = [f.result() for f in kept]
         for f in aborted:
@@ -181,7 +190,8 @@ def test_tp2_reference_scenario_via_sidecar(engines: dict[str, Engine], module_s
         view = api.get("/instances/tp2").json()
     assert view["status"] == "applied", view
     ranks = view["observed"]["ranks"]
-    assert view["observed"]["num_ranks"] in (1, 2) and all(r["alive"] for r in ranks)
+    assert view["observed"]["num_ranks"] == engine.world == 2  # a TP=2 engine: both ranks
+    assert len(ranks) == 2 and all(r["alive"] for r in ranks)
 
 
 def test_pp2_reference_scenario_in_process_control_socket(engines: dict[str, Engine]) -> None:
