@@ -53,7 +53,7 @@ class CoordinatorConfig:
 
     reclaim: bool = True  # False: record targets, never evict (the "without reclaim" baseline)
     max_evict_pages_per_step: int | None = None  # cap per pass; None = the whole overage
-    # how often a pass may rescan evictable/pinned figures (an O(evictable) scan; DESIGN.md
+    # how often a pass may rescan evictable/pinned figures (an O(evictable) scan; the design
     # asks for figures at most 100 ms old while busy)
     stats_interval_s: float = 0.1
     # While deferred for a reason eviction cannot fix now (running requests, reclaim off, a
