@@ -140,7 +140,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         # Not max(available, obtainable): SGLang evicts for its conservative estimate (one
         # page per request more than it may need), and a partial eviction can *lower*
         # available here; only "after evicting everything" is sure.
-        return min(stock, self.obtainable_blocks() * self.page_size)
+        return int(min(stock, self.obtainable_blocks() * self.page_size))
 
     def obtainable_blocks(self) -> int:
         """A lower bound of the free blocks once every unlocked cache block is evicted.

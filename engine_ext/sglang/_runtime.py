@@ -175,7 +175,7 @@ class ElasticPool:
 
 
 def _num_waiting(scheduler: Any) -> int:
-    queue = getattr(scheduler, "waiting_queue", None)  # SGLang's Scheduler
+    queue: Any = getattr(scheduler, "waiting_queue", None)  # SGLang's Scheduler
     if queue is None:
         queue = getattr(scheduler, "waiting", ())  # the CPU harness
     return len(queue)
