@@ -132,10 +132,10 @@ def torch_unmap_fence(device: object) -> UnmapFence:
     import torch  # lazy: the allocator imports without torch
 
     def synchronize() -> None:
-        torch.cuda.synchronize(device)  # type: ignore[arg-type]
+        torch.cuda.synchronize(device)
 
     def make_event() -> DeviceEvent:
-        event: DeviceEvent = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event: DeviceEvent = torch.cuda.Event()
         return event
 
     return UnmapFence(make_event, synchronize)

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Mapping
 from typing import ClassVar
 
 from ._errors import ForeignThreadError
-
-ENV_VAR = "KVSIDECAR_THREAD_GUARD"
 
 
 class ThreadGuard:
@@ -21,8 +17,8 @@ class ThreadGuard:
     makes the calling thread the owner.
 
     ``enabled=None`` takes the process default at construction: off, unless
-    :meth:`set_default_enabled` turned it on (tests do) or
-    :meth:`load_default_from_env` read ``KVSIDECAR_THREAD_GUARD=1``.
+    :meth:`set_default_enabled` turned it on (tests do). Engines pass
+    ``enabled`` from ``KVSIDECAR_THREAD_GUARD`` (``EngineSettings.new_thread_guard``).
 
     Any thread may construct a guard; ``bind_current`` and ``check`` are meant
     for the owning thread (a foreign ``check`` raises, which is the point).
@@ -40,18 +36,6 @@ class ThreadGuard:
     def set_default_enabled(flag: bool) -> None:
         """Turn the guard on or off for every guard constructed with ``enabled=None`` later."""
         ThreadGuard._default_enabled = bool(flag)
-
-    @staticmethod
-    def load_default_from_env(environ: Mapping[str, str] | None = None) -> bool:
-        """Read ``KVSIDECAR_THREAD_GUARD`` once (``1``/``true``/``yes``/``on`` = on).
-
-        Call it from an entry point; nothing reads the variable at import time.
-        Returns the resulting default.
-        """
-        env = os.environ if environ is None else environ
-        value = env.get(ENV_VAR, "").strip().lower()
-        ThreadGuard.set_default_enabled(value in {"1", "true", "yes", "on"})
-        return ThreadGuard._default_enabled
 
     def bind_current(self) -> None:
         """Make the calling thread the owner (e.g. when the engine loop starts)."""

@@ -1,4 +1,4 @@
-"""Engine-agnostic core of the engine extension (DESIGN.md, "engine_ext/").
+"""Engine-agnostic core of the engine extension (docs/design.md; where things live: docs/architecture.md).
 
 Any thread *publishes* a limit into the :class:`LimitMailbox`; only the engine
 thread *applies* it, in :meth:`ShrinkCoordinator.step`, by evicting whole

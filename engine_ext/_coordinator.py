@@ -53,7 +53,7 @@ class CoordinatorConfig:
 
     reclaim: bool = True  # False: record targets, never evict (the "without reclaim" baseline)
     max_evict_pages_per_step: int | None = None  # cap per pass; None = the whole overage
-    # how often a pass may rescan evictable/pinned figures (an O(evictable) scan; DESIGN.md
+    # how often a pass may rescan evictable/pinned figures (an O(evictable) scan; the design
     # asks for figures at most 100 ms old while busy)
     stats_interval_s: float = 0.1
     # While deferred for a reason eviction cannot fix now (running requests, reclaim off, a
@@ -314,7 +314,7 @@ class ShrinkCoordinator:
         over = 0 if effective is None else max(0, mapped - effective)
         reclaimable = self._scan_reclaimable(force=done.requested_pages > 0)
         # a slow or dead rank keeps the status deferred even with no limit: never "applied"
-        # while a rank has not confirmed (DESIGN.md, Statuses)
+        # while a rank has not confirmed (docs/design.md, "Statuses")
         reason = self._reason(over, reclaimable, barrier, limited=limit is not None)
         bundle = self._bundle_bytes
         # model_construct: every field is computed here from the allocator and the

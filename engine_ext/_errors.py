@@ -3,7 +3,10 @@
 ::
 
     EngineExtError                  base: catch this to catch everything below
-    ├── EngineExtConfigError        bad settings or runtime dir; fatal at start-up, fix the config
+    ├── EngineExtConfigError        every start-up refusal: bad settings, runtime dir, an engine
+    │   │                           set-up or version kvsidecar does not support; the message
+    │   │                           says the reason and the fix
+    │   └── UnsupportedEngineError  (engine_ext._patching) the engine does not match a patch table
     └── EngineExtContractError      a caller bug: a bad limit or revision from in-process code
 
 Allocator errors (:class:`allocator.AllocatorError`, including
@@ -18,7 +21,12 @@ class EngineExtError(Exception):
 
 
 class EngineExtConfigError(EngineExtError):
-    """Settings or the runtime directory cannot work. Raised at start-up."""
+    """kvsidecar refuses to start: settings, runtime directory or engine set-up cannot work.
+
+    Every start-up refusal of the core and the adapters is this class or a
+    subclass, and its message names the reason and the fix (a setting to
+    change, an engine option to drop, or ``KVSIDECAR_ENABLE=0``).
+    """
 
 
 class EngineExtContractError(EngineExtError, ValueError):

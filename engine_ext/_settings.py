@@ -15,7 +15,7 @@ from allocator import ThreadGuard
 from ._errors import EngineExtConfigError
 from .protocol import ID_PATTERN, parse_limit, parse_size
 
-__all__ = ["EngineSettings", "load_engine_settings"]
+__all__ = ["EngineSettings", "load_engine_settings", "settings_error"]
 
 
 def _limit(value: Any) -> int | None:
@@ -90,14 +90,13 @@ class EngineSettings(BaseSettings):
             raise ValueError(f"{value!r} is not an http(s) URL, e.g. http://127.0.0.1:8570")
         return value.rstrip("/")
 
-    def apply_thread_guard(self) -> None:
-        """Turn the thread guard on for allocators built after this, if the setting asks.
+    def new_thread_guard(self, name: str) -> ThreadGuard:
+        """The guard for an adapter's allocators: the one place ``KVSIDECAR_THREAD_GUARD`` acts.
 
-        Adapters call it before building the allocator. It never turns the
-        guard off (tests switch it on for the whole process).
+        On when the setting asks; otherwise the process default (off, unless
+        tests switched it on for the whole process).
         """
-        if self.thread_guard:
-            ThreadGuard.set_default_enabled(True)
+        return ThreadGuard(name, enabled=self.thread_guard or None)
 
     def resolved_instance_id(self, engine: str) -> str:
         """The instance id, defaulting to ``<engine>-<pid>``."""
@@ -118,8 +117,15 @@ def load_engine_settings(**overrides: Any) -> EngineSettings:
     try:
         return EngineSettings(**overrides)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"KVSIDECAR_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
-            for e in exc.errors()
-        )
-        raise EngineExtConfigError(f"bad kvsidecar engine settings: {problems}") from None
+        raise settings_error(exc, "engine") from None
+
+
+def settings_error(exc: ValidationError, what: str) -> EngineExtConfigError:
+    """The one message for bad ``KVSIDECAR_*`` values: each variable with what is wrong."""
+    problems = "; ".join(
+        f"KVSIDECAR_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
+        for e in exc.errors()
+    )
+    return EngineExtConfigError(
+        f"bad kvsidecar {what} settings: {problems} (fix or unset these variables)"
+    )

@@ -109,7 +109,7 @@ def format_size(num_bytes: int | None) -> str:
 
 
 class Status(str, Enum):
-    """The one status vocabulary (DESIGN.md, "Statuses")."""
+    """The one status vocabulary (docs/design.md, "Statuses")."""
 
     PENDING = "pending"  # sidecar holds the limit; the engine has not acknowledged it
     DEFERRED = "deferred"  # engine holds the target but maps more; carries reason + overage

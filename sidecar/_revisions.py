@@ -1,4 +1,4 @@
-"""Revision rules for a desired limit (DESIGN.md, "revision"): pure functions."""
+"""Revision rules for a desired limit (docs/design.md, "revision"): pure functions."""
 
 from __future__ import annotations
 

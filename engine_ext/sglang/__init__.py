@@ -1,4 +1,4 @@
-"""kvsidecar's adapter for SGLang 0.5.23 (DESIGN.md, "engine_ext/ -- Adapters").
+"""kvsidecar's adapter for SGLang 0.5.23 (docs/sglang.md, docs/engine-hooks.md 2).
 
 * :class:`ElasticTokenAllocator` -- SGLang's paged token-to-KV allocator over
   the core's :class:`allocator.BlockAllocator` (SGLang page = block).

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -140,7 +140,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         # Not max(available, obtainable): SGLang evicts for its conservative estimate (one
         # page per request more than it may need), and a partial eviction can *lower*
         # available here; only "after evicting everything" is sure.
-        return min(stock, self.obtainable_blocks() * self.page_size)
+        return int(min(stock, self.obtainable_blocks() * self.page_size))
 
     def obtainable_blocks(self) -> int:
         """A lower bound of the free blocks once every unlocked cache block is evicted.
@@ -411,9 +411,3 @@ def claim_block(blocks: BlockAllocator, wanted: int) -> None:
     finally:
         if taken:
             blocks.free(taken)
-
-
-def blocks_of(slots: Iterable[int], page_size: int) -> set[int]:
-    """The blocks (SGLang pages) that hold these token slots."""
-    return {s // page_size for s in slots}
-

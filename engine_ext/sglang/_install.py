@@ -1,16 +1,24 @@
-"""Apply (and, for tests, undo) the patch table, once per process.
+"""Apply (and, for tests, undo) the SGLang tables, once per process; the scheduler entry.
 
 :func:`install` reads the settings (``KVSIDECAR_*``) unless given, does
-nothing when ``KVSIDECAR_ENABLE`` is off, refuses an SGLang outside every
-patch's version range, then applies :data:`._patches.PATCHES`. Calling it
-again is a no-op; nothing is patched at import time.
+nothing when ``KVSIDECAR_ENABLE`` is off, refuses an SGLang outside the
+supported range, then applies :data:`._patches.PATCHES` after checking every
+patch and :data:`._patches.TOUCHES` target (all or nothing, see
+:mod:`engine_ext._patching`). Calling it again is a no-op; nothing is patched
+at import time.
+
+SGLang starts schedulers with the ``spawn`` method, so a spawned process
+imports its target by name and sees none of the parent's patches. The
+parent's ``Engine.run_scheduler_process_func`` (and the launcher's
+``launch_server`` argument) therefore point to :func:`run_scheduler_process`:
+install in that process (settings from the inherited ``KVSIDECAR_*``
+environment), then run SGLang's own ``run_scheduler_process`` unchanged.
 
 Thread: the process's main thread, before SGLang builds its engine/scheduler.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 from typing import Any
@@ -18,15 +26,16 @@ from typing import Any
 from pydantic import SecretStr
 
 from .. import EngineSettings, load_engine_settings
-from .._errors import EngineExtConfigError
+from .._patching import AppliedPatches, apply_patches
 from ._cpu_imports import prepare_cpu_imports
-from ._patches import PATCHES, Patch, Session
+from ._patches import PATCHES, TOUCHES, Session
 from ._version import check_version, installed_sglang_version
 
-__all__ = ["export_settings", "install", "installed_patches", "uninstall"]
+__all__ = ["export_settings", "install", "installed_patches", "run_scheduler_process",
+           "uninstall"]  # fmt: skip
 
 _lock = threading.Lock()
-_applied: list[tuple[Patch, Any, Any]] = []  # (patch, owner class, original attribute)
+_applied: AppliedPatches | None = None
 _session: Session | None = None
 
 
@@ -36,33 +45,31 @@ def install(settings: EngineSettings | None = None, *, version: str | None = Non
     ``version`` overrides the installed version (tests of the guard).
     Raises :class:`EngineExtConfigError` for an unsupported SGLang.
     """
-    global _session
+    global _applied, _session
     explicit = settings is not None
     settings = settings if settings is not None else load_engine_settings()
     if not settings.enable:
         return False
     engine_version = version if version is not None else installed_sglang_version()
-    parsed = check_version(engine_version)
-    for patch in PATCHES:
-        if not patch.versions.contains(parsed, prereleases=True):
-            raise EngineExtConfigError(
-                f"SGLang {engine_version} is outside the range of patch {patch.target} "
-                f"(sglang{patch.versions}); kvsidecar refuses to start half-patched")
+    check_version(engine_version)
     with _lock:
         if _session is not None:
             return True
         if explicit:
             export_settings(settings)  # spawned scheduler processes read the environment
         prepare_cpu_imports()
-        session = Session(settings, engine_version, [])
-        resolved = [(p, _owner(p)) for p in PATCHES]  # resolve all before changing any
-        for patch, owner in resolved:
-            original = owner.__dict__[patch.attr]
-            replacement = patch.wrap(original.__func__ if patch.static else original, session)
-            setattr(owner, patch.attr, staticmethod(replacement) if patch.static else replacement)
-            _applied.append((patch, owner, original))
+        session = Session(settings, engine_version, run_scheduler_process)
+        _applied = apply_patches("SGLang", engine_version, PATCHES, TOUCHES, context=session)
         _session = session
     return True
+
+
+def run_scheduler_process(*args: Any, **kwargs: Any) -> Any:
+    """Install kvsidecar in this scheduler process, then run SGLang's scheduler."""
+    install()
+    from sglang.srt.managers.scheduler import run_scheduler_process as sglang_run
+
+    return sglang_run(*args, **kwargs)
 
 
 def export_settings(settings: EngineSettings) -> None:
@@ -75,11 +82,11 @@ def export_settings(settings: EngineSettings) -> None:
 
 def uninstall() -> None:
     """Restore every patched attribute and close the pools attached in this process."""
-    global _session
+    global _applied, _session
     with _lock:
-        while _applied:
-            patch, owner, original = _applied.pop()
-            setattr(owner, patch.attr, original)
+        if _applied is not None:
+            _applied.undo()
+        _applied = None
         if _session is not None:
             for pool in _session.pools:
                 pool.close()
@@ -88,18 +95,4 @@ def uninstall() -> None:
 
 def installed_patches() -> list[str]:
     """Targets patched in this process, in order."""
-    return [patch.target for patch, _, _ in _applied]
-
-
-def _owner(patch: Patch) -> Any:
-    try:
-        module = importlib.import_module(patch.module)
-        owner = getattr(module, patch.owner)
-    except (ImportError, AttributeError) as exc:
-        raise EngineExtConfigError(
-            f"cannot patch {patch.target}: {exc}; this SGLang does not match sglang"
-            f"{patch.versions}") from exc
-    if patch.attr not in owner.__dict__:
-        raise EngineExtConfigError(
-            f"{patch.target} does not exist in this SGLang; supported: sglang{patch.versions}")
-    return owner
+    return [] if _applied is None else _applied.targets

@@ -23,7 +23,6 @@ from allocator import (
     CudaBackend,
     FencedBackend,
     PageAllocator,
-    ThreadGuard,
     torch_unmap_fence,
 )
 
@@ -56,7 +55,7 @@ def place_kv_buffers(pool: Any, settings: EngineSettings) -> KVReservation:
         page_size=pool.page_size, head_num=pool.head_num, head_dim=pool.head_dim,
         layer_num=pool.layer_num, dtype_bytes=pool.store_dtype.itemsize, max_tokens=pool.size)
     reservation = reserve_kv(geometry, device=str(pool.device))
-    guard = ThreadGuard("sglang-kv-pool", enabled=settings.thread_guard or None)
+    guard = settings.new_thread_guard("sglang-kv-pool")
     backend: Backend = reservation.backend
     if isinstance(backend, CudaBackend):  # unmaps wait for the device work (allocator.UnmapFence)
         backend = FencedBackend(backend, torch_unmap_fence(f"cuda:{backend.device}"))

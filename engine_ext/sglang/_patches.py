@@ -1,14 +1,17 @@
-"""The patch table: every SGLang symbol kvsidecar wraps, with the versions it was written for.
+"""The SGLang tables: every symbol kvsidecar wraps, every private member it relies on.
 
-Each wrapper keeps the real signature (``functools.wraps``), does its part
-and calls the original. They act only in a process where :func:`install`
-ran with ``KVSIDECAR_ENABLE`` on; the settings are read once, in ``install``.
+Rows in the format of :mod:`engine_ext._patching`, applied (all checked
+first, all or nothing) by :func:`._install.install`. Each wrapper keeps the
+real signature (``functools.wraps``), does its part and calls the original.
+A factory is ``(original, session) -> replacement``; the :class:`Session` is
+the one of the installing process (settings read once, in ``install``). To add
+a row: write the factory here and append a ``Patch`` to :data:`PATCHES`.
 
 ===========================================================  =================================
 target                                                        what the wrapper adds
 ===========================================================  =================================
 ``Engine.run_scheduler_process_func`` (parent process)        scheduler processes start through
-                                                              :func:`._child.run_scheduler_process`
+                                                              :func:`._install.run_scheduler_process`
                                                               (SGLang spawns them: patches made in
                                                               the parent do not reach them)
 ``KVCacheConfigurator._profile_available_bytes``              the pool is sized for the virtual KV
@@ -32,34 +35,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
 from .. import EngineSettings
 from .._errors import EngineExtConfigError
+from .._patching import Patch, Touch
 
-__all__ = ["PATCHES", "Patch", "Session"]
+__all__ = ["PATCHES", "TOUCHES", "Patch", "Session", "Touch"]
 
 V0_5_23 = SpecifierSet("==0.5.23")
-Wrapper = Callable[[Any, "Session"], Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Patch:
-    """One wrapped attribute: ``module:owner.attr`` for SGLang in ``versions``."""
-
-    module: str
-    owner: str  # class name in the module
-    attr: str
-    versions: SpecifierSet
-    wrap: Wrapper  # (original, session) -> replacement
-    static: bool = False  # the attribute is a staticmethod
-
-    @property
-    def target(self) -> str:
-        return f"{self.module}:{self.owner}.{self.attr}"
 
 
 @dataclass(slots=True)
@@ -68,16 +55,15 @@ class Session:
 
     settings: EngineSettings
     engine_version: str
-    pools: list[Any]  # ElasticPools attached in this process (closed on uninstall)
+    scheduler_entry: Callable[..., Any]  # what spawned scheduler processes run
+    pools: list[Any] = field(default_factory=list)  # ElasticPools attached here (closed on uninstall)
 
 
 # -- wrappers ---------------------------------------------------------------------------
 
 
 def _wrap_scheduler_process_func(original: Any, session: Session) -> Any:
-    from ._child import run_scheduler_process
-
-    return run_scheduler_process
+    return session.scheduler_entry
 
 
 def _wrap_profile_bytes(original: Any, session: Session) -> Any:
@@ -209,18 +195,47 @@ def _refuse_unsupported_loop(scheduler: Any) -> None:
 
 
 _SCHED = "sglang.srt.managers.scheduler"
+_MEM = "sglang.srt.mem_cache"
+_COMPONENTS = "sglang.srt.managers.scheduler_components"
 
 #: Every patch, applied in this order by :func:`._install.install`.
 PATCHES: tuple[Patch, ...] = (
-    Patch("sglang.srt.entrypoints.engine", "Engine", "run_scheduler_process_func", V0_5_23,
-          _wrap_scheduler_process_func, static=True),
-    Patch("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator",
-          "_profile_available_bytes", V0_5_23, _wrap_profile_bytes),
-    Patch("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool", "_create_buffers_normal",
-          V0_5_23, _wrap_create_buffers),
-    Patch("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator",
-          "_build_token_to_kv_pool_allocator", V0_5_23, _wrap_build_allocator),
-    Patch(_SCHED, "Scheduler", "__init__", V0_5_23, _wrap_scheduler_init),
-    Patch(_SCHED, "Scheduler", "get_next_batch_to_run", V0_5_23, _wrap_next_batch),
-    Patch(_SCHED, "Scheduler", "on_idle", V0_5_23, _wrap_on_idle),
+    Patch("sglang.srt.entrypoints.engine:Engine.run_scheduler_process_func", V0_5_23,
+          _wrap_scheduler_process_func,
+          "SGLang spawns schedulers: they must enter through the adapter to be patched too"),
+    Patch(f"{_MEM}.kv_cache_configurator:KVCacheConfigurator._profile_available_bytes",
+          V0_5_23, _wrap_profile_bytes,
+          "size the pool for the virtual KV capacity (docs/overcommit.md), not the free memory"),
+    Patch(f"{_MEM}.memory_pool:MHATokenToKVPool._create_buffers_normal", V0_5_23,
+          _wrap_create_buffers, "K/V tensors on a kvsidecar reservation"),
+    Patch(f"{_MEM}.kv_cache_configurator:KVCacheConfigurator._build_token_to_kv_pool_allocator",
+          V0_5_23, _wrap_build_allocator, "the scheduler's allocator is ElasticTokenAllocator"),
+    Patch(f"{_SCHED}:Scheduler.__init__", V0_5_23, _wrap_scheduler_init,
+          "attach the ElasticPool once the tree cache exists; refuse unsupported set-ups"),
+    Patch(f"{_SCHED}:Scheduler.get_next_batch_to_run", V0_5_23, _wrap_next_batch,
+          "a coordinator pass before admission"),
+    Patch(f"{_SCHED}:Scheduler.on_idle", V0_5_23, _wrap_on_idle,
+          "a pass when a limit is pending; leak-check total synced"),
+)
+
+#: Private SGLang members the adapter uses without a patch; checked by ``install``.
+TOUCHES: tuple[Touch, ...] = (
+    Touch(f"{_MEM}.radix_cache:RadixCache._split_node", V0_5_23,
+          "_reclaimers splits a node to keep the cached prefix in front of a victim page"),
+    Touch(f"{_MEM}.radix_cache:RadixCache._delete_leaf", V0_5_23,
+          "_reclaimers removes evicted nodes leaf by leaf"),
+    Touch(f"{_MEM}.unified_radix_cache:UnifiedRadixCache._evict_device_next_node", V0_5_23,
+          "_reclaimers walks the tree core's eviction order"),
+    Touch(f"{_MEM}.unified_radix_cache:UnifiedRadixCache._evict_device_leaf", V0_5_23,
+          "_reclaimers evicts the leaves that hold victim pages"),
+    Touch(f"{_SCHED}:Scheduler.invariant_checker", V0_5_23,
+          "_accounting syncs the idle leak check's total"),
+    Touch(f"{_SCHED}:Scheduler.pool_stats_observer", V0_5_23,
+          "_accounting rebinds the observer with the capacity as its total"),
+    Touch(f"{_SCHED}:Scheduler.load_inquirer", V0_5_23,
+          "_accounting rebinds the observer the load inquirer holds"),
+    Touch(f"{_COMPONENTS}.invariant_checker:SchedulerInvariantChecker.max_total_num_tokens",
+          V0_5_23, "_accounting sets the leak check's total"),
+    Touch(f"{_COMPONENTS}.pool_stats_observer:SchedulerPoolStatsObserver.max_total_num_tokens",
+          V0_5_23, "_accounting replaces the observer's total (dataclasses.replace)"),
 )

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import count_reclaimable_pages
+from .._errors import EngineExtConfigError
 
 if TYPE_CHECKING:
     from allocator import BlockAllocator
@@ -247,6 +248,7 @@ def make_reclaimer(cache: Any, allocator: ElasticTokenAllocator) -> _TreeReclaim
         return UnifiedTreeReclaimer(cache, allocator)
     if isinstance(cache, RadixCache):
         return RadixTreeReclaimer(cache, allocator)
-    raise TypeError(
+    raise EngineExtConfigError(
         f"kvsidecar has no reclaimer for SGLang's {type(cache).__name__}; supported: "
-        "UnifiedRadixCache (default) and RadixCache")
+        "UnifiedRadixCache (default) and RadixCache: drop the option that selects another "
+        "cache, or start without kvsidecar (KVSIDECAR_ENABLE=0)")

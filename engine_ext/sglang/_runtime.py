@@ -8,7 +8,7 @@ Where the coordinator runs, and why there:
   ``available + evictable``. A pass between admission and allocation could
   take away capacity admission already promised, and SGLang turns a failed
   prefill allocation into a ``RuntimeError`` that ends the scheduler
-  (ENGINES.md 2.6); so the allocation-time hook only makes sure the first
+  (docs/engine-hooks.md 2.6); so the allocation-time hook only makes sure the first
   pass (the retained limit) ran, and capacity never shrinks under a batch.
 * :meth:`ElasticPool.on_idle` -- wraps ``Scheduler.on_idle``: a pass when a
   limit is pending, then the leak check's total is synced
@@ -24,7 +24,14 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .. import Demand, ElasticInstance, EngineBinding, EngineSettings, Reclaimer
+from .. import (
+    Demand,
+    ElasticInstance,
+    EngineBinding,
+    EngineExtConfigError,
+    EngineSettings,
+    Reclaimer,
+)
 from ._accounting import sync_capacity
 from ._allocator import ElasticTokenAllocator
 from ._reclaimers import make_reclaimer
@@ -53,7 +60,6 @@ class ElasticPool:
         self.allocator = allocator
         self.reclaimer = reclaimer
         self.waker: PipeWaker | None = None  # wakes --sleep-on-idle polls on publish
-        self.num_idle_passes = 0  # on_idle calls that ran a coordinator pass
         self._stepped = False
 
     @classmethod
@@ -69,7 +75,7 @@ class ElasticPool:
         """
         allocator = scheduler.token_to_kv_pool_allocator
         if not isinstance(allocator, ElasticTokenAllocator):
-            raise TypeError(f"the scheduler's allocator is {type(allocator).__name__}, not the "
+            raise EngineExtConfigError(f"the scheduler's allocator is {type(allocator).__name__}, not the "
                             "kvsidecar allocator; call install() before building the scheduler")
         reclaimer = make_reclaimer(scheduler.tree_cache, allocator)
         waker = PipeWaker()
@@ -107,11 +113,9 @@ class ElasticPool:
             self.waker.drain()
         pending = self.instance.coordinator.pending
         self._step()  # not pending: cheap, only refreshes the state if mapped memory moved
-        if pending:
-            self.num_idle_passes += 1
-            if self._over_target() and self.scheduler.is_fully_idle() \
-                    and self._drain_padding_page():
-                self._step()  # page 0 unmapped: recompute the status
+        if pending and self._over_target() and self.scheduler.is_fully_idle() \
+                and self._drain_padding_page():
+            self._step()  # page 0 unmapped: recompute the status
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
 
     def demand(self) -> Demand:
@@ -171,7 +175,7 @@ class ElasticPool:
 
 
 def _num_waiting(scheduler: Any) -> int:
-    queue = getattr(scheduler, "waiting_queue", None)  # SGLang's Scheduler
+    queue: Any = getattr(scheduler, "waiting_queue", None)  # SGLang's Scheduler
     if queue is None:
         queue = getattr(scheduler, "waiting", ())  # the CPU harness
     return len(queue)

@@ -3,7 +3,7 @@
 SGLang has no plugin hook that runs before its scheduler builds the KV
 cache in every process, so this launcher installs the adapter (version
 guard + patch table) and starts SGLang's own HTTP server with its scheduler
-processes entering through :func:`engine_ext.sglang._child.run_scheduler_process`.
+processes entering through :func:`engine_ext.sglang._install.run_scheduler_process`.
 ``KVSIDECAR_ENABLE`` defaults to on here; every other setting comes from
 ``KVSIDECAR_*`` (see docs/sglang.md). From Python, the one-line alternative
 is ``engine_ext.sglang.install()`` before ``sglang.Engine(...)``.
@@ -28,7 +28,7 @@ def prepare(argv: Sequence[str]) -> tuple[Any, Any]:
     """
     os.environ.setdefault("KVSIDECAR_ENABLE", "1")  # spawned schedulers inherit it
     from . import install
-    from ._child import run_scheduler_process
+    from ._install import run_scheduler_process
 
     if not install():
         raise EngineExtConfigError("KVSIDECAR_ENABLE is off; run `python -m sglang.launch_server`")

@@ -36,6 +36,8 @@ from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
+from engine_ext._errors import EngineExtConfigError
+
 if TYPE_CHECKING:
     from allocator import BlockAllocator, ThreadGuard
     from engine_ext import LimitMailbox
@@ -64,7 +66,7 @@ class PoolBacking:
     max_cached_tokens: int  # -1 unlimited, 0 evict on free, N keep at most N tokens
 
 
-class ElasticBlockPool(BlockPool):
+class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here (pyproject)
     """A ``BlockPool`` whose blocks are backed by pages mapped on demand. Busy-loop thread only."""
 
     def __init__(
@@ -109,7 +111,7 @@ class ElasticBlockPool(BlockPool):
         self.free_block_queue = FreeKVCacheBlockQueue([])
         null = self._blocks.alloc(1)
         if null != [0]:
-            raise RuntimeError(
+            raise EngineExtConfigError(
                 f"the block allocator handed out {null} first, not vLLM's null block 0: "
                 "build the pool over a fresh allocator with KVSIDECAR_RESERVE_PAGES=0"
             )
@@ -123,7 +125,7 @@ class ElasticBlockPool(BlockPool):
         fresh = self._fresh_free
         if fresh < 0:
             fresh = self._fresh_free = self._blocks.num_free_blocks
-        return fresh + self.free_block_queue.num_free_blocks
+        return fresh + int(self.free_block_queue.num_free_blocks)
 
     def blocks_target(self) -> int | None:
         """The allocator's page target (None = unlimited)."""
@@ -135,7 +137,7 @@ class ElasticBlockPool(BlockPool):
 
     @property
     def num_evictable_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
+        return int(self.free_block_queue.num_free_blocks)
 
     def is_evictable(self, block_id: int) -> bool:
         block = self.blocks[block_id]
@@ -302,12 +304,12 @@ class ElasticBlockPool(BlockPool):
         for block_id in evictable:
             self.blocks[block_id].prev_free_block = self.blocks[block_id].next_free_block = None
         self.free_block_queue = FreeKVCacheBlockQueue([])
-        self.cached_block_hash_to_block = BlockHashToBlockMap()  # type: ignore[no-untyped-call]
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block.clear()
         if self._reuse_watchers:
             self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
         for block in self.blocks:
-            block.reset_hash()  # type: ignore[no-untyped-call]
+            block.reset_hash()
         if self.metrics_collector:
             self.metrics_collector.reset()
         if self.enable_kv_cache_events:

@@ -2,7 +2,7 @@
 
 vLLM's GPU worker makes one ``torch.zeros(size, int8)`` backing allocation for
 every KV tensor and views it per layer (``vllm/v1/worker/utils.py``
-``allocate_kv_cache``, ENGINES.md 1.10). With kvsidecar enabled on CUDA two
+``allocate_kv_cache``, docs/engine-hooks.md 1.10). With kvsidecar enabled on CUDA two
 patches (``_patches.PATCHES``) replace that with a reservation whose pages the
 ``ElasticBlockPool`` maps on demand:
 
@@ -57,6 +57,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from engine_ext._errors import EngineExtConfigError
 from engine_ext.vllm._kv_memory import KVMemory, publish_kv_memory
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ _log = logging.getLogger("engine_ext.vllm.gpu_kv")
 CUDA_GRANULARITY = 2 << 20
 
 
-class UnsupportedKvCache(RuntimeError):
+class UnsupportedKvCache(EngineExtConfigError):
     """The GPU path cannot place this engine's KV cache: fatal at start, nothing changed."""
 
 

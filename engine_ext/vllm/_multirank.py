@@ -118,4 +118,4 @@ class MultiRankStubWorker(StubWorker):
         seen: Any = torch.stack([region[blocks, offsets, : self.tp] for region in self._regions])
         digest = hashlib.blake2b(seen.numpy().tobytes(), digest_size=8).digest()
         span = self.vocab_size - _FIRST_SAMPLED_ID
-        return _FIRST_SAMPLED_ID + int.from_bytes(digest, "little") % span
+        return int(_FIRST_SAMPLED_ID + int.from_bytes(digest, "little") % span)

@@ -1,43 +1,50 @@
-"""Every change kvsidecar makes to vLLM, in one table, each with its version range.
+"""Every change kvsidecar makes to vLLM, and every private vLLM member it relies on.
 
-A patch names its target (``module:attr`` or ``module:Class.attr``), the vLLM
-versions it was written against (``packaging.specifiers``) and a factory that
-turns the original into the replacement. :func:`apply_patches` checks the
-installed version against every range first and refuses to start outside
-them (nothing is patched then); applying twice changes nothing (replacements
-carry a marker attribute).
+Two tables in the format of :mod:`engine_ext._patching`: :data:`PATCHES`
+(attributes we replace) and :data:`TOUCHES` (private members we use without
+replacing them). :func:`apply_patches` checks the installed version and every
+target of both tables before it changes anything, refuses to start outside
+them (nothing is patched then), and is idempotent; :func:`remove_patches`
+undoes what it did in this process. To add a row: write the factory
+``(original, context) -> replacement`` here and append a ``Patch`` to the table.
 """
 
 from __future__ import annotations
 
-import importlib
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
-__all__ = ["PATCHES", "Patch", "UnsupportedVllmVersion", "apply_patches", "supported_range"]
+from engine_ext._patching import (
+    AppliedPatches,
+    Patch,
+    Touch,
+    UnsupportedEngineError,
+    is_patched,
+)
+from engine_ext._patching import apply_patches as _apply_table
+from engine_ext._patching import supported_range as _range_of
 
-_MARK = "__kvsidecar_patch__"
+__all__ = [
+    "PATCHES",
+    "TOUCHES",
+    "Patch",
+    "Touch",
+    "UnsupportedVllmVersion",
+    "apply_patches",
+    "is_patched",
+    "remove_patches",
+    "supported_range",
+]
 
 
-class UnsupportedVllmVersion(RuntimeError):
-    """The installed vLLM is outside a patch's range: a configuration error, fatal at start."""
+class UnsupportedVllmVersion(UnsupportedEngineError):
+    """The installed vLLM does not match the tables: a configuration error, fatal at start."""
 
 
-@dataclass(frozen=True, slots=True)
-class Patch:
-    """One replacement of a vLLM symbol."""
-
-    target: str  # "package.module:Name" or "package.module:Class.method"
-    versions: SpecifierSet  # vLLM versions this patch was written and tested against
-    replacement: Callable[[Any], Any]  # original -> replacement
-    why: str  # one line for the docs and the log
-
-
-def _block_pool(original: Any) -> Any:
+def _block_pool(original: Any, _: object) -> Any:
     from engine_ext.vllm._block_pool import ElasticBlockPool
 
     if not issubclass(ElasticBlockPool, original):
@@ -47,7 +54,7 @@ def _block_pool(original: Any) -> Any:
     return ElasticBlockPool
 
 
-def _run_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
+def _run_busy_loop(original: Callable[..., Any], _: object) -> Callable[..., Any]:
     def run_busy_loop(self: Any) -> Any:
         from engine_ext.vllm._runtime import current_runtime
 
@@ -64,7 +71,7 @@ def _run_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
     return run_busy_loop
 
 
-def _schedule(original: Callable[..., Any]) -> Callable[..., Any]:
+def _schedule(original: Callable[..., Any], _: object) -> Callable[..., Any]:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         from engine_ext.vllm._runtime import current_runtime
 
@@ -81,7 +88,7 @@ def _schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     return schedule
 
 
-def _allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
+def _allocate_slots(original: Callable[..., Any], _: object) -> Callable[..., Any]:
     def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         from engine_ext.vllm._runtime import current_runtime
 
@@ -94,7 +101,7 @@ def _allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
     return allocate_slots
 
 
-def _refuse_dp_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
+def _refuse_dp_busy_loop(original: Callable[..., Any], _: object) -> Callable[..., Any]:
     def run_busy_loop(self: Any) -> Any:
         from engine_ext.vllm._runtime import current_runtime
 
@@ -113,13 +120,13 @@ def _refuse_dp_busy_loop(original: Callable[..., Any]) -> Callable[..., Any]:
     return run_busy_loop
 
 
-def _plan_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+def _plan_kv_cache(original: Callable[..., Any], _: object) -> Callable[..., Any]:
     from engine_ext.vllm._gpu_kv import plan_kv_cache
 
     return plan_kv_cache(original)
 
 
-def _place_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+def _place_kv_cache(original: Callable[..., Any], _: object) -> Callable[..., Any]:
     from engine_ext.vllm._gpu_kv import place_kv_cache
 
     return place_kv_cache(original)
@@ -130,7 +137,7 @@ _V033 = SpecifierSet(">=0.33.0,<0.34")
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "vllm.v1.core.kv_cache_coordinator:BlockPool", _V033, _block_pool,
-        "KVCacheCoordinator builds its BlockPool by this module-level name (ENGINES.md 1.5)",
+        "KVCacheCoordinator builds its BlockPool by this module-level name (docs/engine-hooks.md 1.5)",
     ),
     Patch(
         "vllm.v1.engine.core:EngineCoreProc.run_busy_loop", _V033, _run_busy_loop,
@@ -154,12 +161,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "vllm.v1.engine.core:get_kv_cache_configs", _V033, _plan_kv_cache,
         "GPU path (CUDA, uni executor): refuse unsupported set-ups, round num_blocks down to "
-        "whole CudaBackend pages before the scheduler is built (ENGINES.md 1.10)",
+        "whole CudaBackend pages before the scheduler is built (docs/engine-hooks.md 1.10)",
     ),
     Patch(
         "vllm.v1.worker.gpu_model_runner:allocate_kv_cache", _V033, _place_kv_cache,
         "GPU path: KV tensors as vLLM's own views over a CudaBackend reservation, published "
-        "for the ElasticBlockPool, which maps pages on demand (ENGINES.md 1.10)",
+        "for the ElasticBlockPool, which maps pages on demand (docs/engine-hooks.md 1.10)",
     ),
     Patch(
         "vllm.v1.worker.gpu.attn_utils:allocate_kv_cache", _V033, _place_kv_cache,
@@ -168,52 +175,51 @@ PATCHES: tuple[Patch, ...] = (
 )  # fmt: skip
 
 
+TOUCHES: tuple[Touch, ...] = (
+    Touch(
+        "vllm.v1.engine.core:EngineCore._idle_state_callbacks", _V033,
+        "_runtime arms a one-shot idle callback there so an idle engine applies a limit",
+    ),
+    Touch(
+        "vllm.v1.engine.core:EngineCoreProc.input_queue", _V033,
+        "_runtime puts a WAKEUP request there to wake a blocked busy loop",
+    ),
+    Touch(
+        "vllm.v1.engine:EngineCoreRequestType.WAKEUP", _V033,
+        "the request type _runtime puts on input_queue to wake the busy loop",
+    ),
+)  # fmt: skip
+
+_lock = threading.Lock()
+_applied: list[AppliedPatches] = []  # every apply in this process, for remove_patches
+
+
 def supported_range() -> SpecifierSet:
-    """The vLLM versions every patch supports."""
-    combined = SpecifierSet()
-    for patch in PATCHES:
-        combined &= patch.versions
-    return combined
+    """The vLLM versions every row supports."""
+    return _range_of((*PATCHES, *TOUCHES))
 
 
-def apply_patches(vllm_version: str) -> list[str]:
-    """Check the version, then apply every patch not applied yet; return the targets changed."""
-    version = Version(vllm_version)
-    for patch in PATCHES:
-        if version not in patch.versions:
-            raise UnsupportedVllmVersion(
-                f"kvsidecar supports vLLM {supported_range()} but vLLM {vllm_version} is "
-                f"installed ({patch.target} is pinned to {patch.versions}); install a supported "
-                "vLLM or unset KVSIDECAR_ENABLE"
-            )
-    changed: list[str] = []
-    for patch in PATCHES:
-        owner, name = _resolve(patch.target)
-        current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
-        if getattr(current, _MARK, False):
-            continue
-        replacement = patch.replacement(current)
-        try:
-            setattr(replacement, _MARK, True)
-        except (AttributeError, TypeError) as exc:  # pragma: no cover - functions/classes accept it
-            raise UnsupportedVllmVersion(f"cannot mark the patch for {patch.target}: {exc}") from exc
-        setattr(owner, name, replacement)
-        changed.append(patch.target)
-    return changed
+def apply_patches(vllm_version: str) -> AppliedPatches:
+    """Check the version and every target, then apply every patch not applied yet.
+
+    Returns the handle; its ``targets`` are the targets changed now (empty
+    when everything was patched already). Raises :class:`UnsupportedVllmVersion`.
+    """
+    try:
+        applied = _apply_table("vLLM", vllm_version, PATCHES, TOUCHES)
+    except UnsupportedVllmVersion:
+        raise
+    except UnsupportedEngineError as exc:
+        raise UnsupportedVllmVersion(str(exc)) from None
+    with _lock:
+        _applied.append(applied)
+    return applied
 
 
-def is_patched(target: str) -> bool:
-    """Whether ``target`` currently holds our replacement."""
-    owner, name = _resolve(target)
-    return bool(getattr(getattr(owner, name), _MARK, False))
-
-
-def _resolve(target: str) -> tuple[Any, str]:
-    module_name, _, path = target.partition(":")
-    owner: Any = importlib.import_module(module_name)
-    *parents, name = path.split(".")
-    for parent in parents:
-        owner = getattr(owner, parent)
-    if not hasattr(owner, name):
-        raise UnsupportedVllmVersion(f"vLLM has no {target}; this vLLM is not supported")
-    return owner, name
+def remove_patches() -> list[str]:
+    """Undo every :func:`apply_patches` of this process; return the targets restored."""
+    with _lock:
+        restored: list[str] = []
+        while _applied:
+            restored += _applied.pop().undo()
+        return restored

@@ -19,7 +19,7 @@ survive a fork. The rest happens in the EngineCore process:
    calls :meth:`wake`, which registers a one-shot callback on
    ``EngineCore._idle_state_callbacks`` and puts a ``WAKEUP`` on the input
    queue, so an idle engine applies the limit within one busy-loop pass
-   (ENGINES.md 1.7). Allocation never runs a pass;
+   (docs/engine-hooks.md 1.7). Allocation never runs a pass;
    :meth:`allocating` (the patched ``KVCacheManager.allocate_slots``) lets a
    RUNNING request's blocks go above the target and records admissions the
    limit keeps out (the demand probe).
@@ -95,7 +95,7 @@ class VllmRuntime:
         import vllm
         import vllm.envs
 
-        from allocator import BlockAllocator, PageAllocator, ThreadGuard
+        from allocator import BlockAllocator, PageAllocator
         from engine_ext import ElasticInstance, EngineBinding
 
         if not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
@@ -106,7 +106,7 @@ class VllmRuntime:
             )
         memory = claim_kv_memory()
         if memory is None:
-            raise RuntimeError(
+            raise EngineExtConfigError(
                 "kvsidecar: the KV cache is not on a kvsidecar reservation. On CPU run vLLM with "
                 "--distributed-executor-backend engine_ext.vllm.cpu_harness.StubExecutor; on a "
                 "GPU the worker must run in the EngineCore process (world size 1, "
@@ -114,12 +114,12 @@ class VllmRuntime:
                 "Or unset KVSIDECAR_ENABLE."
             )
         if memory.num_blocks != num_gpu_blocks or num_gpu_blocks % memory.blocks_per_page:
-            raise RuntimeError(
+            raise EngineExtConfigError(
                 f"kvsidecar: vLLM plans {num_gpu_blocks} KV blocks but the reservation holds "
                 f"{memory.num_blocks} in pages of {memory.blocks_per_page}; the block count must "
                 "be a whole number of pages (size the KV memory in whole pages)"
             )
-        guard = ThreadGuard("vllm-block-pool", enabled=self.engine_settings.thread_guard or None)
+        guard = self.engine_settings.new_thread_guard("vllm-block-pool")
         guard.bind_current()
         pages = PageAllocator(memory.backend, reserve_pages=self.engine_settings.reserve_pages,
                               guard=guard)  # fmt: skip
@@ -166,7 +166,7 @@ class VllmRuntime:
         Called at the top and at the end of ``Scheduler.schedule()``. Between
         ``get_computed_blocks`` and the ``touch`` in ``allocate_slots`` the hit
         blocks have ``ref_cnt`` 0 and look evictable; evicting them there kills
-        the EngineCore (ENGINES.md 1.6), so no pass runs inside ``schedule()``.
+        the EngineCore (docs/engine-hooks.md 1.6), so no pass runs inside ``schedule()``.
         When nothing waits this costs a few attribute reads plus the O(1) probe.
         """
         instance, pool = self.instance, self.pool

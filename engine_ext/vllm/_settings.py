@@ -1,7 +1,7 @@
 """Settings of the vLLM adapter (env prefix ``KVSIDECAR_``), read once per process.
 
-Core settings (instance id, sidecar URL, socket directory, reclaim switch,
-thread guard, ...) live in ``engine_ext.EngineSettings``; this class adds what
+Core settings (the ``enable`` switch, instance id, sidecar URL, socket
+directory, reclaim switch, thread guard, ...) live in ``engine_ext.EngineSettings``; this class adds what
 only the vLLM adapter reads. Both read the same environment, so one
 ``KVSIDECAR_*`` set configures an engine.
 """
@@ -13,7 +13,7 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine_ext import EngineExtConfigError
+from engine_ext._settings import settings_error
 from engine_ext.protocol import parse_size
 
 __all__ = ["VllmSettings", "load_vllm_settings"]
@@ -26,8 +26,6 @@ class VllmSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVSIDECAR_", extra="ignore")
 
-    #: Master switch: off leaves vLLM untouched (the plugin returns at once).
-    enable: bool = False
     #: Bytes of one mapping page in one KV region (CPU harness; 64 KiB = 16 blocks of
     #: 16 tokens for the tiny model). On GPU the CUDA granularity (2 MiB) is the minimum.
     page_bytes: Size = Field(default=64 << 10, gt=0)
@@ -41,8 +39,4 @@ def load_vllm_settings() -> VllmSettings:
     try:
         return VllmSettings()
     except ValidationError as exc:
-        problems = "; ".join(
-            f"KVSIDECAR_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
-            for e in exc.errors()
-        )
-        raise EngineExtConfigError(f"bad kvsidecar vLLM settings: {problems}") from None
+        raise settings_error(exc, "vLLM") from None

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["StubExecutor"]
 
 
-class StubExecutor(Executor):
+class StubExecutor(Executor):  # type: ignore[misc]  # vLLM is untyped here (pyproject)
     """World size 1, no model: owns one ``StubWorker``. Busy-loop thread only."""
 
     worker: StubWorker
@@ -80,7 +80,7 @@ class StubExecutor(Executor):
     def compile_or_warm_up_model(self) -> None:
         self.worker.compile_or_warm_up_model()
 
-    def execute_model(  # type: ignore[override]
+    def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
         self.worker.execute_model(scheduler_output)
@@ -90,7 +90,7 @@ class StubExecutor(Executor):
         done.set_result(None)
         return done
 
-    def sample_tokens(  # type: ignore[override]
+    def sample_tokens(
         self, grammar_output: GrammarOutput | None, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         output = self.worker.sample_tokens(grammar_output)

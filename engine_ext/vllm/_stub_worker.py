@@ -80,7 +80,7 @@ class StubWorker:
         """The KV budget, rounded down to whole pages (so blocks fill whole pages)."""
         budget = self.vllm_config.cache_config.kv_cache_memory_bytes or DEFAULT_KV_BYTES
         bundle_bytes = self.page_bytes * 2 * self.num_layers
-        return budget // bundle_bytes * bundle_bytes
+        return int(budget // bundle_bytes * bundle_bytes)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]  # layer-outermost: each layer/K-V region is contiguous
@@ -217,4 +217,4 @@ class StubWorker:
         seen = torch.stack([region[blocks, offsets, 0] for region in self._regions])
         digest = hashlib.blake2b(seen.numpy().tobytes(), digest_size=8).digest()
         span = self.vocab_size - _FIRST_SAMPLED_ID
-        return _FIRST_SAMPLED_ID + int.from_bytes(digest, "little") % span
+        return int(_FIRST_SAMPLED_ID + int.from_bytes(digest, "little") % span)

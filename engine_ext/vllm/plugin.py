@@ -28,16 +28,13 @@ def register() -> None:
         return
     import vllm
 
-    from allocator import ThreadGuard
     from engine_ext.vllm._instance_id import export_default_instance_id
     from engine_ext.vllm._patches import apply_patches
     from engine_ext.vllm._runtime import configure
     from engine_ext.vllm._settings import load_vllm_settings
 
     vllm_settings = load_vllm_settings()  # bad values refuse to start before anything changes
-    changed = apply_patches(vllm.__version__)
-    if engine.thread_guard:
-        ThreadGuard.set_default_enabled(True)
+    changed = apply_patches(vllm.__version__).targets
     if engine.instance_id is None:
         export_default_instance_id(sys.argv, os.environ)
         engine = load_engine_settings()

@@ -14,7 +14,7 @@ __all__ = ["Sample", "Sampler"]
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    t_s: float  # seconds since the demo started
+    t_s: float  # seconds since the demo started, when the GET was sent (not when it returned)
     instance_id: str
     status: str
     mapped_bytes: int
@@ -45,20 +45,24 @@ class Sampler:
     def _run(self) -> None:
         with httpx.Client(timeout=5.0) as client:
             while not self._stop.wait(self.period_s):
+                sent = time.monotonic() - self.t0  # the state read is at least this new
                 try:
                     body: dict[str, Any] = client.get(self.sidecar_url + "/instances").json()
                 except (httpx.HTTPError, ValueError):
                     continue
-                now = time.monotonic() - self.t0
                 for view in body.get("instances", []):
                     self.samples.append(Sample(
-                        t_s=round(now, 3), instance_id=view["id"], status=view["status"],
+                        t_s=sent, instance_id=view["id"], status=view["status"],
                         mapped_bytes=int(view["mapped_bytes"]),
                         limit_bytes=view["desired"]["limit_bytes"], reason=view.get("reason"),
                     ))  # fmt: skip
 
     def transitions(self, instance_id: str, since_s: float) -> list[dict[str, Any]]:
-        """Status changes of one instance after ``since_s`` (timestamps relative to ``since_s``)."""
+        """Status changes of one instance in samples sent at or after ``since_s``.
+
+        Timestamps are relative to ``since_s``. A caller that takes ``since_s``
+        after its own request returned sees only states that follow that request.
+        """
         out: list[dict[str, Any]] = []
         last: str | None = None
         for s in list(self.samples):

@@ -89,8 +89,9 @@ def limit_table(cluster: Cluster, sampler: Sampler, without: str, with_: str,
     timelines: dict[str, Any] = {}
     for n, frac in enumerate(cfg.row_fractions):
         limit = max(bundle, int(base * frac) // bundle * bundle)
-        since = time.monotonic() - t0
         put = {i: cluster.put_limit(i, limit) for i in ids}
+        # after both PUTs returned: an earlier sample still shows the previous limit's status
+        since = time.monotonic() - t0
         time.sleep(cfg.idle_s)
         idle = {i: cluster.instance(i) for i in ids}
         traffic = _prompts(f"burst{n}", cfg.traffic_requests, cfg.traffic_words, seed=5000 + 100 * n)

@@ -18,15 +18,14 @@ from typing import Any
 
 import httpx
 import pytest
+from support import wait_until
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
 import psutil
-from live_sidecar import ThreadedSidecar
 
 from engine_ext.ranks import memfd_view
 from engine_ext.vllm import VllmServer, launch_vllm_server, make_document, make_tiny_model_dir
-from sidecar import SidecarSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -53,6 +52,12 @@ class Engine:
                               json={"model": self.model, "prompt": prompt, "max_tokens": max_tokens})
         assert response.status_code == 200, response.text
         return str(response.json()["choices"][0]["text"])
+
+    def requests_in_flight(self) -> int:
+        """Requests the API server holds right now (``--enable-server-load-tracking``)."""
+        response = httpx.get(self.server.base_url + "/load", timeout=10)
+        assert response.status_code == 200, response.text
+        return int(response.json()["server_load"])
 
     def rank_pids(self) -> list[int]:
         tree = psutil.Process(self.server.proc.pid).children(recursive=True)
@@ -82,30 +87,25 @@ class Engine:
         return [sum(n for _, n in memfd_view(pid, "kvsidecar-stub-kv")) for pid in self.rank_pids()]
 
 
-@pytest.fixture(scope="module")
-def sidecar_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    settings = SidecarSettings(db_path=tmp_path_factory.mktemp("sidecar") / "s.db")
-    with ThreadedSidecar(settings) as server:
-        yield server.url
-
-
 def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine:
     runtime = tmp / name
     server = launch_vllm_server(model_dir, env={
         "KVSIDECAR_ENABLE": "1", "KVSIDECAR_THREAD_GUARD": "1", "KVSIDECAR_INSTANCE_ID": name,
         "KVSIDECAR_RUNTIME_DIR": str(runtime), **env,
-    }, extra_args=["--max-num-seqs", "8"], log_path=tmp / f"{name}.log")
+    }, extra_args=["--max-num-seqs", "8", "--enable-server-load-tracking"],
+        log_path=tmp / f"{name}.log")
     world = int(env.get("KVSIDECAR_STUB_TP", "1")) * int(env.get("KVSIDECAR_STUB_PP", "1"))
     return Engine(server, runtime / name / "control.sock", str(model_dir), world)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory, sidecar_url: str) -> Iterator[dict[str, Engine]]:
+def engines(tmp_path_factory: pytest.TempPathFactory,
+            module_sidecar_url: str) -> Iterator[dict[str, Engine]]:
     tmp = tmp_path_factory.mktemp("vllm-ranks")
     model_dir = make_tiny_model_dir(tmp / "model")
     with ThreadPoolExecutor(2) as pool:
         tp2 = pool.submit(_start, tmp, model_dir, "tp2", {
-            "KVSIDECAR_STUB_TP": "2", "KVSIDECAR_SIDECAR_URL": sidecar_url,
+            "KVSIDECAR_STUB_TP": "2", "KVSIDECAR_SIDECAR_URL": module_sidecar_url,
             "KVSIDECAR_HEARTBEAT_S": "0.5"})
         pp2 = pool.submit(_start, tmp, model_dir, "pp2", {"KVSIDECAR_STUB_PP": "2"})
         started = {"tp2": tp2.result(), "pp2": pp2.result()}
@@ -145,7 +145,8 @@ def _scenario(engine: Engine, lower: Callable[[int], int]) -> None:
     with ThreadPoolExecutor(8) as pool:
         kept = [pool.submit(engine.complete, p) for p in KEPT]
         aborted = [pool.submit(abandoned, i) for i in range(4)]
-        time.sleep(0.3)
+        wait_until(lambda: engine.requests_in_flight() >= len(KEPT),
+                   what="requests in flight")
         revision = lower(limit)
         texts = [f.result() for f in kept]
         for f in aborted:
@@ -171,9 +172,9 @@ def _scenario(engine: Engine, lower: Callable[[int], int]) -> None:
     assert [engine.complete(p, timeout_s=60) for p in KEPT] == reference  # serving, same tokens
 
 
-def test_tp2_reference_scenario_via_sidecar(engines: dict[str, Engine], sidecar_url: str) -> None:
+def test_tp2_reference_scenario_via_sidecar(engines: dict[str, Engine], module_sidecar_url: str) -> None:
     engine = engines["tp2"]
-    api = httpx.Client(base_url=sidecar_url, timeout=30)
+    api = httpx.Client(base_url=module_sidecar_url, timeout=30)
 
     def lower(limit: int) -> int:
         reply = api.put("/instances/tp2/limit", json={"limit": limit})
@@ -189,7 +190,8 @@ def test_tp2_reference_scenario_via_sidecar(engines: dict[str, Engine], sidecar_
         view = api.get("/instances/tp2").json()
     assert view["status"] == "applied", view
     ranks = view["observed"]["ranks"]
-    assert view["observed"]["num_ranks"] in (1, 2) and all(r["alive"] for r in ranks)
+    assert view["observed"]["num_ranks"] == engine.world == 2  # a TP=2 engine: both ranks
+    assert len(ranks) == 2 and all(r["alive"] for r in ranks)
 
 
 def test_pp2_reference_scenario_in_process_control_socket(engines: dict[str, Engine]) -> None:

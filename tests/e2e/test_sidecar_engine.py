@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support import wait_until
 from test_sidecar_support import SocketEngine, ThreadedSidecar
 
 from sidecar import SidecarSettings
@@ -46,13 +47,6 @@ def _report(client: httpx.Client, iid: str, engine: SocketEngine, **kw: Any) -> 
     return r
 
 
-def _wait_for(pred: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def test_put_deferred_then_report_applied(client: httpx.Client, engine: SocketEngine) -> None:
     reply = client.post("/instances/llama-a/register", json=engine.register_body()).json()
     assert reply == {"limit": None, "revision": 0}
@@ -63,7 +57,7 @@ def test_put_deferred_then_report_applied(client: httpx.Client, engine: SocketEn
     assert engine.mailbox.pushed.wait(10), "the sidecar did not push to the control socket"
     assert engine.mailbox.pushes == [(4 * GiB, 1)]
     # The push reply is the engine's word: deferred until an engine pass ran.
-    _wait_for(lambda: client.get("/instances/llama-a").json()["status"] != "pending")
+    wait_until(lambda: client.get("/instances/llama-a").json()["status"] != "pending")
     view = client.get("/instances/llama-a").json()
     assert (view["status"], view["reason"]) == ("deferred", "engine_pass")
 
@@ -125,7 +119,7 @@ def test_a_newer_engine_revision_is_adopted(client: httpx.Client, engine: Socket
     assert reply == {"limit": 5 * GiB, "revision": 7}
     r = client.put("/instances/llama-a/limit", json={"limit": "4G"})
     assert r.json()["desired"]["revision"] == 8  # the sidecar stays ahead
-    _wait_for(lambda: (4 * GiB, 8) in engine.mailbox.pushes)
+    wait_until(lambda: (4 * GiB, 8) in engine.mailbox.pushes)
 
 
 def test_pushes_retry_and_never_reorder(client: httpx.Client, sidecar: ThreadedSidecar,
@@ -134,10 +128,10 @@ def test_pushes_retry_and_never_reorder(client: httpx.Client, sidecar: ThreadedS
     client.post("/instances/late/register", json=engine.register_body())  # socket not served yet
     for size in ("3G", "2G", "1G"):
         client.put("/instances/late/limit", json={"limit": size})
-    _wait_for(lambda: "kvsidecar_push_failures_total{" in client.get("/metrics").text)
+    wait_until(lambda: "kvsidecar_push_failures_total{" in client.get("/metrics").text)
     with engine:  # the engine comes up: the retry delivers the newest revision only
         assert engine.mailbox.pushed.wait(10)
-        _wait_for(lambda: client.get("/instances/late").json()["status"] == "deferred")
+        wait_until(lambda: client.get("/instances/late").json()["status"] == "deferred")
     revisions = [rev for _, rev in engine.mailbox.pushes]
     assert revisions == sorted(revisions) and revisions[-1] == 3
     assert engine.mailbox.pushes[-1] == (GiB, 3)
@@ -161,7 +155,7 @@ def test_a_conflicting_engine_revision_is_overtaken(client: httpx.Client,
     client.post("/instances/llama-a/register", json=engine.register_body())  # revision 0
     engine.mailbox.publish(5 * GiB, 1)  # someone used the socket; the sidecar has not heard
     client.put("/instances/llama-a/limit", json={"limit": "2G"})  # revision 1 here too
-    _wait_for(lambda: engine.mailbox.desired.revision == 2)
+    wait_until(lambda: engine.mailbox.desired.revision == 2)
     assert (engine.mailbox.desired.limit_bytes, engine.mailbox.pushes[-2:]) == \
         (2 * GiB, [(2 * GiB, 1), (2 * GiB, 2)])  # rejected as a conflict, then re-issued
     assert client.get("/instances/llama-a").json()["desired"]["revision"] == 2
@@ -176,7 +170,7 @@ def test_same_revision_other_limit_at_registration_is_overtaken(client: httpx.Cl
     client.put("/instances/llama-a/limit", json={"limit": "2G"})  # revision 1 here too
     reply = client.post("/instances/llama-a/register", json=engine.register_body()).json()
     assert reply == {"limit": 2 * GiB, "revision": 2}  # re-issued as the next revision
-    _wait_for(lambda: engine.mailbox.desired.revision == 2)
+    wait_until(lambda: engine.mailbox.desired.revision == 2)
     assert engine.mailbox.desired.limit_bytes == 2 * GiB
     assert client.get("/instances/llama-a").json()["status"] != "applied"  # 6 GiB mapped
     _report(client, "llama-a", engine, mapped_bytes=GiB)

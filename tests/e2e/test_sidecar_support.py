@@ -1,6 +1,6 @@
 """Helpers for the sidecar e2e tests (no tests here): real servers on loopback / unix sockets.
 
-* :class:`ThreadedSidecar` (from ``tests/live_sidecar.py``): the real app in a thread;
+* :class:`ThreadedSidecar` (from ``tests/support``): the real app in a thread;
 * :class:`SidecarProcess` runs ``kvsidecar serve`` as a child process (for ``kill -9``);
 * :class:`SocketEngine` is the real engine control socket (:class:`engine_ext.ControlServer`)
   and mailbox, with the engine thread's pass played by the test.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -20,19 +19,12 @@ from pathlib import Path
 from typing import Any, Self
 
 import httpx
-from live_sidecar import ThreadedSidecar  # noqa: F401 -- re-exported for the sidecar tests
+from support import ThreadedSidecar, free_port  # noqa: F401 -- re-exported for the sidecar tests
 
 from engine_ext import ControlServer, LimitMailbox, PublishResult
 from engine_ext.protocol import EngineState, RegisterBody, Status
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class SidecarProcess:

@@ -21,10 +21,10 @@ from typing import Any
 
 import httpx
 import pytest
+from support import wait_until
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
-from live_sidecar import ThreadedSidecar
 
 from engine_ext.vllm import (
     VllmServer,
@@ -32,7 +32,6 @@ from engine_ext.vllm import (
     make_document,
     make_tiny_model_dir,
 )
-from sidecar import SidecarSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 RETAINED_LIMIT = 4 << 20  # PUT before the engine exists: applied before its first request
@@ -80,19 +79,18 @@ class Engine:
         assert response.status_code == 200, response.text
         return response.json()
 
+    def requests_in_flight(self) -> int:
+        """Requests the API server holds right now (``--enable-server-load-tracking``)."""
+        response = httpx.get(self.server.base_url + "/load", timeout=10)
+        assert response.status_code == 200, response.text
+        return int(response.json()["server_load"])
+
     def reset(self) -> None:
         """Unlimited again and an empty prefix cache (between tests)."""
         revision = self.set_limit(None)
         response = httpx.post(self.server.base_url + "/reset_prefix_cache", timeout=30)
         assert response.status_code == 200, response.text
         self.wait_state(revision, status="applied")
-
-
-@pytest.fixture(scope="module")
-def sidecar_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    settings = SidecarSettings(db_path=tmp_path_factory.mktemp("sidecar") / "s.db")
-    with ThreadedSidecar(settings) as server:
-        yield server.url
 
 
 def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine:
@@ -107,7 +105,7 @@ def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine
             "VLLM_SERVER_DEV_MODE": "1",
             **env,
         },
-        extra_args=["--max-num-seqs", "8"],
+        extra_args=["--max-num-seqs", "8", "--enable-server-load-tracking"],
         log_path=tmp / f"{name}.log",
     )
     return Engine(server, runtime_dir / name / "control.sock", str(model_dir))
@@ -115,13 +113,13 @@ def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine
 
 @pytest.fixture(scope="module")
 def engines(
-    tmp_path_factory: pytest.TempPathFactory, sidecar_url: str
+    tmp_path_factory: pytest.TempPathFactory, module_sidecar_url: str
 ) -> Iterator[tuple[Engine, Engine]]:
     tmp = tmp_path_factory.mktemp("vllm-serve")
     model_dir = make_tiny_model_dir(tmp / "model")
-    retained = httpx.put(f"{sidecar_url}/instances/elastic/limit", json={"limit": RETAINED_LIMIT})
+    retained = httpx.put(f"{module_sidecar_url}/instances/elastic/limit", json={"limit": RETAINED_LIMIT})
     assert retained.status_code in (200, 202) and retained.json()["status"] == "pending"
-    to_sidecar = {"KVSIDECAR_SIDECAR_URL": sidecar_url, "KVSIDECAR_HEARTBEAT_S": "0.5"}
+    to_sidecar = {"KVSIDECAR_SIDECAR_URL": module_sidecar_url, "KVSIDECAR_HEARTBEAT_S": "0.5"}
     with ThreadPoolExecutor(2) as pool:
         elastic_f = pool.submit(_start, tmp, model_dir, "elastic", to_sidecar)
         main_f = pool.submit(_start, tmp, model_dir, "main", {"KVSIDECAR_RECLAIM": "0"})
@@ -137,10 +135,10 @@ def engines(
 
 
 def test_sidecar_retained_limit_then_push_applies(
-    engines: tuple[Engine, Engine], sidecar_url: str
+    engines: tuple[Engine, Engine], module_sidecar_url: str
 ) -> None:
     elastic, _ = engines
-    api = httpx.Client(base_url=sidecar_url, timeout=30)
+    api = httpx.Client(base_url=module_sidecar_url, timeout=30)
     state = elastic.state()  # retained limit taken before the first request
     assert (state["revision"], state["limit_bytes"], state["status"]) == (1, RETAINED_LIMIT, "applied")
     _fill_prefix_cache(elastic)
@@ -220,7 +218,8 @@ def test_under_traffic_deferred_then_applied_with_identical_tokens(
     with ThreadPoolExecutor(24) as pool:
         futures = [pool.submit(elastic.complete, p, 96) for p in kept]
         abandoned = [pool.submit(aborted, i) for i in range(12)]
-        time.sleep(0.5)  # 8 running, 16 queued
+        wait_until(lambda: elastic.requests_in_flight() >= len(kept),
+                   what="every kept request in flight (8 running, 16 queued)")
         revision = elastic.set_limit(warm["mapped_bytes"] - 2 * bundle)
         first = elastic.wait_state(revision, status="deferred")
         results = [f.result() for f in futures]
@@ -260,7 +259,7 @@ def test_limit_zero_drains_and_serves_after_raise(engines: tuple[Engine, Engine]
     assert elastic.server.kv_memfd_bytes() == drained["page_bundle_bytes"]  # the null page
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(elastic.complete, f"{DOC} after the drain", 8)
-        time.sleep(1.0)
+        wait_until(elastic.requests_in_flight, what="the request reached the server")
         assert not waiting.done()  # waits like any request under memory pressure
         assert httpx.get(elastic.server.base_url + "/health", timeout=5).status_code == 200
         raised = elastic.set_limit(None)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine_ext import EngineExtConfigError, EngineSettings
+from engine_ext._patching import check_touches
 from engine_ext.sglang import (
     SUPPORTED,
     ElasticTokenAllocator,
@@ -20,7 +21,14 @@ from engine_ext.sglang import (
     installed_patches,
     uninstall,
 )
-from engine_ext.sglang._patches import PATCHES, Session, _wrap_next_batch, _wrap_on_idle
+from engine_ext.sglang._install import run_scheduler_process
+from engine_ext.sglang._patches import (
+    PATCHES,
+    TOUCHES,
+    Session,
+    _wrap_next_batch,
+    _wrap_on_idle,
+)
 from engine_ext.sglang.cpu_harness import _single_rank_runtime
 
 pytestmark = pytest.mark.sglang
@@ -41,8 +49,10 @@ def originals() -> dict[str, Any]:
 
     out = {}
     for patch in PATCHES:
-        owner = getattr(importlib.import_module(patch.module), patch.owner)
-        out[patch.target] = owner.__dict__[patch.attr]
+        module, _, path = patch.target.partition(":")
+        owner_name, attr = path.split(".")
+        owner = getattr(importlib.import_module(module), owner_name)
+        out[patch.target] = owner.__dict__[attr]
     return out
 
 
@@ -55,10 +65,14 @@ def test_unsupported_versions_are_refused_and_nothing_is_patched(version: str) -
     assert str(check_version("0.5.23")) == "0.5.23" and "0.5.23" in SUPPORTED
 
 
+def test_every_touched_private_member_exists_in_this_sglang() -> None:
+    check_touches("SGLang", TOUCHES)  # an SGLang upgrade that renames one fails here
+
+
 def test_install_exports_its_settings_for_spawned_schedulers(installed: EngineSettings) -> None:
     from engine_ext import load_engine_settings
 
-    assert load_engine_settings() == installed  # what _child.run_scheduler_process reads
+    assert load_engine_settings() == installed  # what _install.run_scheduler_process reads
 
 
 def test_disabled_install_patches_nothing() -> None:
@@ -71,8 +85,6 @@ def test_install_wraps_each_target_once_and_uninstall_restores(
         installed: EngineSettings) -> None:
     from sglang.srt.entrypoints.engine import Engine
     from sglang.srt.managers.scheduler import Scheduler
-
-    from engine_ext.sglang._child import run_scheduler_process
 
     patched = originals()
     assert installed_patches() == [p.target for p in PATCHES]
@@ -197,7 +209,7 @@ def test_idle_and_schedule_wrappers_run_the_pool_before_sglang(make_harness: Any
         calls.append("sglang-next")
         return "batch"
 
-    session = Session(EngineSettings(enable=True), "0.5.23", [])
+    session = Session(EngineSettings(enable=True), "0.5.23", run_scheduler_process)
     on_idle = _wrap_on_idle(sglang_on_idle, session)
     next_batch = _wrap_next_batch(sglang_next_batch, session)
     h.pool.set_limit(0)
@@ -210,7 +222,6 @@ def test_idle_and_schedule_wrappers_run_the_pool_before_sglang(make_harness: Any
 
 def test_launcher_installs_then_parses_sglang_args(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine_ext.sglang._child import run_scheduler_process
     from engine_ext.sglang.launch_server import prepare
 
     monkeypatch.delenv("KVSIDECAR_ENABLE", raising=False)

@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from live_sidecar import ThreadedSidecar
 from sglang_support import fill, prompt
 
 from engine_ext import EngineSettings
 from engine_ext.protocol import Status
 from engine_ext.sglang.cpu_harness import CpuHarness, HarnessConfig
-from sidecar import SidecarSettings
 
 pytestmark = pytest.mark.sglang
 
 BUNDLE = 16384  # the harness pool's page bundle (HarnessConfig defaults)
 
-
-@pytest.fixture
-def sidecar_url(tmp_path: Path) -> Iterator[str]:
-    settings = SidecarSettings(db_path=tmp_path / "s.db", push_backoff_initial_s=0.02,
-                               push_backoff_max_s=0.2)
-    with ThreadedSidecar(settings) as server:
-        yield server.url
 
 
 def wait_for(api: httpx.Client, path: str, done: Any, harness: CpuHarness) -> dict[str, Any]:

@@ -6,7 +6,7 @@ computed from the KV memory read back (a block evicted or reused under a live
 request changes them). Limits (0, one page, unlimited, random) are published
 from a separate thread at the top of steps and, through a wrapper around
 ``KVCacheManager.get_computed_blocks``, between a request's prefix lookup and
-its ``allocate_slots`` (the race that killed the EngineCore, ENGINES.md 1.6).
+its ``allocate_slots`` (the race that killed the EngineCore, docs/engine-hooks.md 1.6).
 Memory is measured from the kernel (the memfd's ``fstat`` blocks, what
 ``/proc`` shows).
 """

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
@@ -23,6 +25,7 @@ from engine_ext.vllm._patches import (
     UnsupportedVllmVersion,
     apply_patches,
     is_patched,
+    remove_patches,
     supported_range,
 )
 
@@ -30,11 +33,14 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture
-def restore_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Record the patched symbols so monkeypatch puts the originals back."""
-    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", kv_cache_coordinator.BlockPool)
-    monkeypatch.setattr(core.EngineCoreProc, "run_busy_loop", core.EngineCoreProc.run_busy_loop)
+def restore_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Undo every patch the test applied, and check that vLLM is unpatched afterwards."""
+    assert not any(is_patched(p.target) for p in PATCHES), "an earlier test left vLLM patched"
     monkeypatch.setattr(_runtime, "_configured", None)
+    yield
+    remove_patches()
+    assert not any(is_patched(p.target) for p in PATCHES)
+    assert kv_cache_coordinator.BlockPool is block_pool.BlockPool
 
 
 def test_installed_vllm_is_in_the_supported_range() -> None:
@@ -53,10 +59,10 @@ def test_unsupported_version_refuses_and_patches_nothing() -> None:
 @pytest.mark.usefixtures("restore_vllm")
 def test_patching_is_explicit_and_idempotent() -> None:
     original_loop = core.EngineCoreProc.run_busy_loop
-    assert apply_patches(vllm.__version__) == [p.target for p in PATCHES]
+    assert apply_patches(vllm.__version__).targets == [p.target for p in PATCHES]
     assert kv_cache_coordinator.BlockPool is ElasticBlockPool
     assert core.EngineCoreProc.run_busy_loop.__wrapped__ is original_loop  # type: ignore[attr-defined]
-    assert apply_patches(vllm.__version__) == []  # second time: nothing changes
+    assert apply_patches(vllm.__version__).targets == []  # second time: nothing changes
     assert core.EngineCoreProc.run_busy_loop.__wrapped__ is original_loop  # type: ignore[attr-defined]
 
 
@@ -119,3 +125,24 @@ def test_default_instance_id_differs_per_host_and_pod() -> None:
     set_by_operator = {"KVSIDECAR_INSTANCE_ID": "mine", "POD_NAME": "p"}
     export_default_instance_id(argv, set_by_operator)
     assert set_by_operator["KVSIDECAR_INSTANCE_ID"] == "mine"
+
+
+@pytest.mark.usefixtures("restore_vllm")
+def test_undo_restores_every_original() -> None:
+    originals = {p.target: _raw(p.target) for p in PATCHES}
+    applied = apply_patches(vllm.__version__)
+    assert all(is_patched(p.target) for p in PATCHES)
+    assert sorted(applied.undo()) == sorted(originals)
+    assert {p.target: _raw(p.target) for p in PATCHES} == originals
+    assert applied.undo() == []  # idempotent
+
+
+def _raw(target: str) -> object:
+    import importlib
+
+    module, _, path = target.partition(":")
+    owner: object = importlib.import_module(module)
+    *parents, name = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)

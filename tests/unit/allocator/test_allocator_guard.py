@@ -81,13 +81,13 @@ def test_disabled_guard_allows_any_thread(make_host: MakeHost) -> None:
     assert blocks.num_allocated_blocks == 2
 
 
-def test_default_comes_from_the_flag_or_the_environment() -> None:
+def test_default_comes_from_the_flag() -> None:
     try:
         assert ThreadGuard("a").enabled  # conftest turned the default on
-        assert not ThreadGuard.load_default_from_env({"KVSIDECAR_THREAD_GUARD": "0"})
+        ThreadGuard.set_default_enabled(False)
         assert not ThreadGuard("b").enabled
         assert ThreadGuard("c", enabled=True).enabled
-        assert ThreadGuard.load_default_from_env({"KVSIDECAR_THREAD_GUARD": " On "})
+        ThreadGuard.set_default_enabled(True)
         assert ThreadGuard("d").enabled
     finally:
         ThreadGuard.set_default_enabled(True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_pool import Pool
-from live_sidecar import ThreadedSidecar
+from support import ThreadedSidecar
 
 from engine_ext import (
     ElasticInstance,

@@ -9,26 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from engine_pool import BLOCKS_PER_PAGE, BUNDLE, Pool
-from live_sidecar import ThreadedSidecar
 
 from engine_ext import ElasticInstance, EngineBinding, load_engine_settings
 from engine_ext.protocol import Status
-from sidecar import SidecarSettings
-
-
-@pytest.fixture
-def sidecar_url(tmp_path: Path) -> Iterator[str]:
-    settings = SidecarSettings(db_path=tmp_path / "s.db", push_backoff_initial_s=0.02,
-                               push_backoff_max_s=0.2)
-    with ThreadedSidecar(settings) as server:
-        yield server.url
 
 
 def start_instance(pool: Pool, tmp_path: Path, url: str, woken: threading.Event

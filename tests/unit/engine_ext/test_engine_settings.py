@@ -89,12 +89,13 @@ def test_exports_are_pinned_and_sorted() -> None:
     assert EngineSettings.model_config["env_prefix"] == "KVSIDECAR_"
 
 
-def test_thread_guard_setting_turns_the_default_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_thread_guard_setting_turns_the_adapters_guard_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from allocator import ThreadGuard
 
     monkeypatch.setattr(ThreadGuard, "_default_enabled", False)
-    load_engine_settings().apply_thread_guard()
-    assert not ThreadGuard("x").enabled
+    assert not load_engine_settings().new_thread_guard("x").enabled
     monkeypatch.setenv("KVSIDECAR_THREAD_GUARD", "1")
-    load_engine_settings().apply_thread_guard()
-    assert ThreadGuard("y").enabled
+    assert load_engine_settings().new_thread_guard("y").enabled
+    assert not ThreadGuard("z").enabled  # the process default is left alone

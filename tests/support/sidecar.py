@@ -1,7 +1,7 @@
 """The real sidecar app under uvicorn in a thread, for any test that needs a live sidecar.
 
-``tests/`` is on ``sys.path`` (it holds the root conftest), so tests import it
-as ``from live_sidecar import ThreadedSidecar``.
+Tests import it as ``from support import ThreadedSidecar`` (or use the fixtures in
+:mod:`support.fixtures`).
 """
 
 from __future__ import annotations

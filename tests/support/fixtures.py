@@ -1,0 +1,31 @@
+"""Fixtures shared by test files (registered in ``tests/conftest.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar import SidecarSettings
+
+from .sidecar import ThreadedSidecar
+
+__all__ = ["module_sidecar_url", "sidecar_url"]
+
+
+@pytest.fixture
+def sidecar_url(tmp_path: Path) -> Iterator[str]:
+    """A real sidecar for one test, retrying pushes quickly (engines in the test process)."""
+    settings = SidecarSettings(db_path=tmp_path / "sidecar.db", push_backoff_initial_s=0.02,
+                               push_backoff_max_s=0.2)  # fmt: skip
+    with ThreadedSidecar(settings) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def module_sidecar_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real sidecar, default settings, shared by a module's engines."""
+    settings = SidecarSettings(db_path=tmp_path_factory.mktemp("sidecar") / "sidecar.db")
+    with ThreadedSidecar(settings) as server:
+        yield server.url
