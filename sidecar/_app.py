@@ -16,6 +16,7 @@ from ._service import InstanceService
 from ._settings import SidecarSettings
 from ._store import Store
 from ._transport import UnixSocketRouter
+from ._version import version
 
 __all__ = ["create_app"]
 
@@ -48,7 +49,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def create_app(settings: SidecarSettings | None = None) -> FastAPI:
     """A sidecar app; ``settings`` default to the environment (``KVSIDECAR_*``)."""
     settings = settings if settings is not None else SidecarSettings()
-    app = FastAPI(title="kvsidecar", version="0.1.0", description=_DESCRIPTION,
+    app = FastAPI(title="kvsidecar", version=version(), description=_DESCRIPTION,
                   lifespan=_lifespan)
     app.state.settings = settings
     install_problem_handlers(app)

@@ -28,6 +28,7 @@ from ._kvctl_client import (
     SocketApi,
 )
 from ._kvctl_render import instance_line, instance_table, state_line
+from ._version import version_line
 
 __all__ = ["CtlSettings", "app", "main"]
 
@@ -73,19 +74,41 @@ def _check_id(value: str) -> str:
 IdArg = Annotated[str, typer.Argument(help="instance id, e.g. llama-a", callback=_check_id)]
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        _out.print(version_line("kvctl"), markup=False)
+        raise typer.Exit(EXIT_OK)
+
+
+def sidecar_url(raw: str) -> str:
+    """``host:port`` → ``http://host:port``; only http(s) URLs pass (usage error otherwise)."""
+    url = raw.strip()
+    if "://" not in url:
+        url = f"http://{url}"
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() not in ("http", "https") or not rest.strip("/"):
+        raise _fail(f"--url/KVSIDECAR_URL must be host:port or an http(s) URL; got {raw!r} "
+                    "(e.g. --url 127.0.0.1:8570)", EXIT_USAGE)
+    return url
+
+
 @app.callback()
 def _global(
     ctx: typer.Context,
-    url: Annotated[str | None, typer.Option(help="sidecar URL [KVSIDECAR_URL]")] = None,
+    url: Annotated[str | None, typer.Option(
+        help="sidecar URL or host:port [KVSIDECAR_URL]")] = None,
     token: Annotated[str | None, typer.Option(help="bearer token [KVSIDECAR_TOKEN]")] = None,
     socket: Annotated[str | None, typer.Option(
         help="talk to this engine control socket directly (limit/status only)")] = None,
+    _version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_print_version,
+        help="print the version and build facts, then exit")] = False,
 ) -> None:
     settings = CtlSettings()
     env_token = settings.token.get_secret_value() if settings.token else None
     # surrounding whitespace is never part of a token (the sidecar strips it too)
     chosen = (token or env_token or "").strip() or None
-    ctx.obj = _Ctx(url or settings.url, chosen, socket)
+    ctx.obj = _Ctx(sidecar_url(url or settings.url), chosen, socket)
 
 
 def _fail(message: str, code: int) -> typer.Exit:

@@ -9,6 +9,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    Info,
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -17,6 +18,7 @@ from prometheus_client.registry import Collector
 from engine_ext.protocol import Status
 
 from ._models import InstanceView
+from ._version import build_info
 
 __all__ = ["Metrics"]
 
@@ -69,6 +71,8 @@ class Metrics:
         self.push_failures = Counter(
             "kvsidecar_push_failures", "Limit pushes that failed (the push is retried)",
             ["instance", "reason"], registry=self.registry)
+        Info("kvsidecar_build", "Version and build of this sidecar (value always 1)",
+             registry=self.registry).info(build_info())
 
     def add_instances(self, snapshot: Callable[[], Iterable[InstanceView]]) -> None:
         self.registry.register(_InstanceCollector(snapshot))

@@ -14,9 +14,25 @@ import typer
 from ._errors import SidecarError
 from ._settings import SidecarSettings
 from ._store import Store
+from ._version import version_line
 
 app = typer.Typer(name="kvsidecar", no_args_is_help=True, add_completion=False,
                   help="Elastic KV-cache memory for LLM engines: the control-plane service.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line("kvsidecar"))
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _global(
+    _version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_print_version,
+        help="print the version and build facts, then exit")] = False,
+) -> None:
+    """Elastic KV-cache memory for LLM engines: the control-plane service."""
 
 
 @app.command()
@@ -65,9 +81,10 @@ async def _check_database(settings: SidecarSettings) -> None:
         await store.close()
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)  # --help goes to the demo's own parser, which lists options
 def demo(ctx: typer.Context) -> None:
-    """Run the CPU colocation demo (two engines, one budget)."""
+    """Run the CPU colocation demo (two engines, one budget); --help lists its options."""
     if importlib.util.find_spec("sidecar.demo") is None:
         typer.echo("kvsidecar: demo not built yet", err=True)
         raise typer.Exit(1)

@@ -6,15 +6,17 @@ from fastapi import APIRouter, Request, Response
 
 from .._deps import Service
 from .._metrics import Metrics
+from .._version import build_info
 
 __all__ = ["router"]
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", summary="Liveness: the process answers")
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+@router.get("/healthz", summary="Liveness: the process answers (with its version and build)")
+async def healthz() -> dict[str, str | dict[str, str]]:
+    info = build_info()
+    return {"status": "ok", "version": info["version"], "build": info}
 
 
 @router.get("/readyz", summary="Readiness: the database takes a write",

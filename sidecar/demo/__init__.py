@@ -10,6 +10,7 @@ host memory, loopback, no GPU, no network.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
 import sys
 import tempfile
@@ -20,11 +21,22 @@ from typing import Any
 
 from rich.console import Console
 
-__all__ = ["run_demo"]
+__all__ = ["missing_dependencies", "run_demo"]
+
+# what the demo imports beyond kvsidecar's own dependencies, and where it comes from
+_DEMO_MODULES = (("vllm", "vLLM 0.33"), ("torch", "PyTorch"))
+_INSTALL_HINT = ("from a checkout, 'bash scripts/dev.sh demo' builds an environment with the "
+                 "CPU builds of both and runs the demo; or install them: "
+                 "pip install 'kvsidecar[vllm]'")
 
 
 def _parse(argv: tuple[str, ...]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvsidecar demo", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="kvsidecar demo",
+        description="The CPU colocation demo: a sidecar and two vLLM CPU-harness engines on "
+                    "loopback share one KV budget; prints the limit table, writes "
+                    "demo-results.json and demo-mapped.png, exits 1 if a check failed. "
+                    "Needs vLLM and torch (bash scripts/dev.sh demo installs them).")
     parser.add_argument("--out", type=Path, default=Path("demo-out"),
                         help="where demo-results.json and the plot go [./demo-out]")  # fmt: skip
     parser.add_argument("--idle-s", type=float, default=10.0,
@@ -39,8 +51,25 @@ def run_demo(*argv: str) -> None:
     args = _parse(argv)
     if args.idle_s < 0:
         sys.exit("kvsidecar demo: --idle-s must be >= 0")
+    missing = missing_dependencies()
+    if missing:  # before anything is created: no output dir, no temp dir, no process
+        sys.exit(f"kvsidecar demo: needs {' and '.join(missing)}, not installed in "
+                 f"{sys.prefix}; {_INSTALL_HINT}")
     console = Console()
     sys.exit(0 if _run(args, console) else 1)
+
+
+def missing_dependencies() -> list[str]:
+    """The demo's third-party dependencies that cannot be imported here (names for a person)."""
+    missing = []
+    for module, name in _DEMO_MODULES:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(f"{name} ({module})")
+    return missing
 
 
 def _run(args: argparse.Namespace, console: Console) -> bool:

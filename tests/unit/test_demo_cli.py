@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,43 @@ def test_bad_demo_arguments_fail_fast_with_a_message(
     assert proc.returncode != 0
     assert message in proc.stderr
     assert not (out / "demo-results.json").exists()  # nothing ran
+
+
+def test_demo_help_lists_its_options() -> None:
+    proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "demo", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--out", "--idle-s", "--quick", "--keep-workdir"):
+        assert option in proc.stdout
+
+
+# Runs the real CLI in a process where vllm and torch cannot be imported, as in an install
+# of kvsidecar without the demo's extras (a meta-path finder that refuses those names).
+_WITHOUT_ENGINES = """
+import importlib.abc, sys
+class _Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('vllm', 'torch'):
+            raise ModuleNotFoundError(name)
+        return None
+sys.meta_path.insert(0, _Absent())
+from sidecar.cli import main
+sys.argv = ['kvsidecar', 'demo', '--out', sys.argv[1]]
+main()
+"""
+
+
+def test_demo_without_its_dependencies_says_what_to_install_and_leaves_nothing(
+        tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_ENGINES, str(out)], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)},
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "vLLM" in proc.stderr and "pip install 'kvsidecar[vllm]'" in proc.stderr
+    assert "scripts/dev.sh demo" in proc.stderr
+    assert not out.exists() and list(scratch.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["tmp"]
