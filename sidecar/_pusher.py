@@ -4,7 +4,9 @@ Ordering: each instance has one worker and the worker always sends the
 *current* desired revision, read right before each attempt; a newer desired
 therefore supersedes a failing older one, and revisions reach the engine in
 increasing order. Failures back off exponentially (initial → max), and a wake
-(new desired, re-registration) cuts the wait short.
+(new desired, re-registration) cuts the wait short. A failing instance is
+logged at its 1st, 2nd, 4th, 8th... consecutive failure (every failure is
+counted in the metric), and once when pushes work again.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ ReplyHandler = Callable[[str, EngineState, bool], Awaitable[bool]]
 class _Worker:
     """One instance's push loop state."""
 
-    __slots__ = ("task", "wake")
+    __slots__ = ("failures", "task", "wake")
 
     def __init__(self) -> None:
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+        self.failures = 0  # consecutive failed attempts (for the falling log rate)
 
 
 class PushManager:
@@ -89,6 +92,10 @@ class PushManager:
             worker.wake.clear()
             while (rec := self._lookup(instance_id)) is not None and rec.needs_push():
                 if await self._attempt(instance_id, rec):
+                    if worker.failures:
+                        _log.info("push to %s works again after %d failed attempts",
+                                  instance_id, worker.failures)
+                        worker.failures = 0
                     delay = self._settings.push_backoff_initial_s
                     continue
                 try:  # back off, unless a newer desired or a re-registration wakes us
@@ -107,7 +114,7 @@ class PushManager:
             self._fail(instance_id, type(exc).__name__, exc.detail)
         except Exception:  # noqa: BLE001  (last resort: a bug must not end the pushes)
             _log.exception("push to %s failed unexpectedly; retrying with backoff", instance_id)
-            self._metrics.push_failures.labels(instance_id, "internal").inc()
+            self._metrics.push_failed(instance_id, "internal")
         return False
 
     async def _push_once(self, instance_id: str, rec: InstanceRecord) -> bool:
@@ -139,6 +146,13 @@ class PushManager:
         return False
 
     def _fail(self, instance_id: str, reason: str, detail: str) -> None:
-        self._metrics.push_failures.labels(instance_id, reason).inc()
-        _log.warning("push to %s failed (%s): %s; retrying with backoff",
-                     instance_id, reason, detail)
+        self._metrics.push_failed(instance_id, reason)
+        worker = self._workers.get(instance_id)
+        count = 1
+        if worker is not None:
+            worker.failures += 1
+            count = worker.failures
+        if count & (count - 1) == 0:  # 1, 2, 4, 8, ...: a dead socket does not flood the log
+            _log.warning("push to %s failed (%s): %s; retrying with backoff (%d consecutive "
+                         "failures; next logged at %d)", instance_id, reason, detail, count,
+                         2 * count)

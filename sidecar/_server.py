@@ -12,6 +12,10 @@ that is sent slowly or not at all, and takes every connection it is offered.
   holding half-sent requests cannot lock others out (``/healthz`` keeps
   answering); when every connection is busy in the app, the new one gets 503
   and is closed at once.
+
+uvicorn leaves logging alone (``log_config=None``): its loggers propagate to
+the handler :func:`sidecar._logging.configure_logging` installs, so they
+share our format (text or JSON).
 """
 
 from __future__ import annotations
@@ -144,4 +148,4 @@ def server_config(app: Any, settings: SidecarSettings, *, host: str | None = Non
         app, host=settings.host if host is None else host,
         port=settings.port if port is None else port,
         http=protocol, log_level=log_level or settings.log_level, access_log=False,
-        timeout_keep_alive=settings.keepalive_timeout_s, lifespan="on")
+        log_config=None, timeout_keep_alive=settings.keepalive_timeout_s, lifespan="on")

@@ -23,6 +23,7 @@ from ._errors import (
     UnknownInstanceError,
 )
 from ._instances import InstanceRecord
+from ._logging import audit_deregister, audit_forget, audit_limit_change
 from ._metrics import Metrics
 from ._models import InstanceView
 from ._pusher import PushManager
@@ -50,6 +51,7 @@ class InstanceService:
         self._settings = settings
         self._records: dict[str, InstanceRecord] = {}
         self._creating: set[str] = set()  # new ids whose first write is in flight (the cap)
+        self._metrics = metrics
         self._pusher = PushManager(client, settings, metrics, self._records.get, self._on_reply)
         metrics.add_instances(self.list)
 
@@ -102,29 +104,41 @@ class InstanceService:
     # --- operator writes -----------------------------------------------------------------
 
     async def set_limit(self, instance_id: str, limit: int | None,
-                        revision: int | None) -> InstanceView:
-        """Store a desired limit (durably, before returning) and start pushing it."""
+                        revision: int | None, *, source: str = "api") -> InstanceView:
+        """Store a desired limit (durably, before returning) and start pushing it.
+
+        ``source`` says who asked (for the audit line), e.g. ``PUT from 10.0.0.7``."""
         async with self._admit(instance_id):
             row, decision = await self._store.set_desired(instance_id, limit, revision)
         if decision.changed:
+            old = self._records.get(instance_id)
+            audit_limit_change(instance_id, source=source,
+                               old_limit=None if old is None else old.row.limit_bytes,
+                               new_limit=row.limit_bytes,
+                               old_revision=0 if old is None else old.row.revision,
+                               revision=row.revision)
+            self._metrics.limit_set(instance_id, row.revision)
             self._take_row(row)
         return self.get(instance_id)
 
-    async def clear_limit(self, instance_id: str) -> InstanceView:
+    async def clear_limit(self, instance_id: str, *, source: str = "api") -> InstanceView:
         """Back to unlimited, as a new revision. Unknown ids are a 404 (nothing to clear)."""
         self._record(instance_id)
-        return await self.set_limit(instance_id, None, None)
+        return await self.set_limit(instance_id, None, None, source=source)
 
-    async def forget(self, instance_id: str) -> None:
-        """Drop the instance (desired limit, registration, observed state) for good.
+    async def forget(self, instance_id: str, *, source: str = "api") -> None:
+        """Drop the instance (desired limit, registration, observed state, metrics) for good.
 
         A live engine that still holds the id gets a 404 on its next report and
         registers again, with the limit it holds.
         """
-        self._record(instance_id)
+        old = self._record(instance_id)
         await self._store.forget(instance_id)
         rec = self._records.pop(instance_id, None)
         self._pusher.forget(instance_id)
+        self._metrics.forget(instance_id)
+        audit_forget(instance_id, source=source, old_limit=old.row.limit_bytes,
+                     old_revision=old.row.revision)
         if rec is not None:
             rec.notify()
         _log.info("instance %s: forgotten (DELETE /instances/%s)", instance_id, instance_id)
@@ -150,6 +164,7 @@ class InstanceService:
         if _other_limit_same_revision(rec, body.state):
             await self._reissue_desired(rec)
         rec.notify()
+        self._metrics.observed(rec.view(self._now, self._settings.heartbeat_timeout_s))
         return RegisterReply(limit=rec.row.limit_bytes, revision=rec.row.revision)
 
     async def report(self, instance_id: str, state: EngineState,
@@ -187,6 +202,7 @@ class InstanceService:
             rec.reg_token = None
             rec.notify()
             _log.info("instance %s: the engine stopped cleanly (deregistered)", instance_id)
+            audit_deregister(instance_id, limit=rec.row.limit_bytes, revision=rec.row.revision)
         return self.get(instance_id)
 
     # --- internals -----------------------------------------------------------------------
@@ -253,10 +269,12 @@ class InstanceService:
     async def _adopt_if_newer(self, rec: InstanceRecord, state: EngineState) -> None:
         """The newest revision wins whatever its source (e.g. ``kvctl --socket``)."""
         if state.revision > rec.row.revision:
+            old = rec.row
             row = await self._store.adopt(rec.row.id, state.limit_bytes, state.revision)
             if row is not None:
-                _log.info("instance %s: adopted revision %d from the engine",
-                          rec.row.id, state.revision)
+                audit_limit_change(rec.row.id, source="engine (adopted its newer revision)",
+                                   old_limit=old.limit_bytes, new_limit=row.limit_bytes,
+                                   old_revision=old.revision, revision=row.revision)
                 rec.set_row(row)
 
     async def _reissue_desired(self, rec: InstanceRecord) -> None:
@@ -267,7 +285,8 @@ class InstanceService:
                      "re-issuing the desired limit as the next revision",
                      rec.row.id, rec.row.revision)
         try:
-            await self.set_limit(rec.row.id, rec.row.limit_bytes, None)
+            await self.set_limit(rec.row.id, rec.row.limit_bytes, None,
+                                 source="sidecar (re-issued over the engine's conflicting limit)")
         except RequestError as exc:  # e.g. the revision space is used up: say so, go on
             _log.error("instance %s: cannot re-issue the desired limit: %s", rec.row.id,
                        exc.detail)
@@ -284,6 +303,7 @@ class InstanceService:
             rec.observed = state
         rec.last_seen = self._now
         rec.notify()
+        self._metrics.observed(rec.view(self._now, self._settings.heartbeat_timeout_s))
         if rec.needs_push():
             self._pusher.wake(rec.row.id)
 

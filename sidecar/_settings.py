@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,6 +45,7 @@ class SidecarSettings(BaseSettings):
     keepalive_timeout_s: int = Field(default=75, ge=1)
     max_connections: int = Field(default=256, ge=8)  # open connections; more are closed at once
     log_level: str = "info"
+    log_format: Literal["text", "json"] = "text"  # json: one object per line (ours and uvicorn's)
 
     @field_validator("token")
     @classmethod

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from ._errors import SidecarError
+from ._logging import configure_logging
 from ._settings import SidecarSettings
 from ._store import Store
 from ._version import version_line
@@ -41,6 +42,8 @@ def serve(
     port: Annotated[int | None, typer.Option(help="TCP port [KVSIDECAR_PORT, 8570]")] = None,
     db: Annotated[Path | None, typer.Option(
         help="SQLite file [KVSIDECAR_DB_PATH, ~/.local/state/kvsidecar/sidecar.db]")] = None,
+    log_format: Annotated[str | None, typer.Option(
+        help="text or json (one object per line) [KVSIDECAR_LOG_FORMAT, text]")] = None,
 ) -> None:
     """Run the sidecar HTTP service until SIGINT/SIGTERM."""
     import uvicorn
@@ -50,7 +53,8 @@ def serve(
     from ._server import server_config
 
     overrides: dict[str, Any] = {k: v for k, v in
-                                 {"host": host, "port": port, "db_path": db}.items()
+                                 {"host": host, "port": port, "db_path": db,
+                                  "log_format": log_format}.items()
                                  if v is not None}
     try:
         settings = SidecarSettings(**overrides)
@@ -63,8 +67,7 @@ def serve(
     except SidecarError as exc:
         typer.echo(f"kvsidecar: {exc.detail}", err=True)
         raise typer.Exit(2) from None
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     if settings.host not in ("127.0.0.1", "::1", "localhost") and settings.token is None:
         logging.getLogger("kvsidecar").warning(
             "binding %s without KVSIDECAR_TOKEN: anyone who can reach it can set limits",

@@ -53,7 +53,8 @@ async def get_instance(instance_id: InstanceId, service: Service, request: Reque
             summary="Set the desired limit (stored durably before the answer)")
 async def put_limit(instance_id: InstanceId, body: LimitBody, service: Service,
                     request: Request, wait: WaitSeconds = None) -> Response:
-    view = await service.set_limit(instance_id, body.limit, body.revision)
+    view = await service.set_limit(instance_id, body.limit, body.revision,
+                                   source=_source(request, "PUT"))
     return await _finish(request, service, view, wait)
 
 
@@ -62,16 +63,23 @@ async def put_limit(instance_id: InstanceId, body: LimitBody, service: Service,
                summary="Back to unlimited, as a new revision")
 async def delete_limit(instance_id: InstanceId, service: Service, request: Request,
                        wait: WaitSeconds = None) -> Response:
-    view = await service.clear_limit(instance_id)
+    view = await service.clear_limit(instance_id, source=_source(request, "DELETE"))
     return await _finish(request, service, view, wait)
 
 
 @router.delete("/{instance_id}", status_code=204, dependencies=[Authorized],
                responses=_PROBLEMS, response_class=Response,
                summary="Forget the instance: its desired limit, registration and metrics")
-async def forget_instance(instance_id: InstanceId, service: Service) -> Response:
-    await service.forget(instance_id)
+async def forget_instance(instance_id: InstanceId, service: Service,
+                          request: Request) -> Response:
+    await service.forget(instance_id, source=_source(request, "DELETE"))
     return Response(status_code=204)
+
+
+def _source(request: Request, method: str) -> str:
+    """Who asked, for the audit line: the method and the client address."""
+    client = request.client
+    return f"{method} from {client.host if client else 'unknown'}"
 
 
 async def _finish(request: Request, service: InstanceService, view: InstanceView,

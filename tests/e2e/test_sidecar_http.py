@@ -337,13 +337,13 @@ def test_100_concurrent_puts_lose_nothing(sidecar: ThreadedSidecar, db: Path) ->
 
 
 def test_health_readiness_and_metrics(client: httpx.Client) -> None:
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json()["status"] == "ok"
     assert client.get("/readyz").json() == {"status": "ready"}
     client.put("/instances/llama-a/limit", json={"limit": "4G"})
     text = client.get("/metrics").text
-    assert 'kvsidecar_desired_limit_bytes{instance="llama-a"} 4.294967296e+09' in text
-    assert 'kvsidecar_instance_status{instance="llama-a",status="pending"} 1.0' in text
-    assert 'kvsidecar_instance_status{instance="llama-a",status="applied"} 0.0' in text
+    assert 'kvsidecar_desired_limit_bytes{kv_instance="llama-a"} 4.294967296e+09' in text
+    assert 'kvsidecar_instance_status{kv_instance="llama-a",status="pending"} 1.0' in text
+    assert 'kvsidecar_instance_status{kv_instance="llama-a",status="applied"} 0.0' in text
     assert "kvsidecar_push_seconds_bucket" in text
 
 

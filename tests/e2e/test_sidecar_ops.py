@@ -241,7 +241,7 @@ def test_a_clean_shutdown_is_stopped_not_unreachable_and_keeps_the_limit(db: Pat
         time.sleep(0.6)  # past the heartbeat timeout: still stopped, never unreachable
         view = c.get("/instances/a").json()
         assert view["status"] == "stopped" and view["desired"]["limit_bytes"] == GiB
-        assert 'kvsidecar_instance_status{instance="a",status="stopped"} 1.0' in \
+        assert 'kvsidecar_instance_status{kv_instance="a",status="stopped"} 1.0' in \
             c.get("/metrics").text
         assert _report(c).status_code == 404  # a stopped engine must register again
     with _serve(db, heartbeat_timeout_s=0.3) as server, \

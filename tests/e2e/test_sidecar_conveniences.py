@@ -1,0 +1,185 @@
+"""Operator conveniences over real HTTP: version/build info, autoscaler metrics, audit and
+JSON logs, a falling log rate for dead sockets, kvctl --version and --url host:port."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from test_sidecar_support import ROOT, SidecarProcess, SocketEngine, ThreadedSidecar
+from typer.testing import CliRunner
+
+from sidecar import SidecarSettings
+from sidecar.kvctl import app as kvctl_app
+
+GiB = 1 << 30
+MiB = 1 << 20
+runner = CliRunner()
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[ThreadedSidecar]:
+    with ThreadedSidecar(SidecarSettings(db_path=tmp_path / "s.db", max_wait_s=10)) as server:
+        yield server
+
+
+@pytest.fixture
+def client(sidecar: ThreadedSidecar) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=sidecar.url, timeout=30) as c:
+        yield c
+
+
+def _samples(text: str, name: str) -> dict[str, float]:
+    """``{'label="v",...': value}`` of every sample of metric ``name``."""
+    out = {}
+    for line in text.splitlines():
+        m = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_healthz_and_metrics_carry_the_version(client: httpx.Client) -> None:
+    body = client.get("/healthz").json()
+    assert body["status"] == "ok"
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", body["version"])
+    assert body["build"]["version"] == body["version"] and body["build"]["python"]
+    info = _samples(client.get("/metrics").text, "kvsidecar_build_info")
+    assert len(info) == 1
+    (labels, value), = info.items()
+    assert value == 1.0 and f'version="{body["version"]}"' in labels
+    assert client.get("/openapi.json").json()["info"]["version"] == body["version"]
+
+
+def test_cli_version_flags() -> None:
+    for module, name in (("sidecar.cli", "kvsidecar"), ("sidecar.kvctl", "kvctl")):
+        proc = subprocess.run([sys.executable, "-m", module, "--version"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert re.match(rf"{name} \d+\.\d+\.\d+", proc.stdout), proc.stdout
+
+
+def test_kvctl_url_without_a_scheme(sidecar: ThreadedSidecar) -> None:
+    hostport = sidecar.url.removeprefix("http://")
+    result = runner.invoke(kvctl_app, ["--url", hostport, "limit", "a", "1G"])
+    assert result.exit_code == 0, result.output
+    assert "limit 1GiB rev 1" in result.output
+    for bad in ("ftp://h:1", "http://", "://x"):
+        result = runner.invoke(kvctl_app, ["--url", bad, "list"])
+        assert result.exit_code == 2 and "--url" in result.output, (bad, result.output)
+
+
+def test_metrics_for_autoscalers(client: httpx.Client, tmp_path: Path) -> None:
+    client.put("/instances/typo/limit", json={"limit": "1G"})  # never registers
+    with SocketEngine(tmp_path / "e.sock", mapped_bytes=6 * GiB,
+                      device_total_bytes=80 * GiB) as engine:
+        body = engine.register_body()
+        body["state"].update(evictable_bytes=2 * GiB, pinned_bytes=GiB, capacity_bytes=40 * GiB)
+        assert client.post("/instances/llama-a/register", json=body).status_code == 200
+        # the limit below what is mapped: the engine answers deferred (evicting)
+        r = client.put("/instances/llama-a/limit", json={"limit": "4G"})
+        assert r.status_code == 200
+        assert engine.mailbox.pushed.wait(10), "the sidecar never pushed the limit"
+        state = engine.engine_pass()
+        assert state.status.value == "deferred"
+        assert client.post("/instances/llama-a/report",
+                           content=state.model_dump_json(),
+                           headers={"content-type": "application/json"}).status_code == 200
+        text = client.get("/metrics").text
+        assert not re.search(r'[{,]instance="', text)  # Prometheus' own target label is never exported
+        mapped = _samples(text, "kvsidecar_mapped_bytes")
+        assert mapped == {'kv_instance="llama-a"': 6 * GiB}  # no 0 for the typo'd id
+        assert _samples(text, "kvsidecar_device_total_bytes") == {
+            'kv_instance="llama-a"': 80 * GiB}
+        assert _samples(text, "kvsidecar_capacity_bytes") == {'kv_instance="llama-a"': 80 * GiB}
+        assert set(_samples(text, "kvsidecar_evictable_bytes")) == {'kv_instance="llama-a"'}
+        assert set(_samples(text, "kvsidecar_pinned_bytes")) == {'kv_instance="llama-a"'}
+        assert _samples(text, "kvsidecar_deferred") == {
+            'kv_instance="llama-a",reason="evicting"': 1.0}
+        stamps = _samples(text, "kvsidecar_last_report_timestamp_seconds")
+        assert set(stamps) == {'kv_instance="llama-a"'}
+        assert abs(stamps['kv_instance="llama-a"'] - time.time()) < 60
+        assert _samples(text, "kvsidecar_desired_limit_bytes")['kv_instance="typo"'] == GiB
+        applied_before = _samples(text, "kvsidecar_apply_seconds_count")
+        assert applied_before == {}  # unlabelled histogram: no labelled samples
+        assert "kvsidecar_apply_seconds_count 0.0" in text
+        # the engine evicts down to the limit: PUT -> applied is timed once
+        state = engine.engine_pass(mapped_bytes=3 * GiB)
+        client.post("/instances/llama-a/report", content=state.model_dump_json(),
+                    headers={"content-type": "application/json"})
+        client.post("/instances/llama-a/report", content=state.model_dump_json(),
+                    headers={"content-type": "application/json"})
+        text = client.get("/metrics").text
+        assert "kvsidecar_apply_seconds_count 1.0" in text
+        assert _samples(text, "kvsidecar_deferred") == {}
+
+
+def test_one_audit_line_per_limit_change(client: httpx.Client,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvsidecar.audit")
+    client.put("/instances/a/limit", json={"limit": "1M"})
+    client.put("/instances/a/limit", json={"limit": "1M", "revision": 1})  # repeat: no change
+    client.put("/instances/a/limit", json={"limit": "2M", "revision": 7})
+    client.put("/instances/a/limit", json={"limit": "3M", "revision": 2})  # stale: refused
+    client.delete("/instances/a/limit")
+    audits = [r for r in caplog.records if r.name == "kvsidecar.audit"]
+    got = [(f["old_limit_bytes"], f["new_limit_bytes"], f["old_revision"], f["revision"])
+           for f in (r.fields for r in audits)]  # type: ignore[attr-defined]
+    assert got == [(None, MiB, 0, 1), (MiB, 2 * MiB, 1, 7), (2 * MiB, None, 7, 8)]
+    assert [r.fields["source"].split()[0] for r in audits] == ["PUT", "PUT", "DELETE"]  # type: ignore[attr-defined]
+    assert all("127.0.0.1" in r.fields["source"] for r in audits)  # type: ignore[attr-defined]
+
+
+def test_a_dead_socket_is_logged_at_a_falling_rate(tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    settings = SidecarSettings(db_path=tmp_path / "s.db", push_backoff_initial_s=0.001,
+                               push_backoff_max_s=0.004)
+    caplog.set_level(logging.WARNING, logger="kvsidecar.push")
+    with ThreadedSidecar(settings) as server, httpx.Client(base_url=server.url) as c:
+        body = {"engine": "vllm", "engine_version": "0", "state": {"status": "applied"},
+                "socket_path": str(tmp_path / "nobody-listens.sock")}
+        assert c.post("/instances/gone/register", json=body).status_code == 200
+        c.put("/instances/gone/limit", json={"limit": "1G"})
+        failures = 0.0
+        deadline = time.monotonic() + 30
+        while failures < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            failures = sum(_samples(c.get("/metrics").text,
+                                    "kvsidecar_push_failures_total").values())
+    assert failures >= 40
+    lines = [r for r in caplog.records if r.name == "kvsidecar.push"]
+    # logged at failures 1, 2, 4, 8, ...: about log2(n) + 1 lines, not n
+    assert 1 <= len(lines) <= int(failures).bit_length() + 2, (len(lines), failures)
+    assert "nobody-listens.sock" in lines[0].getMessage()
+
+
+def test_serve_json_logs_are_one_format_for_uvicorn_and_ours(tmp_path: Path) -> None:
+    proc = SidecarProcess(tmp_path / "s.db", env={"KVSIDECAR_LOG_FORMAT": "json"}).start()
+    try:
+        httpx.put(f"{proc.url}/instances/a/limit", json={"limit": "1G"})
+    finally:
+        proc.stop()
+    assert proc.proc is not None and proc.proc.stderr is not None
+    lines = [ln for ln in proc.proc.stderr.read().decode().splitlines() if ln.strip()]
+    records = [json.loads(ln) for ln in lines]  # every line is one JSON object
+    assert any(r["logger"].startswith("uvicorn") for r in records)
+    audit = [r for r in records if r.get("event") == "limit_change"]
+    assert len(audit) == 1
+    assert (audit[0]["instance"], audit[0]["new_limit_bytes"], audit[0]["revision"]) == (
+        "a", GiB, 1)
+
+
+def test_serve_refuses_an_unknown_log_format(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "serve", "--db",
+                           str(tmp_path / "s.db"), "--log-format", "xml"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "log_format" in proc.stderr
+    assert "Traceback" not in proc.stderr
