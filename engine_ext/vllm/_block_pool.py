@@ -131,6 +131,20 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         """The allocator's page target (None = unlimited)."""
         return self._blocks.pages.target_pages
 
+    def get_usage(self) -> float:
+        """Running requests' share of the blocks the limit allows (``vllm:kv_cache_usage_perc``).
+
+        vLLM's own figure is ``1 - free / num_gpu_blocks``: under a limit the free
+        blocks shrink to what the limit allows, so one tiny request reads as a full
+        cache. Here: blocks held by requests / (those + the blocks still available
+        under the target, evictable cached blocks included). Unlimited, this equals
+        vLLM's figure; cached blocks count as available, as in vLLM.
+        """
+        available = self.get_num_free_blocks()
+        in_use = self._blocks.num_allocated_blocks - self.free_block_queue.num_free_blocks - 1
+        allowed = in_use + available  # the null block (allocated for good) is neither
+        return in_use / allowed if allowed > 0 else 0.0
+
     def invalidate_capacity(self) -> None:
         """The allocator changed outside this pool's methods (a coordinator pass)."""
         self._fresh_free = -1
