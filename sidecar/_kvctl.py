@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
+import sys
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
@@ -242,9 +245,14 @@ def list_(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 @app.command()
 def watch(ctx: typer.Context,
           interval: Annotated[float, typer.Option(min=0.1, help="refresh period, seconds")] = 1.0,
-          once: Annotated[bool, typer.Option(help="draw the table once and exit")] = False
+          once: Annotated[bool, typer.Option(help="draw the table once and exit")] = False,
+          count: Annotated[int | None, typer.Option(
+              min=1, help="stop after this many refreshes")] = None,
           ) -> None:
-    """A live table: mapped vs limit per instance (Ctrl-C to quit)."""
+    """A live table: mapped vs limit per instance (Ctrl-C to quit).
+
+    When stdout is not a terminal (a pipe, a file, a log collector) it writes
+    one timestamped line per instance and refresh instead, flushed each time."""
     _sidecar_only(ctx, "watch")
 
     def fetch() -> list[dict[str, Any]]:
@@ -254,13 +262,30 @@ def watch(ctx: typer.Context,
     if once:
         _out.print(instance_table(fetch()))
         return
+    refreshes = itertools.count(1) if count is None else range(1, count + 1)
     try:
+        if not _out.is_terminal:
+            for n in refreshes:
+                _write_lines(fetch())
+                if n != count:
+                    time.sleep(interval)
+            return
         with Live(instance_table(fetch()), console=_out, auto_refresh=False) as live:
-            while True:
+            for n in refreshes:
+                if n == count:
+                    break
                 time.sleep(interval)
                 live.update(instance_table(fetch()), refresh=True)
     except KeyboardInterrupt:
         pass
+
+
+def _write_lines(views: list[dict[str, Any]]) -> None:
+    """One refresh for a pipe: ``<UTC time> <instance line>`` per instance, then flush."""
+    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    lines = [f"{stamp} {instance_line(v)}" for v in views] or [f"{stamp} (no instances)"]
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:

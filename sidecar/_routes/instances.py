@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel
 
 from engine_ext.protocol import LimitBody, Status
 
-from .._deps import Authorized, InstanceId, Service, WaitSeconds
+from .._deps import Authorized, InstanceId, Service, Settings, WaitSeconds
 from .._models import InstanceList, InstanceView, Problem
 from .._service import InstanceService
+from . import watch as watch_events
 
 __all__ = ["router"]
 
@@ -30,8 +31,17 @@ def _json(model: BaseModel, status_code: int = 200) -> Response:
                     media_type="application/json")
 
 
-@router.get("", response_model=InstanceList, summary="Every known instance")
-async def list_instances(service: Service) -> Response:
+@router.get("", response_model=InstanceList,
+            responses={200: {"content": {watch_events.MEDIA_TYPE: {}},
+                             "description": "the list; with ?watch=1 an event stream of it"}},
+            summary="Every known instance; ?watch=1 streams the list (server-sent events)")
+async def list_instances(service: Service, settings: Settings, request: Request,
+                         watch: Annotated[bool, Query(
+                             description="stream the list as server-sent events, one event "
+                                         "per change, for up to KVSIDECAR_MAX_WAIT_S")] = False
+                         ) -> Response:
+    if watch:
+        return watch_events.instance_events(request, service, settings.max_wait_s)
     return _json(InstanceList(instances=service.list()))
 
 

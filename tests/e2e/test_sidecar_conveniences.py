@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,3 +185,77 @@ def test_serve_refuses_an_unknown_log_format(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "log_format" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_kvctl_watch_writes_flushed_lines_to_a_pipe(sidecar: ThreadedSidecar) -> None:
+    httpx.put(f"{sidecar.url}/instances/llama-a/limit", json={"limit": "4G"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar.kvctl", "--url", sidecar.url, "watch",
+         "--interval", "0.2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # arrives while kvctl still runs: it was flushed
+        httpx.put(f"{sidecar.url}/instances/llama-a/limit", json={"limit": "2G"})
+        later = [proc.stdout.readline() for _ in range(10)]
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ llama-a: pending .*limit 4GiB rev 1.*\n",
+                        first), first
+    assert any("limit 2GiB rev 2" in line for line in later), later
+    assert not any("\x1b" in line or "│" in line for line in [first, *later])  # no screen
+
+
+def test_kvctl_watch_count_stops(sidecar: ThreadedSidecar) -> None:
+    result = runner.invoke(kvctl_app, ["--url", sidecar.url, "watch", "--interval", "0.1",
+                                       "--count", "2"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("(no instances)") == 2
+
+
+def _read_events(resp: httpx.Response, n: int) -> list[dict[str, str]]:
+    events: list[dict[str, str]] = []
+    current: dict[str, str] = {}
+    for line in resp.iter_lines():
+        if not line:
+            if "data" in current:
+                events.append(current)
+                if len(events) == n:
+                    return events
+            current = {}
+            continue
+        if line.startswith(":"):
+            continue
+        key, _, value = line.partition(":")
+        current[key] = value.removeprefix(" ")
+    return events
+
+
+def test_instances_watch_streams_server_sent_events(sidecar: ThreadedSidecar) -> None:
+    with httpx.Client(base_url=sidecar.url, timeout=30) as c:
+        c.put("/instances/a/limit", json={"limit": "1G"})
+        with c.stream("GET", "/instances", params={"watch": 1}) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            changes = threading.Thread(target=lambda: (
+                time.sleep(0.5), httpx.put(f"{sidecar.url}/instances/b/limit",
+                                           json={"limit": "2G"})))
+            changes.start()
+            events = _read_events(resp, 2)
+            changes.join()
+    assert [e["event"] for e in events] == ["instances", "instances"]
+    assert [e["id"] for e in events] == ["1", "2"]
+    first, second = (json.loads(e["data"])["instances"] for e in events)
+    assert [v["id"] for v in first] == ["a"]
+    assert [v["id"] for v in second] == ["a", "b"] and second[1]["desired"]["revision"] == 1
+
+
+def test_instances_watch_ends_at_the_wait_cap(tmp_path: Path) -> None:
+    settings = SidecarSettings(db_path=tmp_path / "s.db", max_wait_s=0.5)
+    with ThreadedSidecar(settings) as server, httpx.Client(base_url=server.url) as c:
+        r = c.get("/instances", params={"watch": "true"}, timeout=20)  # returns: stream ended
+        assert r.status_code == 200 and r.text.startswith("retry: ")
+        assert r.text.count("event: instances") == 1
+        assert c.get("/instances", params={"watch": "sometimes"}).status_code == 422
