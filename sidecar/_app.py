@@ -9,6 +9,7 @@ import httpx
 from fastapi import FastAPI
 
 from ._body_limit import BodyLimitMiddleware
+from ._docs_ui import install_docs
 from ._metrics import Metrics
 from ._problems import install_problem_handlers
 from ._routes import engines, health, instances
@@ -50,9 +51,10 @@ def create_app(settings: SidecarSettings | None = None) -> FastAPI:
     """A sidecar app; ``settings`` default to the environment (``KVSIDECAR_*``)."""
     settings = settings if settings is not None else SidecarSettings()
     app = FastAPI(title="kvsidecar", version=version(), description=_DESCRIPTION,
-                  lifespan=_lifespan)
+                  lifespan=_lifespan, docs_url=None, redoc_url=None)  # /docs: see _docs_ui
     app.state.settings = settings
     install_problem_handlers(app)
+    install_docs(app)
     app.include_router(instances.router)
     app.include_router(engines.router)
     app.include_router(health.router)

@@ -259,3 +259,22 @@ def test_instances_watch_ends_at_the_wait_cap(tmp_path: Path) -> None:
         assert r.status_code == 200 and r.text.startswith("retry: ")
         assert r.text.count("event: instances") == 1
         assert c.get("/instances", params={"watch": "sometimes"}).status_code == 422
+
+
+def test_docs_work_offline(client: httpx.Client) -> None:
+    """/docs references only this server (no CDN), and every asset it names is served."""
+    page = client.get("/docs")
+    assert page.status_code == 200 and "SwaggerUIBundle" in page.text
+    assert "http://" not in page.text and "https://" not in page.text
+    assert "//" not in re.sub(r"<!--.*?-->", "", page.text).replace("://", "")
+    assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert len(assets) == 3 and all(a.startswith("/docs-assets/") for a in assets), assets
+    types = {a: client.get(a).headers.get("content-type", "") for a in assets}
+    assert all(client.get(a).status_code == 200 for a in assets)
+    assert any("javascript" in t for t in types.values())
+    assert any(t.startswith("text/css") for t in types.values())
+    js = client.get("/docs-assets/swagger-ui-bundle.js")
+    assert len(js.content) > 500_000  # the real bundle, not a stub
+    assert "url: '/openapi.json'" in page.text
+    assert client.get("/openapi.json").status_code == 200
+    assert client.get("/redoc").status_code == 404  # ReDoc would need a CDN: off
