@@ -23,9 +23,9 @@ import yaml
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="the dev extra installs kubernetes-validate")
 
-from engine_ext._settings import EngineSettings  # noqa: E402
-from sidecar import create_app  # noqa: E402
-from sidecar._settings import SidecarSettings  # noqa: E402
+from engine_ext._settings import EngineSettings
+from sidecar import create_app
+from sidecar._settings import SidecarSettings
 
 K8S = Path(__file__).resolve().parents[2] / "compose" / "kubernetes"
 K8S_VERSION = "1.30"

@@ -14,13 +14,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
-from test_elastic_pool import (  # noqa: E402
+from test_elastic_pool import (
     BLOCK_TOKENS,
     Elastic,
     make_elastic,  # noqa: F401 -- the fixture
     tokens,
 )
-from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool
 
 pytestmark = pytest.mark.vllm
 
