@@ -13,9 +13,12 @@ that is sent slowly or not at all, and takes every connection it is offered.
   answering); when every connection is busy in the app, the new one gets 503
   and is closed at once.
 
-uvicorn leaves logging alone (``log_config=None``): its loggers propagate to
-the handler :func:`sidecar._logging.configure_logging` installs, so they
-share our format (text or JSON).
+On SIGTERM/SIGINT, open long-polls and event streams are cut after
+``shutdown_grace_s`` (a connected dashboard would otherwise keep the process
+up for ``max_wait_s``). uvicorn leaves logging alone (``log_config=None``):
+its loggers propagate to the handler that
+:func:`sidecar._logging.configure_logging` installs, so they share our format
+(text or JSON).
 """
 
 from __future__ import annotations
@@ -148,4 +151,5 @@ def server_config(app: Any, settings: SidecarSettings, *, host: str | None = Non
         app, host=settings.host if host is None else host,
         port=settings.port if port is None else port,
         http=protocol, log_level=log_level or settings.log_level, access_log=False,
-        log_config=None, timeout_keep_alive=settings.keepalive_timeout_s, lifespan="on")
+        log_config=None, timeout_keep_alive=settings.keepalive_timeout_s,
+        timeout_graceful_shutdown=settings.shutdown_grace_s, lifespan="on")

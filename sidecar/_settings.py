@@ -45,6 +45,9 @@ class SidecarSettings(BaseSettings):
     keepalive_timeout_s: int = Field(default=75, ge=1)
     max_connections: int = Field(default=256, ge=8)  # open connections; more are closed at once
     log_level: str = "info"
+    # on SIGTERM/SIGINT: how long open long-polls and event streams may go on before they
+    # are cut (without it a connected dashboard keeps the process up for max_wait_s)
+    shutdown_grace_s: int = Field(default=5, ge=0, le=300)  # seconds (uvicorn takes an int)
     log_format: Literal["text", "json"] = "text"  # json: one object per line (ours and uvicorn's)
 
     @field_validator("token")

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -279,3 +280,35 @@ def test_docs_work_offline(client: httpx.Client) -> None:
     assert "url: '/openapi.json'" in page.text
     assert client.get("/openapi.json").status_code == 200
     assert client.get("/redoc").status_code == 404  # ReDoc would need a CDN: off
+
+
+def test_sigterm_cuts_open_event_streams_after_the_grace(tmp_path: Path) -> None:
+    """A connected dashboard must not keep ``kvsidecar serve`` up for KVSIDECAR_MAX_WAIT_S."""
+    proc = SidecarProcess(tmp_path / "s.db", env={"KVSIDECAR_SHUTDOWN_GRACE_S": "1"}).start()
+    ended = threading.Event()
+
+    def follow() -> None:
+        try:
+            with httpx.stream("GET", f"{proc.url}/instances", params={"watch": 1},
+                              timeout=400) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass
+        ended.set()
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not _samples(httpx.get(f"{proc.url}/metrics").text, "kvsidecar_build_info"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)  # the stream is open (its first event went out at once)
+    assert proc.proc is not None
+    proc.proc.terminate()
+    try:
+        code = proc.proc.wait(timeout=60)  # the stream alone would last 300 s
+    finally:
+        proc.stop()
+    assert code in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught on its way out
+    assert ended.wait(10)
