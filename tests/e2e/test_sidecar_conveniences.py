@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -143,6 +144,60 @@ def test_one_audit_line_per_limit_change(client: httpx.Client,
     assert all("127.0.0.1" in r.fields["source"] for r in audits)  # type: ignore[attr-defined]
 
 
+def test_forget_and_deregister_write_audit_lines(client: httpx.Client,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvsidecar.audit")
+    client.put("/instances/typo/limit", json={"limit": "1M"})
+    assert client.delete("/instances/typo").status_code == 204
+    body = {"engine": "vllm", "engine_version": "0", "state": {"status": "applied"}}
+    assert client.post("/instances/b/register", json=body).status_code == 200
+    client.put("/instances/b/limit", json={"limit": "2M", "revision": 4})
+    assert client.post("/instances/b/deregister").json()["status"] == "stopped"
+    fields = [r.fields for r in caplog.records  # type: ignore[attr-defined]
+              if r.name == "kvsidecar.audit"]
+    assert [(f["event"], f["instance"]) for f in fields] == [
+        ("limit_change", "typo"), ("forget", "typo"), ("limit_change", "b"),
+        ("deregister", "b")]
+    forget, deregister = fields[1], fields[3]
+    assert (forget["old_limit_bytes"], forget["old_revision"]) == (MiB, 1)
+    assert forget["source"].startswith("DELETE from 127.0.0.1")
+    assert (deregister["limit_bytes"], deregister["revision"], deregister["source"]) == (
+        2 * MiB, 4, "engine")
+
+
+def test_forget_drops_every_series_of_the_instance(tmp_path: Path) -> None:
+    """The new gauges, the deferred reason and the push-failure counter go with the id."""
+    settings = SidecarSettings(db_path=tmp_path / "s.db", push_backoff_initial_s=0.001,
+                               push_backoff_max_s=0.004)
+    with ThreadedSidecar(settings) as server, httpx.Client(base_url=server.url) as c:
+        body = {"engine": "vllm", "engine_version": "0",
+                "state": {"status": "deferred", "reason": "evicting", "mapped_bytes": 2 * GiB,
+                          "capacity_bytes": 4 * GiB, "evictable_bytes": GiB,
+                          "pinned_bytes": MiB, "overage_bytes": GiB,
+                          "revision": 1, "limit_bytes": GiB, "effective_limit_bytes": GiB},
+                "socket_path": str(tmp_path / "nobody-listens.sock"),
+                "device_total_bytes": 80 * GiB}
+        r = c.post("/instances/gone/register", json=body)
+        assert r.status_code == 200, r.text
+        c.put("/instances/gone/limit", json={"limit": "1G", "revision": 2})
+        c.put("/instances/kept/limit", json={"limit": "1G"})
+        deadline = time.monotonic() + 30
+        while not _samples(c.get("/metrics").text, "kvsidecar_push_failures_total"):
+            assert time.monotonic() < deadline, "the push never failed"
+            time.sleep(0.05)
+        before = c.get("/metrics").text
+        for name in ("kvsidecar_mapped_bytes", "kvsidecar_capacity_bytes",
+                     "kvsidecar_evictable_bytes", "kvsidecar_pinned_bytes",
+                     "kvsidecar_device_total_bytes", "kvsidecar_last_report_timestamp_seconds",
+                     "kvsidecar_desired_limit_bytes", "kvsidecar_instance_status"):
+            assert any('kv_instance="gone"' in k for k in _samples(before, name)), name
+        assert c.delete("/instances/gone").status_code == 204
+        time.sleep(0.2)  # a push attempt in flight when it was forgotten has ended
+        after = c.get("/metrics").text
+        assert 'kv_instance="gone"' not in after
+        assert 'kv_instance="kept"' in after
+
+
 def test_a_dead_socket_is_logged_at_a_falling_rate(tmp_path: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     settings = SidecarSettings(db_path=tmp_path / "s.db", push_backoff_initial_s=0.001,
@@ -180,6 +235,28 @@ def test_serve_json_logs_are_one_format_for_uvicorn_and_ours(tmp_path: Path) -> 
     assert len(audit) == 1
     assert (audit[0]["instance"], audit[0]["new_limit_bytes"], audit[0]["revision"]) == (
         "a", GiB, 1)
+
+
+def test_serve_keeps_its_read_timeouts_under_json_logs(tmp_path: Path) -> None:
+    """``kvsidecar serve`` runs the guarded server (timeouts, cap) AND logs in one format."""
+    proc = SidecarProcess(tmp_path / "s.db", env={"KVSIDECAR_LOG_FORMAT": "json",
+                                                  "KVSIDECAR_HEADER_TIMEOUT_S": "0.5"}).start()
+    try:
+        sock = socket.create_connection(("127.0.0.1", proc.port), timeout=30)
+        sock.sendall(b"PUT /instances/a/limit HTTP/1.1\r\nHost: x\r\n")  # never ends
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert httpx.get(f"{proc.url}/instances").json() == {"instances": []}
+    finally:
+        proc.stop()
+    assert proc.proc is not None and proc.proc.stderr is not None
+    lines = [ln for ln in proc.proc.stderr.read().decode().splitlines() if ln.strip()]
+    records = [json.loads(ln) for ln in lines]  # every line is one JSON object
+    assert any(r["logger"] == "kvsidecar.http" and "did not arrive in time" in r["msg"]
+               for r in records)
 
 
 def test_serve_refuses_an_unknown_log_format(tmp_path: Path) -> None:
