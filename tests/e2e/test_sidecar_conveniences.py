@@ -227,8 +227,7 @@ def test_serve_json_logs_are_one_format_for_uvicorn_and_ours(tmp_path: Path) -> 
         httpx.put(f"{proc.url}/instances/a/limit", json={"limit": "1G"})
     finally:
         proc.stop()
-    assert proc.proc is not None and proc.proc.stderr is not None
-    lines = [ln for ln in proc.proc.stderr.read().decode().splitlines() if ln.strip()]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     records = [json.loads(ln) for ln in lines]  # every line is one JSON object
     assert any(r["logger"].startswith("uvicorn") for r in records)
     audit = [r for r in records if r.get("event") == "limit_change"]
@@ -252,8 +251,7 @@ def test_serve_keeps_its_read_timeouts_under_json_logs(tmp_path: Path) -> None:
         assert httpx.get(f"{proc.url}/instances").json() == {"instances": []}
     finally:
         proc.stop()
-    assert proc.proc is not None and proc.proc.stderr is not None
-    lines = [ln for ln in proc.proc.stderr.read().decode().splitlines() if ln.strip()]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     records = [json.loads(ln) for ln in lines]  # every line is one JSON object
     assert any(r["logger"] == "kvsidecar.http" and "did not arrive in time" in r["msg"]
                for r in records)
@@ -281,7 +279,7 @@ def test_kvctl_watch_writes_flushed_lines_to_a_pipe(sidecar: ThreadedSidecar) ->
         assert proc.poll() is None
     finally:
         proc.terminate()
-        proc.wait(timeout=20)
+        proc.communicate(timeout=20)  # reads and closes both pipes
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ llama-a: pending .*limit 4GiB rev 1.*\n",
                         first), first
     assert any("limit 2GiB rev 2" in line for line in later), later

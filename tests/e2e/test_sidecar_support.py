@@ -36,6 +36,7 @@ class SidecarProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
+        self.stderr = ""  # what the process wrote on stderr, once it has ended
 
     def start(self) -> SidecarProcess:
         self.proc = subprocess.Popen(
@@ -50,7 +51,8 @@ class SidecarProcess:
             except httpx.TransportError:
                 pass
             if self.proc.poll() is not None:
-                raise RuntimeError(self.proc.stderr.read().decode() if self.proc.stderr else "")
+                self._reap()
+                raise RuntimeError(self.stderr)
             if time.monotonic() > deadline:
                 raise RuntimeError("kvsidecar serve did not answer /healthz")
             time.sleep(0.05)
@@ -59,15 +61,29 @@ class SidecarProcess:
         assert self.proc is not None
         self.proc.kill()
         self.proc.wait()
+        self._reap()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGTERM (SIGKILL after 10 s), then collect stderr into :attr:`stderr`."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._reap()
+
+    def _reap(self) -> None:
+        """The process has ended: read its stderr pipe to the end and close it (an open
+        pipe left to the garbage collector is a ResourceWarning, an error in the tests)."""
+        assert self.proc is not None
+        pipe = self.proc.stderr
+        if pipe is not None and not pipe.closed:
+            self.stderr += pipe.read().decode(errors="replace")
+            pipe.close()
 
 
 def db_rows(db: Path) -> list[tuple[Any, ...]]:

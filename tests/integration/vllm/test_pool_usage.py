@@ -30,7 +30,7 @@ def test_usage_is_running_requests_over_what_the_limit_allows(
     e = make_elastic(num_pages=64)
     assert e.pool.get_usage() == 0.0
     e.runtime.instance.set_limit(4 * e.bundle_bytes)  # type: ignore[union-attr]
-    e.pool.get_num_free_blocks()  # applies the target
+    e.runtime.safe_point()  # the top of a scheduler step: takes the target
     one = e.make_request("tiny", tokens(1, BLOCK_TOKENS))  # one block
     assert e.admit(one)
     allowed = 4 * 4 - 1  # four pages of four blocks, less vLLM's null block
