@@ -121,7 +121,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         # Read-only: never takes a target, never evicts (docs/vllm.md, "Safe points").
         if self.overdraft:  # a running request: every unallocated block, above the target
             blocks = self._blocks
-            return blocks.num_blocks - blocks.num_allocated_blocks + self.free_block_queue.num_free_blocks
+            num_evictable: int = self.free_block_queue.num_free_blocks
+            return blocks.num_blocks - blocks.num_allocated_blocks + num_evictable
         fresh = self._fresh_free
         if fresh < 0:
             fresh = self._fresh_free = self._blocks.num_free_blocks

@@ -313,7 +313,8 @@ def _blocks_needed(request: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     num_new = int(args[0]) if args else int(kwargs.get("num_new_tokens", 0))
     num_hit = int(args[1]) if len(args) > 1 else int(kwargs.get("num_new_computed_tokens", 0))
     num_ext = int(kwargs.get("num_external_computed_tokens", 0))
-    total = max(request.num_tokens, request.num_computed_tokens + num_hit + num_ext + num_new)
+    num_tokens, num_computed = int(request.num_tokens), int(request.num_computed_tokens)
+    total = max(num_tokens, num_computed + num_hit + num_ext + num_new)
     return max(1, -(-total // block_tokens) - num_hit // block_tokens)
 
 
