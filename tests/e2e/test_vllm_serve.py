@@ -218,8 +218,10 @@ def test_under_traffic_deferred_then_applied_with_identical_tokens(
     with ThreadPoolExecutor(24) as pool:
         futures = [pool.submit(elastic.complete, p, 96) for p in kept]
         abandoned = [pool.submit(aborted, i) for i in range(12)]
-        wait_until(lambda: elastic.requests_in_flight() >= len(kept),
-                   what="every kept request in flight (8 running, 16 queued)")
+        # a full batch (--max-num-seqs 8) is running when the limit lands; not "all 24 in
+        # flight": on a loaded machine the first ones may finish before the last arrive
+        wait_until(lambda: elastic.requests_in_flight() >= 8,
+                   what="a full batch of requests in flight (--max-num-seqs 8)")
         revision = elastic.set_limit(warm["mapped_bytes"] - 2 * bundle)
         first = elastic.wait_state(revision, status="deferred")
         results = [f.result() for f in futures]

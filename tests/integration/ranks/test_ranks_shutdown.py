@@ -84,6 +84,13 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
     except ProcessLookupError:
         pass
     proc.wait(10)
+    _close_pipe(proc)
+
+
+def _close_pipe(proc: subprocess.Popen[str]) -> None:
+    """The host's stdout pipe is ours to close once it exited (not the collector's)."""
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def _stop_cycle(run_dir: Path, proc: subprocess.Popen[str], info: dict, memfd: str,
@@ -96,6 +103,7 @@ def _stop_cycle(run_dir: Path, proc: subprocess.Popen[str], info: dict, memfd: s
     sig = signal.SIGINT if cycle % 2 == 0 else signal.SIGTERM
     os.killpg(proc.pid, sig)
     proc.wait(20)
+    _close_pipe(proc)
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in info["ranks"]) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -113,6 +121,7 @@ def test_kill9_leftover_is_swept_at_next_start_live_neighbour_untouched(tmp_path
     try:
         os.killpg(crashed.pid, signal.SIGKILL)
         crashed.wait(10)
+        _close_pipe(crashed)
         assert sorted(p.name for p in (root / "crashed").iterdir()) == [OWNER_FILE, "control.sock"]
         deadline = time.monotonic() + 10  # ranks notice the end of the stream and exit
         while any(_alive(p) for p in info["ranks"]) and time.monotonic() < deadline:
@@ -127,7 +136,9 @@ def test_kill9_leftover_is_swept_at_next_start_live_neighbour_untouched(tmp_path
         finally:
             os.killpg(nxt.pid, signal.SIGTERM)
             nxt.wait(20)
+            _close_pipe(nxt)
     finally:
         os.killpg(neighbour.pid, signal.SIGTERM)
         neighbour.wait(20)
+        _close_pipe(neighbour)
     assert sorted(p.name for p in root.iterdir()) == ["foreign"]

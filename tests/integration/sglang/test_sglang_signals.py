@@ -54,5 +54,8 @@ def test_signal_removes_the_runtime_dir(tmp_path: Path, signum: signal.Signals) 
         if child.poll() is None:
             child.kill()
             child.wait()
+        for pipe in (child.stdout, child.stderr):  # closed here, not left to the collector
+            if pipe is not None:
+                pipe.close()
     assert rc != 0  # the signal still ends the process (SGLang's own handling runs after)
     assert not instance_dir.exists(), sorted(p.name for p in instance_dir.iterdir())

@@ -54,15 +54,15 @@ def plugin_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path
     }.items():  # fmt: skip
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("KVSIDECAR_SIDECAR_URL", raising=False)
-    for patch in _patches.PATCHES:  # monkeypatch puts every original back afterwards
-        owner, name = _patches._resolve(patch.target)
-        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        monkeypatch.setattr(owner, name, original)
     monkeypatch.setattr(_runtime, "_configured", None)
     monkeypatch.setattr(_runtime, "_runtime", None)
     plugin.register()
-    yield make_tiny_model_dir(tmp_path / "tiny")
-    clear_kv_memory()
+    try:
+        yield make_tiny_model_dir(tmp_path / "tiny")
+    finally:
+        clear_kv_memory()
+        _patches.remove_patches()  # every patch undone: vLLM as it was for the next test
+        assert not any(_patches.is_patched(p.target) for p in _patches.PATCHES)
 
 
 def build_core(
