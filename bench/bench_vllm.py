@@ -67,8 +67,8 @@ def pool_class(elastic: bool) -> Iterator[None]:
     saved = Scheduler.__dict__["schedule"], Manager.__dict__["allocate_slots"]
     kv_cache_coordinator.BlockPool = ElasticBlockPool if elastic else BlockPool
     if elastic:  # the safe points and the running/admission split (docs/vllm.md)
-        Scheduler.schedule = _schedule(saved[0])  # type: ignore[method-assign]
-        Manager.allocate_slots = _allocate_slots(saved[1])  # type: ignore[method-assign]
+        Scheduler.schedule = _schedule(saved[0], None)  # type: ignore[method-assign]
+        Manager.allocate_slots = _allocate_slots(saved[1], None)  # type: ignore[method-assign]
     _runtime.configure(EngineSettings(enable=True), VllmSettings(enable=True))
     try:
         yield
