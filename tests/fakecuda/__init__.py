@@ -24,6 +24,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "fakecuda.c"
+DEFAULT_TOTAL_BYTES = 4096 << 20  # the driver's device size without FAKECUDA_TOTAL_MB
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_LAUNCH_FAILED = 719  # what a real unmap can return after a kernel fault

@@ -11,7 +11,6 @@ over a real ``CudaBackend``, with CPU tensor views where a GPU would have CUDA v
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import fakecuda
@@ -24,14 +23,6 @@ from allocator import CudaBackend
 
 PAGE = 2 << 20
 
-
-@pytest.fixture
-def fc() -> Iterator[fakecuda.FakeCuda]:
-    loaded = fakecuda.active()
-    if loaded is None:
-        pytest.skip(f"needs the stand-in CUDA driver: {fakecuda.why_not()}")
-    yield loaded
-    loaded.set_total_bytes(4096 << 20)
 
 
 class HostViewed:

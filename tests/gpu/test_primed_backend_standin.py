@@ -4,8 +4,6 @@ nothing left mapped, and unmaps go through the unmap fence."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import fakecuda
 import pytest
 
@@ -15,14 +13,6 @@ from engine_ext.vllm._gpu_kv import PrimedBackend
 
 PAGE = 2 << 20
 
-
-@pytest.fixture
-def fc() -> Iterator[fakecuda.FakeCuda]:
-    loaded = fakecuda.active()
-    if loaded is None:
-        pytest.skip(f"needs the stand-in CUDA driver: {fakecuda.why_not()}")
-    yield loaded
-    loaded.set_total_bytes(4096 << 20)
 
 
 def test_priming_empties_the_cache_then_maps(fc: fakecuda.FakeCuda,

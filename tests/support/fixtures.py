@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import fakecuda
 import pytest
 
 from sidecar import SidecarSettings
 
 from .sidecar import ThreadedSidecar
 
-__all__ = ["module_sidecar_url", "sidecar_url"]
+__all__ = ["fc", "module_sidecar_url", "sidecar_url"]
 
 
 @pytest.fixture
@@ -29,3 +30,18 @@ def module_sidecar_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     settings = SidecarSettings(db_path=tmp_path_factory.mktemp("sidecar") / "sidecar.db")
     with ThreadedSidecar(settings) as server:
         yield server.url
+
+
+@pytest.fixture
+def fc() -> Iterator[fakecuda.FakeCuda]:
+    """The stand-in CUDA driver (tests/fakecuda), healed and at its default size after the test.
+
+    Skips with the reason when it could not be built or loaded.
+    """
+    loaded = fakecuda.active()
+    if loaded is None:
+        pytest.skip(f"needs the stand-in CUDA driver: {fakecuda.why_not()}")
+    loaded.heal()
+    yield loaded
+    loaded.heal()
+    loaded.set_total_bytes(fakecuda.DEFAULT_TOTAL_BYTES)

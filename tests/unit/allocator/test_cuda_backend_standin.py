@@ -33,16 +33,6 @@ PAGE = 2 * MiB
 DEFAULT_TOTAL = 4096 * MiB
 
 
-@pytest.fixture
-def fc() -> Iterator[fakecuda.FakeCuda]:
-    loaded = fakecuda.active()
-    if loaded is None:
-        pytest.skip(f"needs the stand-in CUDA driver: {fakecuda.why_not()}")
-    loaded.heal()
-    yield loaded
-    loaded.heal()
-    loaded.set_total_bytes(DEFAULT_TOTAL)
-
 
 @pytest.fixture
 def make(fc: fakecuda.FakeCuda) -> Iterator[Callable[..., CudaBackend]]:
