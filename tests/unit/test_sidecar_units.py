@@ -155,6 +155,24 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
         SidecarSettings()
 
 
+@pytest.mark.parametrize(
+    ("env", "value"),
+    [
+        ("KVSIDECAR_MAX_INSTANCES", "0"),
+        ("KVSIDECAR_SHUTDOWN_GRACE_S", "-1"),
+        ("KVSIDECAR_SHUTDOWN_GRACE_S", "soon"),
+        ("KVSIDECAR_LOG_FORMAT", "xml"),
+        ("KVSIDECAR_KEEPALIVE_TIMEOUT_S", "0"),
+    ],
+)
+def test_bad_new_settings_name_the_variable(
+    monkeypatch: pytest.MonkeyPatch, env: str, value: str
+) -> None:
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=env.removeprefix("KVSIDECAR_").lower()):
+        SidecarSettings()
+
+
 def test_bar_scales_to_the_limit_and_marks_overage() -> None:
     assert bar(GiB, 2 * GiB, 0).plain.count("█") == 12
     over = bar(3 * GiB, 2 * GiB, 0)

@@ -45,6 +45,8 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         ("KVSIDECAR_SIDECAR_URL", "localhost:8420", "http"),
         ("KVSIDECAR_HEARTBEAT_S", "0", "KVSIDECAR_HEARTBEAT_S"),
         ("KVSIDECAR_RESERVE_PAGES", "-1", "KVSIDECAR_RESERVE_PAGES"),
+        ("KVSIDECAR_VIRTUAL_KV_BYTES", "0", "KVSIDECAR_VIRTUAL_KV_BYTES"),
+        ("KVSIDECAR_VIRTUAL_KV_BYTES", "lots", "KVSIDECAR_VIRTUAL_KV_BYTES"),
     ],
 )
 def test_bad_values_are_config_errors(
