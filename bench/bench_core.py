@@ -201,7 +201,7 @@ def vllm_idle_schedule() -> Callable[[], object] | str:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
-        from engine_ext.vllm._tiny_model import make_tiny_model_dir
+        from engine_ext.cpu_harness import make_tiny_model_dir
     except ImportError as exc:
         return f"vLLM not importable ({exc})"
     model_dir = make_tiny_model_dir(tempfile.mkdtemp(prefix="bench-core-"))

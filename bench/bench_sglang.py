@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_ext import EngineSettings
-from engine_ext.sglang.cpu_harness import CpuHarness, HarnessConfig
+from engine_ext.cpu_harness import CpuHarness, HarnessConfig
 
 LIMIT_PAGES = 10
 

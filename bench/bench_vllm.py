@@ -144,12 +144,12 @@ def _engine(elastic: bool, model_dir: Path) -> Any:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.core import EngineCore
 
-    from engine_ext.vllm.cpu_harness import StubExecutor
+    from engine_ext.cpu_harness import STUB_EXECUTOR, StubExecutor
 
     args = EngineArgs(
         model=str(model_dir), load_format="dummy", dtype="float16", block_size=16,
         max_model_len=4096, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
-        distributed_executor_backend="engine_ext.vllm.cpu_harness.StubExecutor",
+        distributed_executor_backend=STUB_EXECUTOR,
         max_num_seqs=16,
     )  # fmt: skip
     del elastic  # run_scheduler's pool_class() chose the pool and the patches
@@ -227,7 +227,7 @@ def main() -> None:
     for _ in range(args.rounds):
         native_ops.append(run_pool_trace(False, prompts))
         elastic_ops.append(run_pool_trace(True, prompts))
-    from engine_ext.vllm import make_tiny_model_dir
+    from engine_ext.cpu_harness import make_tiny_model_dir
 
     model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
     native_step, elastic_step = [], []

@@ -58,7 +58,7 @@ build_env() {
         echo "kvsidecar: the project did not install into $venv" >&2; exit 1; }
     VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -c \
         "import vllm.v1.engine.core, vllm.entrypoints.openai.api_server
-from engine_ext.sglang._cpu_imports import prepare_cpu_imports
+from engine_ext.sglang import prepare_cpu_imports
 prepare_cpu_imports()
 import sglang.srt.mem_cache.radix_cache, sglang.srt.mem_cache.unified_radix_cache" || {
         echo "kvsidecar: vLLM/SGLang do not import on CPU; see requirements/engines-cpu.txt" >&2; exit 1; }

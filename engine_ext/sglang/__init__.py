@@ -8,12 +8,15 @@
   admission and on idle, leak-check totals kept truthful.
 * :func:`install` -- version guard + the patch table (``_patches.PATCHES``);
   ``python -m engine_ext.sglang.launch_server`` runs it, then SGLang's server.
+* :func:`prepare_cpu_imports` -- lets SGLang's memory modules import on a
+  CPU-only machine (a torchvision stand-in); :func:`install` calls it.
 
 Importing this package imports SGLang's allocator module but patches
 nothing; :func:`install` does, once.
 """
 
 from ._allocator import ElasticTokenAllocator
+from ._cpu_imports import prepare_cpu_imports
 from ._install import install, installed_patches, uninstall
 from ._kv_memory import KVGeometry, KVReservation, reserve_kv
 from ._reclaimers import RadixTreeReclaimer, UnifiedTreeReclaimer, make_reclaimer
@@ -34,6 +37,7 @@ __all__ = [
     "installed_sglang_version",
     "make_reclaimer",
     "pool_of",
+    "prepare_cpu_imports",
     "reserve_kv",
     "uninstall",
 ]

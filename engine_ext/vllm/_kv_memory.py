@@ -38,7 +38,7 @@ class KVMemory:
     block_bytes: int  # bytes of one block in ONE region
     num_blocks: int  # vLLM's block count (block 0 is vLLM's null block)
     claimed: bool = field(default=False)  # True once an elastic block pool owns mapping
-    rank_barrier: Any = field(default=None)  # TP/PP ranks (_multirank): the coordinator's RankBarrier
+    rank_barrier: Any = field(default=None)  # TP/PP ranks (CPU harness): the coordinator's RankBarrier
 
     @property
     def blocks_per_page(self) -> int:

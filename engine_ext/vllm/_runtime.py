@@ -108,8 +108,8 @@ class VllmRuntime:
         if memory is None:
             raise EngineExtConfigError(
                 "kvsidecar: the KV cache is not on a kvsidecar reservation. On CPU run vLLM with "
-                "--distributed-executor-backend engine_ext.vllm.cpu_harness.StubExecutor; on a "
-                "GPU the worker must run in the EngineCore process (world size 1, "
+                "--distributed-executor-backend engine_ext.cpu_harness.vllm.executor.StubExecutor; "
+                "on a GPU the worker must run in the EngineCore process (world size 1, "
                 "--distributed-executor-backend uni) so the CudaBackend hook can publish it. "
                 "Or unset KVSIDECAR_ENABLE."
             )
@@ -132,7 +132,7 @@ class VllmRuntime:
         )  # fmt: skip
         self.instance = ElasticInstance(self.engine_settings, binding)
         self.instance.coordinator.set_demand_probe(self._demand)
-        if memory.rank_barrier is not None:  # rank processes (engine_ext.vllm._multirank)
+        if memory.rank_barrier is not None:  # rank processes (the CPU harness's TP/PP ranks)
             memory.rank_barrier.set_wake(self.wake)
             self.instance.coordinator.set_rank_barrier(memory.rank_barrier)
         return PoolBacking(

@@ -73,7 +73,7 @@ def missing_dependencies() -> list[str]:
 
 
 def _run(args: argparse.Namespace, console: Console) -> bool:
-    from engine_ext.vllm._tiny_model import make_tiny_model_dir
+    from engine_ext.cpu_harness import make_tiny_model_dir
 
     from ._cluster import Cluster, EngineSpec
     from ._report import print_checks, print_limit_table, write_json, write_plot

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from engine_ext.vllm._launcher import VllmServer, free_port, launch_vllm_server
+from engine_ext.cpu_harness import VllmServer, free_port, launch_vllm_server
 
 __all__ = ["Cluster", "EngineSpec"]
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from engine_ext.vllm._tiny_model import make_document
+from engine_ext.cpu_harness import make_document
 
 from ._cluster import Cluster
 from ._sampler import Sampler

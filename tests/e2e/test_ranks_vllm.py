@@ -24,8 +24,13 @@ pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
 import psutil
 
+from engine_ext.cpu_harness import (
+    VllmServer,
+    launch_vllm_server,
+    make_document,
+    make_tiny_model_dir,
+)
 from engine_ext.ranks import memfd_view
-from engine_ext.vllm import VllmServer, launch_vllm_server, make_document, make_tiny_model_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -40,8 +40,7 @@ def test_readme_has_the_tour() -> None:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from engine_ext.vllm._launcher import free_port, launch_vllm_server
-    from engine_ext.vllm._tiny_model import make_tiny_model_dir
+    from engine_ext.cpu_harness import free_port, launch_vllm_server, make_tiny_model_dir
 
     work = tmp_path_factory.mktemp("readme")
     port = free_port()

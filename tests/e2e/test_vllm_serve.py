@@ -26,7 +26,7 @@ from support import wait_until
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
 
-from engine_ext.vllm import (
+from engine_ext.cpu_harness import (
     VllmServer,
     launch_vllm_server,
     make_document,

@@ -78,7 +78,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     reason = _unavailable()
     if reason is not None:
         pytest.skip(reason)
-    from engine_ext.vllm._tiny_model import make_tiny_model_dir
+    from engine_ext.cpu_harness import make_tiny_model_dir
 
     tmp = tmp_path_factory.mktemp("vllm-gpu-kv")
     model_dir = make_tiny_model_dir(Path(tmp) / "model")

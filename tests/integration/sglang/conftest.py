@@ -15,11 +15,11 @@ if importlib.util.find_spec("sglang") is None:  # pragma: no cover - scripts/dev
                 allow_module_level=True)
 
 from engine_ext import EngineSettings
-from engine_ext.sglang._cpu_imports import prepare_cpu_imports
+from engine_ext.sglang import prepare_cpu_imports
 
 prepare_cpu_imports()
 
-from engine_ext.sglang.cpu_harness import CpuHarness, HarnessConfig
+from engine_ext.cpu_harness import CpuHarness, HarnessConfig
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_ext.sglang.cpu_harness import CpuHarness
+from engine_ext.cpu_harness import CpuHarness
 
 
 def prompt(i: int, length: int = 40) -> list[int]:

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from engine_ext.cpu_harness import CpuHarness, HarnessRequest
 from engine_ext.protocol import Status
-from engine_ext.sglang.cpu_harness import CpuHarness, HarnessRequest
 
 pytestmark = pytest.mark.sglang
 

@@ -13,6 +13,7 @@ import torch
 
 from engine_ext import EngineExtConfigError, EngineSettings
 from engine_ext._patching import check_touches
+from engine_ext.cpu_harness import single_rank_runtime
 from engine_ext.sglang import (
     SUPPORTED,
     ElasticTokenAllocator,
@@ -29,7 +30,6 @@ from engine_ext.sglang._patches import (
     _wrap_next_batch,
     _wrap_on_idle,
 )
-from engine_ext.sglang.cpu_harness import _single_rank_runtime
 
 pytestmark = pytest.mark.sglang
 
@@ -106,7 +106,7 @@ def test_kv_buffers_live_on_the_reservation(installed: EngineSettings) -> None:
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    _single_rank_runtime()
+    single_rank_runtime()
     pool = MHATokenToKVPool(size=1000, page_size=16, dtype=torch.float16, head_num=2,
                             head_dim=64, layer_num=3, device="cpu", enable_memory_saver=False)
     res, blocks = pool._kvsidecar_reservation
@@ -140,7 +140,7 @@ def test_kv_buffers_live_on_the_reservation(installed: EngineSettings) -> None:
 def test_unsupported_pool_is_refused(installed: EngineSettings) -> None:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    _single_rank_runtime()
+    single_rank_runtime()
     with pytest.raises(EngineExtConfigError, match="different widths"):
         MHATokenToKVPool(size=1000, page_size=16, dtype=torch.float16, head_num=2,
                          head_dim=64, v_head_dim=32, layer_num=2, device="cpu",

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import pytest
 from sglang_support import fill, prompt
 
+from engine_ext.cpu_harness import CpuHarness
 from engine_ext.protocol import Status
-from engine_ext.sglang.cpu_harness import CpuHarness
 
 pytestmark = pytest.mark.sglang
 

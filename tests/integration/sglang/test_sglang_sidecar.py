@@ -11,8 +11,8 @@ import pytest
 from sglang_support import fill, prompt
 
 from engine_ext import EngineSettings
+from engine_ext.cpu_harness import CpuHarness, HarnessConfig
 from engine_ext.protocol import Status
-from engine_ext.sglang.cpu_harness import CpuHarness, HarnessConfig
 
 pytestmark = pytest.mark.sglang
 

@@ -22,9 +22,9 @@ CHILD = textwrap.dedent("""
     import sys
     from pathlib import Path
     from engine_ext import EngineSettings
-    from engine_ext.sglang._cpu_imports import prepare_cpu_imports
+    from engine_ext.sglang import prepare_cpu_imports
     prepare_cpu_imports()
-    from engine_ext.sglang.cpu_harness import CpuHarness, HarnessConfig
+    from engine_ext.cpu_harness import CpuHarness, HarnessConfig
 
     settings = EngineSettings(enable=True, runtime_dir=Path(sys.argv[1]), instance_id="sig")
     h = CpuHarness(settings, HarnessConfig(signal_cleanup=True))

@@ -32,10 +32,10 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
 
 from engine_ext import EngineExtConfigError
+from engine_ext.cpu_harness import StubExecutor, make_tiny_model_dir
 from engine_ext.protocol import Status
-from engine_ext.vllm import _patches, _runtime, make_tiny_model_dir, plugin
+from engine_ext.vllm import _patches, _runtime, plugin
 from engine_ext.vllm._kv_memory import clear_kv_memory
-from engine_ext.vllm._stub_executor import StubExecutor
 
 pytestmark = pytest.mark.vllm
 

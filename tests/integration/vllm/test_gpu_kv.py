@@ -379,7 +379,7 @@ def engine_config(
     """A real VllmConfig of the tiny model, as a uni-executor CUDA engine would have it."""
     from vllm.config import ModelConfig
 
-    from engine_ext.vllm._tiny_model import make_tiny_model_dir
+    from engine_ext.cpu_harness import make_tiny_model_dir
 
     model = ModelConfig(model=str(make_tiny_model_dir(tmp_path / "model")), max_model_len=1024)
     config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK_TOKENS))

@@ -26,10 +26,12 @@ from typing import Self
 
 import httpx
 
-__all__ = ["VllmServer", "free_port", "launch_vllm_server"]
+__all__ = ["STUB_EXECUTOR", "VllmServer", "free_port", "launch_vllm_server"]
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+_REPO_ROOT = Path(__file__).resolve().parents[3]
 _ENTRY_POINT = "kvsidecar = engine_ext.vllm.plugin:register"
+#: ``--distributed-executor-backend`` value that selects the stub executor (vLLM imports it).
+STUB_EXECUTOR = "engine_ext.cpu_harness.vllm.executor.StubExecutor"
 #: Environment every CPU launch needs (no GPU, no hub).
 CPU_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -153,7 +155,7 @@ def launch_vllm_server(
     args = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port),
-        "--distributed-executor-backend", "engine_ext.vllm.cpu_harness.StubExecutor",
+        "--distributed-executor-backend", STUB_EXECUTOR,
         "--load-format", "dummy", "--dtype", "float16", "--block-size", "16",
         "--max-model-len", "4096", "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--kv-cache-memory-bytes", str(kv_cache_bytes), "--disable-log-stats",

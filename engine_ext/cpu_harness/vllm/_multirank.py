@@ -26,7 +26,7 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine_ext.vllm._stub_worker import _FIRST_SAMPLED_ID, StubWorker
+from ._worker import _FIRST_SAMPLED_ID, StubWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from engine_ext.ranks import RankGroup
-    from engine_ext.vllm._stub_worker import _RequestState
+
+    from ._worker import _RequestState
 
 __all__ = ["MultiRankSettings", "MultiRankStubWorker", "make_stub_worker"]
 

@@ -1,6 +1,6 @@
 """``StubExecutor``: a vLLM ``Executor`` that runs the model-free ``StubWorker`` in-process.
 
-Selected with ``--distributed-executor-backend engine_ext.vllm.cpu_harness.StubExecutor``
+Selected with ``--distributed-executor-backend engine_ext.cpu_harness.vllm.executor.StubExecutor``
 (vLLM resolves any other string by import, ``vllm/v1/executor/abstract.py``
 ``Executor.get_class``). Like ``UniProcExecutor`` it runs its one worker in the
 EngineCore process, on the busy-loop thread; RPCs are plain method calls.
@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.executor.abstract import Executor
 
-from engine_ext.vllm._multirank import make_stub_worker
-from engine_ext.vllm._settings import load_vllm_settings
-from engine_ext.vllm._stub_worker import StubWorker
+from engine_ext.vllm import load_vllm_settings
+
+from ._multirank import make_stub_worker
+from ._worker import StubWorker
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine_ext.vllm._kv_memory import KVMemory, clear_kv_memory, publish_kv_memory
+from engine_ext.vllm import KVMemory, clear_kv_memory, publish_kv_memory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

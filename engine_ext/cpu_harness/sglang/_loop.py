@@ -30,14 +30,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from allocator import BlockAllocator, PageAllocator
+from engine_ext import EngineSettings
+from engine_ext.sglang import (
+    ElasticPool,
+    ElasticTokenAllocator,
+    KVGeometry,
+    KVReservation,
+    installed_sglang_version,
+    prepare_cpu_imports,
+    reserve_kv,
+)
 
-from .. import EngineSettings
-from ._cpu_imports import prepare_cpu_imports
-from ._kv_memory import KVGeometry, KVReservation, reserve_kv
-from ._runtime import ElasticPool
-from ._version import installed_sglang_version
-
-__all__ = ["CpuHarness", "HarnessConfig", "HarnessRequest"]
+__all__ = ["CpuHarness", "HarnessConfig", "HarnessRequest", "single_rank_runtime"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +80,7 @@ class HarnessRequest:
         return self.tokens + self.generated
 
 
-def _single_rank_runtime() -> None:
+def single_rank_runtime() -> None:
     """State the parallel widths the memory classes read (a server publishes them)."""
     from sglang.srt.runtime_context import get_parallel
 
@@ -101,14 +105,12 @@ class CpuHarness:
         self.config = cfg = config or HarnessConfig()
         if cfg.page_size < 2:
             raise ValueError("the adapter needs SGLang page size >= 2 (see docs/sglang.md)")
-        _single_rank_runtime()
+        single_rank_runtime()
         geometry = KVGeometry(cfg.page_size, cfg.head_num, cfg.head_dim, cfg.layer_num, 2,
                               cfg.max_tokens)
         self.reservation: KVReservation = reserve_kv(geometry, device="cpu")
         self.pages = PageAllocator(self.reservation.backend, reserve_pages=settings.reserve_pages)
         self.blocks = BlockAllocator(self.pages, self.reservation.blocks_per_page)
-        from ._allocator import ElasticTokenAllocator
-
         self.token_to_kv_pool_allocator = ElasticTokenAllocator(
             self.blocks, page_size=cfg.page_size, dtype=torch.float16, device="cpu", kvcache=None)
         self.k_buffer, self.v_buffer = self.reservation.buffers(torch.float16)
