@@ -34,7 +34,7 @@ from allocator import BlockAllocator, PageAllocator
 from .. import EngineSettings
 from ._cpu_imports import prepare_cpu_imports
 from ._kv_memory import KVGeometry, KVReservation, reserve_kv
-from ._runtime import ElasticPool
+from ._runtime import SglangRuntime
 from ._version import installed_sglang_version
 
 __all__ = ["CpuHarness", "HarnessConfig", "HarnessRequest"]
@@ -90,7 +90,7 @@ class CpuHarness:
     """SGLang's memory classes driven like the scheduler drives them (see module doc).
 
     Owns the reservation, the allocators, the tree cache and the attached
-    :class:`ElasticPool`; :meth:`close` releases them.
+    :class:`SglangRuntime`; :meth:`close` releases them.
     """
 
     def __init__(self, settings: EngineSettings, config: HarnessConfig | None = None) -> None:
@@ -132,8 +132,8 @@ class CpuHarness:
         # allocation, and "decode" before the decode capacity check (the points where a
         # foreign thread's limit must not change what the scheduler was promised).
         self.at_point: Callable[[str], None] | None = None
-        self.pool = ElasticPool.attach(self, settings, engine_version=installed_sglang_version(),
-                                       signal_cleanup=cfg.signal_cleanup)
+        self.pool = SglangRuntime.attach(self, settings, engine_version=installed_sglang_version(),
+                                         signal_cleanup=cfg.signal_cleanup)
 
     # -- building ----------------------------------------------------------------------
 
