@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from ._errors import EngineExtConfigError
 from ._mailbox import LimitMailbox
-from .protocol import EngineState, LimitBody
+from .protocol import MAX_SOCKET_PATH_BYTES, EngineState, LimitBody, socket_path_fits
 
 __all__ = ["MAX_BODY_BYTES", "ControlServer"]
 
@@ -34,8 +34,6 @@ _log = logging.getLogger("engine_ext.control")
 MAX_BODY_BYTES = 64 * 1024
 #: A client that sends nothing for this long is dropped.
 _CLIENT_TIMEOUT_S = 10.0
-#: sun_path is 108 bytes on Linux, including the terminating NUL.
-_MAX_SOCKET_PATH = 107
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -192,9 +190,9 @@ class ControlServer:
     """
 
     def __init__(self, socket_path: str, mailbox: LimitMailbox) -> None:
-        if len(os.fsencode(socket_path)) > _MAX_SOCKET_PATH:
+        if not socket_path_fits(socket_path):
             raise EngineExtConfigError(
-                f"control socket path {socket_path!r} is longer than {_MAX_SOCKET_PATH} bytes; "
+                f"control socket path {socket_path!r} is longer than {MAX_SOCKET_PATH_BYTES} bytes; "
                 "set KVSIDECAR_RUNTIME_DIR to a shorter directory"
             )
         self.socket_path = socket_path

@@ -12,9 +12,8 @@ from allocator import BackendError, DeviceOutOfMemory
 
 from ._barrier import BarrierOutcome, BarrierResult, RankBarrier
 from ._mailbox import LimitMailbox, Target
-from ._reasons import DeferReason, WaitReason
 from ._reclaim import Reclaimer, count_reclaimable_pages, select_victim_pages
-from .protocol import EngineState, RankState, Status
+from .protocol import DeferReason, EngineState, RankState, Status, WaitReason
 
 if TYPE_CHECKING:
     from allocator import Backend, BlockAllocator, PageAllocator, ThreadGuard

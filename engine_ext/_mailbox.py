@@ -8,8 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._errors import EngineExtContractError
-from ._reasons import DeferReason
-from .protocol import MAX_LIMIT_BYTES, MAX_REVISION, EngineState, Status
+from .protocol import (
+    MAX_LIMIT_BYTES,
+    DeferReason,
+    EngineState,
+    RevisionOutcome,
+    Status,
+    judge_revision,
+)
 
 __all__ = ["LimitMailbox", "PublishResult", "Target"]
 
@@ -108,7 +114,7 @@ class LimitMailbox:
         """Publish at the next revision, taken atomically (in-process callers)."""
         _check_limit(limit_bytes)
         with self._lock:
-            result = self._publish_locked(limit_bytes, self._desired.revision + 1)
+            result = self._publish_locked(limit_bytes, None)
         self._call_wake()
         return result
 
@@ -120,28 +126,17 @@ class LimitMailbox:
             target, self._untaken = self._untaken, None
         return target
 
-    def _publish_locked(self, limit_bytes: int | None, revision: int) -> PublishResult:
+    def _publish_locked(self, limit_bytes: int | None, revision: int | None) -> PublishResult:
+        """The revision rule of the contract (``judge_revision``); None: the next revision."""
         current = self._desired
-        if revision > MAX_REVISION:
-            msg = (f"revision {revision} is above the largest revision {MAX_REVISION}; "
-                   "restart the engine to start its revisions again")
-            return self._rejected(Status.CONFLICT, msg)
-        if revision < current.revision:
-            msg = (
-                f"revision {revision} is older than the current revision {current.revision}; "
-                f"send a revision above {current.revision}, or none to take the next one"
-            )
-            return self._rejected(Status.STALE, msg)
-        if revision == current.revision:
-            if limit_bytes != current.limit_bytes:
-                msg = (
-                    f"revision {revision} already set limit {current.limit_bytes!r}; "
-                    f"send a revision above {current.revision} to change it"
-                )
-                return self._rejected(Status.CONFLICT, msg)
+        verdict = judge_revision(current.limit_bytes, current.revision, limit_bytes, revision,
+                                 exhausted_fix="restart the engine to start its revisions again")
+        if verdict.status is not None:
+            return self._rejected(verdict.status, verdict.message or verdict.status.value)
+        if verdict.outcome is RevisionOutcome.REPEAT:
             return self._repeat()
-        self._desired = self._untaken = Target(limit_bytes, revision)
-        return PublishResult(True, Status.DEFERRED, revision, self._pending_state())
+        self._desired = self._untaken = Target(limit_bytes, verdict.revision)
+        return PublishResult(True, Status.DEFERRED, verdict.revision, self._pending_state())
 
     def _rejected(self, status: Status, message: str) -> PublishResult:
         state = self._state.model_copy(update={"status": status, "message": message})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from engine_ext.protocol import EngineState, Status
+from engine_ext.protocol import EngineState, InstanceReason, Status
 
 from ._models import DesiredLimit, EngineInfo, InstanceView
 from ._store import InstanceRow
@@ -93,17 +93,17 @@ def derive_status(rec: InstanceRecord, now: float,
     """
     obs = rec.observed
     if obs is None and rec.row.registered_at is None:
-        return Status.PENDING, "not_registered"
+        return Status.PENDING, InstanceReason.NOT_REGISTERED.value
     if rec.stopped:
-        return Status.STOPPED, "deregistered"
+        return Status.STOPPED, InstanceReason.DEREGISTERED.value
     if rec.last_seen is not None and now - rec.last_seen > heartbeat_timeout_s:
-        return Status.UNREACHABLE, "no_heartbeat"
+        return Status.UNREACHABLE, InstanceReason.NO_HEARTBEAT.value
     if obs is None:
-        return Status.PENDING, "awaiting_report"
+        return Status.PENDING, InstanceReason.AWAITING_REPORT.value
     if obs.revision < rec.row.revision:
-        return Status.PENDING, "push_in_flight"
+        return Status.PENDING, InstanceReason.PUSH_IN_FLIGHT.value
     if obs.revision == rec.row.revision and obs.limit_bytes != rec.row.limit_bytes:
-        return Status.PENDING, "limit_mismatch"
+        return Status.PENDING, InstanceReason.LIMIT_MISMATCH.value
     if obs.status in (Status.APPLIED, Status.DEFERRED):
         return obs.status, obs.reason if obs.status is Status.DEFERRED else None
     return Status.PENDING, obs.reason

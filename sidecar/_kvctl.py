@@ -18,7 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 from rich.live import Live
 
-from engine_ext.protocol import ID_PATTERN, SizeError, parse_limit
+from engine_ext.protocol import ID_PATTERN, SizeError, Status, parse_limit
 
 from ._kvctl_client import (
     EXIT_DEFERRED,
@@ -140,9 +140,9 @@ def _sidecar_only(ctx: typer.Context, command: str) -> None:
 
 def _exit_for(body: dict[str, Any], waited: bool) -> int:
     status = body.get("status")
-    if status == "unreachable":
+    if status == Status.UNREACHABLE:
         return EXIT_UNREACHABLE
-    if waited and status != "applied":
+    if waited and status != Status.APPLIED:
         return EXIT_DEFERRED
     return EXIT_OK
 

@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import httpx
 
-from engine_ext.protocol import LimitBody
+from engine_ext.protocol import LimitBody, Status
 
 __all__ = [
     "EXIT_DEFERRED",
@@ -155,7 +155,7 @@ class SocketApi:
         while True:
             reply = self._call("GET", "/state")
             body = reply.body
-            if body.get("status") == "applied" and int(body.get("revision", 0)) >= revision:
+            if body.get("status") == Status.APPLIED and int(body.get("revision", 0)) >= revision:
                 return reply
             if time.monotonic() >= deadline:
                 return reply

@@ -7,13 +7,13 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from engine_ext.protocol import format_size
+from engine_ext.protocol import Status, format_size
 
 __all__ = ["bar", "instance_line", "instance_table", "state_line"]
 
 _BAR_WIDTH = 24
-_STATUS_STYLE = {"applied": "green", "deferred": "yellow", "pending": "cyan",
-                 "unreachable": "red"}
+_STATUS_STYLE = {Status.APPLIED: "green", Status.DEFERRED: "yellow", Status.PENDING: "cyan",
+                 Status.UNREACHABLE: "red"}
 
 
 def bar(mapped_bytes: int, limit_bytes: int | None, capacity_bytes: int) -> Text:

@@ -13,7 +13,14 @@ from contextlib import asynccontextmanager
 
 import httpx
 
-from engine_ext.protocol import EngineState, RegisterBody, RegisterReply, Status
+from engine_ext.protocol import (
+    MAX_SOCKET_PATH_BYTES,
+    EngineState,
+    RegisterBody,
+    RegisterReply,
+    Status,
+    socket_path_fits,
+)
 
 from ._errors import (
     DuplicateInstanceError,
@@ -34,7 +41,6 @@ from ._store import InstanceRow, Registration, Store
 __all__ = ["InstanceService"]
 
 _log = logging.getLogger("kvsidecar.service")
-_MAX_SOCKET_PATH_BYTES = 107  # sockaddr_un.sun_path, minus the terminating NUL
 
 
 class InstanceService:
@@ -340,7 +346,7 @@ def _check_socket_path(path: str | None) -> None:
         return
     if not path.startswith("/") or "\x00" in path:
         raise InvalidInputError("socket_path", "must be an absolute path to a unix socket")
-    if len(path.encode()) > _MAX_SOCKET_PATH_BYTES:
+    if not socket_path_fits(path):
         raise InvalidInputError(
-            "socket_path", f"is longer than {_MAX_SOCKET_PATH_BYTES} bytes, the unix socket "
+            "socket_path", f"is longer than {MAX_SOCKET_PATH_BYTES} bytes, the unix socket "
             "limit; use a shorter KVSIDECAR_RUNTIME_DIR")

@@ -4,7 +4,7 @@
   the core's :class:`allocator.BlockAllocator` (SGLang page = block).
 * :class:`RadixTreeReclaimer` / :class:`UnifiedTreeReclaimer` -- page-aware
   eviction from ``RadixCache`` / ``UnifiedRadixCache`` (Rust tree core).
-* :class:`ElasticPool` -- one scheduler's runtime: coordinator pass before
+* :class:`SglangRuntime` -- one scheduler's runtime: coordinator pass before
   admission and on idle, leak-check totals kept truthful.
 * :func:`install` -- version guard + the patch table (``_patches.PATCHES``);
   ``python -m engine_ext.sglang.launch_server`` runs it, then SGLang's server.
@@ -20,24 +20,24 @@ from ._cpu_imports import prepare_cpu_imports
 from ._install import install, installed_patches, uninstall
 from ._kv_memory import KVGeometry, KVReservation, reserve_kv
 from ._reclaimers import RadixTreeReclaimer, UnifiedTreeReclaimer, make_reclaimer
-from ._runtime import ElasticPool, pool_of
+from ._runtime import SglangRuntime, runtime_of
 from ._version import SUPPORTED, check_version, installed_sglang_version
 
 __all__ = [
     "SUPPORTED",
-    "ElasticPool",
     "ElasticTokenAllocator",
     "KVGeometry",
     "KVReservation",
     "RadixTreeReclaimer",
+    "SglangRuntime",
     "UnifiedTreeReclaimer",
     "check_version",
     "install",
     "installed_patches",
     "installed_sglang_version",
     "make_reclaimer",
-    "pool_of",
     "prepare_cpu_imports",
     "reserve_kv",
+    "runtime_of",
     "uninstall",
 ]

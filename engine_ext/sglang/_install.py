@@ -88,8 +88,8 @@ def uninstall() -> None:
             _applied.undo()
         _applied = None
         if _session is not None:
-            for pool in _session.pools:
-                pool.close()
+            for runtime in _session.runtimes:
+                runtime.close()
         _session = None
 
 

@@ -19,7 +19,7 @@ target                                                        what the wrapper a
                                                               for the free memory measured now
 ``MHATokenToKVPool._create_buffers_normal``                   K/V tensors on a kvsidecar reservation
 ``KVCacheConfigurator._build_token_to_kv_pool_allocator``     :class:`ElasticTokenAllocator`
-``Scheduler.__init__``                                        attach the :class:`ElasticPool` (the
+``Scheduler.__init__``                                        attach the :class:`SglangRuntime` (the
                                                               tree cache exists now); refuse what
                                                               the adapter does not support (before
                                                               and after SGLang's own __init__:
@@ -56,7 +56,7 @@ class Session:
     settings: EngineSettings
     engine_version: str
     scheduler_entry: Callable[..., Any]  # what spawned scheduler processes run
-    pools: list[Any] = field(default_factory=list)  # ElasticPools attached here (closed on uninstall)
+    runtimes: list[Any] = field(default_factory=list)  # SglangRuntimes attached here (closed on uninstall)
 
 
 # -- wrappers ---------------------------------------------------------------------------
@@ -103,41 +103,41 @@ def _wrap_build_allocator(original: Any, session: Session) -> Any:
 
 
 def _wrap_scheduler_init(original: Any, session: Session) -> Any:
-    from ._runtime import ElasticPool
+    from ._runtime import SglangRuntime
 
     @functools.wraps(original)
     def __init__(self: Any, server_args: Any, port_args: Any, *args: Any, **kwargs: Any) -> None:
         _refuse_unsupported(server_args)
         original(self, server_args, port_args, *args, **kwargs)
         _refuse_unsupported_loop(self)
-        pool = ElasticPool.attach(self, session.settings, engine_version=session.engine_version,
-                                  signal_cleanup=True)
-        session.pools.append(pool)
+        runtime = SglangRuntime.attach(self, session.settings,
+                                       engine_version=session.engine_version, signal_cleanup=True)
+        session.runtimes.append(runtime)
 
     return __init__
 
 
 def _wrap_next_batch(original: Any, session: Session) -> Any:
-    from ._runtime import pool_of
+    from ._runtime import runtime_of
 
     @functools.wraps(original)
     def get_next_batch_to_run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        pool = pool_of(self)
-        if pool is not None:
-            pool.before_schedule()
+        runtime = runtime_of(self)
+        if runtime is not None:
+            runtime.before_schedule()
         return original(self, *args, **kwargs)
 
     return get_next_batch_to_run
 
 
 def _wrap_on_idle(original: Any, session: Session) -> Any:
-    from ._runtime import pool_of
+    from ._runtime import runtime_of
 
     @functools.wraps(original)
     def on_idle(self: Any, *args: Any, **kwargs: Any) -> Any:
-        pool = pool_of(self)
-        if pool is not None:
-            pool.on_idle()
+        runtime = runtime_of(self)
+        if runtime is not None:
+            runtime.on_idle()
         return original(self, *args, **kwargs)
 
     return on_idle
@@ -211,7 +211,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_MEM}.kv_cache_configurator:KVCacheConfigurator._build_token_to_kv_pool_allocator",
           V0_5_23, _wrap_build_allocator, "the scheduler's allocator is ElasticTokenAllocator"),
     Patch(f"{_SCHED}:Scheduler.__init__", V0_5_23, _wrap_scheduler_init,
-          "attach the ElasticPool once the tree cache exists; refuse unsupported set-ups"),
+          "attach the SglangRuntime once the tree cache exists; refuse unsupported set-ups"),
     Patch(f"{_SCHED}:Scheduler.get_next_batch_to_run", V0_5_23, _wrap_next_batch,
           "a coordinator pass before admission"),
     Patch(f"{_SCHED}:Scheduler.on_idle", V0_5_23, _wrap_on_idle,

@@ -1,8 +1,8 @@
-"""One scheduler's elastic KV pool: what the SGLang hooks call.
+"""One scheduler's kvsidecar runtime (:class:`SglangRuntime`): what the SGLang hooks call.
 
 Where the coordinator runs, and why there:
 
-* :meth:`ElasticPool.before_schedule` -- top of every scheduler iteration,
+* :meth:`SglangRuntime.before_schedule` -- top of every scheduler iteration,
   *before admission* (``get_next_batch_to_run``): takes the newest target,
   shrinks, and only then lets ``PrefillBudget`` look at
   ``available + evictable``. A pass between admission and allocation could
@@ -10,7 +10,7 @@ Where the coordinator runs, and why there:
   prefill allocation into a ``RuntimeError`` that ends the scheduler
   (docs/engine-hooks.md 2.6); so the allocation-time hook only makes sure the first
   pass (the retained limit) ran, and capacity never shrinks under a batch.
-* :meth:`ElasticPool.on_idle` -- wraps ``Scheduler.on_idle``: a pass when a
+* :meth:`SglangRuntime.on_idle` -- wraps ``Scheduler.on_idle``: a pass when a
   limit is pending, then the leak check's total is synced
   (:func:`sync_capacity`) before SGLang's own check runs.
 
@@ -43,13 +43,13 @@ if TYPE_CHECKING:
     from .._mailbox import PublishResult
     from ..protocol import EngineState
 
-__all__ = ["ElasticPool", "pool_of"]
+__all__ = ["SglangRuntime", "runtime_of"]
 
 _log = logging.getLogger("engine_ext.sglang")
-ATTR = "_kvsidecar_pool"  # where the pool hangs on the scheduler
+ATTR = "_kvsidecar_runtime"  # where the runtime hangs on the scheduler
 
 
-class ElasticPool:
+class SglangRuntime:
     """Owns the instance runtime (mailbox, coordinator, socket, sidecar client)
     and the tree-cache reclaimer of one scheduler; borrows its allocator."""
 
@@ -65,9 +65,9 @@ class ElasticPool:
     @classmethod
     def attach(cls, scheduler: Any, settings: EngineSettings, *, engine_version: str,
                sidecar_transport: httpx.BaseTransport | None = None,
-               signal_cleanup: bool = False) -> ElasticPool:
+               signal_cleanup: bool = False) -> SglangRuntime:
         """Build the reclaimer for the scheduler's (already built) tree cache, register,
-        apply the retained or configured limit, and hang the pool on the scheduler.
+        apply the retained or configured limit, and hang the runtime on the scheduler.
 
         ``signal_cleanup`` (the scheduler process's main thread): SIGTERM and SIGINT
         remove the runtime dir before SGLang's own handling (SGLang's scheduler installs
@@ -84,17 +84,17 @@ class ElasticPool:
                                 wake=waker.wake,
                                 device_total_bytes=_device_total_bytes(allocator.device))
         instance = ElasticInstance(settings, binding, sidecar_transport=sidecar_transport)
-        pool = cls(scheduler, instance, allocator, reclaimer)
-        pool.waker = waker
+        runtime = cls(scheduler, instance, allocator, reclaimer)
+        runtime.waker = waker
         allocator.set_unlocked_blocks(reclaimer.unlocked_blocks)
-        allocator.set_before_alloc(pool._ensure_started)
-        instance.coordinator.set_demand_probe(pool.demand)
+        allocator.set_before_alloc(runtime._ensure_started)
+        instance.coordinator.set_demand_probe(runtime.demand)
         instance.start()
         if signal_cleanup:
             _install_signal_cleanup(instance)
-        pool.before_schedule()  # the retained limit is applied before the first request
-        setattr(scheduler, ATTR, pool)
-        return pool
+        runtime.before_schedule()  # the retained limit is applied before the first request
+        setattr(scheduler, ATTR, runtime)
+        return runtime
 
     # -- scheduler thread --------------------------------------------------------------
 
@@ -211,7 +211,7 @@ def _device_total_bytes(device: Any) -> int | None:
     return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
 
 
-def pool_of(scheduler: Any) -> ElasticPool | None:
-    """The pool attached to ``scheduler``, if any."""
-    pool = getattr(scheduler, ATTR, None)
-    return pool if isinstance(pool, ElasticPool) else None
+def runtime_of(scheduler: Any) -> SglangRuntime | None:
+    """The runtime attached to ``scheduler``, if any."""
+    runtime = getattr(scheduler, ATTR, None)
+    return runtime if isinstance(runtime, SglangRuntime) else None

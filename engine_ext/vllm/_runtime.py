@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from engine_ext._cleanup import clear_owner
 from engine_ext._coordinator import Demand
 from engine_ext._errors import EngineExtConfigError
-from engine_ext.protocol import EngineState, Status
+from engine_ext.protocol import DeferReason, EngineState, Status
 from engine_ext.vllm._block_pool import PoolBacking
 from engine_ext.vllm._kv_memory import claim_kv_memory
 
@@ -274,7 +274,7 @@ class VllmRuntime:
         with self._arm_lock:
             self._armed = False
         state = self._pass()
-        if state.status is Status.DEFERRED and state.reason == "evicting":
+        if state.status is Status.DEFERRED and state.reason == DeferReason.EVICTING:
             self._arm(wakeup=True)  # capped pass: continue on the next loop iteration
 
     def _pass(self) -> EngineState:

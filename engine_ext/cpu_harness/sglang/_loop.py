@@ -32,10 +32,10 @@ from typing import Any
 from allocator import BlockAllocator, PageAllocator
 from engine_ext import EngineSettings
 from engine_ext.sglang import (
-    ElasticPool,
     ElasticTokenAllocator,
     KVGeometry,
     KVReservation,
+    SglangRuntime,
     installed_sglang_version,
     prepare_cpu_imports,
     reserve_kv,
@@ -94,7 +94,7 @@ class CpuHarness:
     """SGLang's memory classes driven like the scheduler drives them (see module doc).
 
     Owns the reservation, the allocators, the tree cache and the attached
-    :class:`ElasticPool`; :meth:`close` releases them.
+    :class:`SglangRuntime`; :meth:`close` releases them.
     """
 
     def __init__(self, settings: EngineSettings, config: HarnessConfig | None = None) -> None:
@@ -134,8 +134,8 @@ class CpuHarness:
         # allocation, and "decode" before the decode capacity check (the points where a
         # foreign thread's limit must not change what the scheduler was promised).
         self.at_point: Callable[[str], None] | None = None
-        self.pool = ElasticPool.attach(self, settings, engine_version=installed_sglang_version(),
-                                       signal_cleanup=cfg.signal_cleanup)
+        self.pool = SglangRuntime.attach(self, settings, engine_version=installed_sglang_version(),
+                                         signal_cleanup=cfg.signal_cleanup)
 
     # -- building ----------------------------------------------------------------------
 

@@ -1,123 +1,33 @@
-"""The wire contract between the engine extension and the sidecar.
-
-One module, imported by both sides, so the two can never disagree on a field:
-
-* :func:`parse_size` -- the one size parser (API, CLI, settings);
-* :class:`Status` -- the one status vocabulary (API, CLI, metrics, logs);
-* the JSON bodies exchanged over HTTP (pydantic models).
-
-Dependency rule: this module imports only pydantic and the standard library,
-so the sidecar may import it without pulling in any engine.
-"""
+"""The JSON bodies exchanged over HTTP (pydantic models) and the caps on their fields."""
 
 from __future__ import annotations
 
-import math
-import re
-from enum import Enum
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from ._paths import MAX_SOCKET_PATH_BYTES
+from ._revisions import MAX_CLIENT_REVISION, MAX_REVISION
+from ._sizes import MAX_LIMIT_BYTES, parse_limit
+from ._status import Status
+
 __all__ = [
-    "ID_PATTERN",
-    "MAX_CLIENT_REVISION",
-    "MAX_LIMIT_BYTES",
-    "MAX_REVISION",
+    "MAX_MESSAGE_CHARS",
+    "MAX_NAME_CHARS",
+    "MAX_RANKS",
+    "MAX_REASON_CHARS",
+    "MAX_VERSION_CHARS",
     "REGISTRATION_HEADER",
     "REGISTRATION_TOKEN_PATTERN",
+    "ByteCount",
     "EngineState",
     "LimitBody",
+    "LimitSize",
     "RankState",
     "RegisterBody",
     "RegisterReply",
-    "SizeError",
-    "Status",
-    "format_size",
-    "parse_limit",
-    "parse_size",
+    "Revision",
 ]
-
-#: Instance ids: what fits in a URL path segment, a file name and a metric label.
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
-
-#: Largest limit accepted anywhere: 1 EiB. Anything larger is a typo.
-MAX_LIMIT_BYTES = 1 << 60
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([KMGT]?)(?:I?B|I)?\s*$", re.IGNORECASE)
-
-
-class SizeError(ValueError):
-    """A size that cannot be read. The message says what forms are accepted."""
-
-
-def parse_size(value: object) -> int:
-    """Read a byte size: an int, or a string like ``512M``, ``2G``, ``1.5GiB``.
-
-    Units ``K``, ``M``, ``G``, ``T`` are powers of 1024 (as kvctl and Docker
-    read them), optionally followed by ``B``, ``i`` or ``iB`` in any case.
-    Fractions are rounded down to whole bytes. Negative, NaN, infinite,
-    boolean and oversized values are rejected with :class:`SizeError`.
-    """
-    if isinstance(value, bool):
-        raise SizeError("a size must be a byte count or a string like '512M'; got a boolean")
-    if isinstance(value, int):
-        num = value
-    elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise SizeError(f"a size must be a finite number of bytes; got {value!r}")
-        if value != int(value):
-            raise SizeError(f"a byte count must be whole; got {value!r} (use a unit, e.g. '1.5G')")
-        num = int(value)
-    elif isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m is None:
-            raise SizeError(
-                f"cannot read size {value!r}: use a byte count or a number with a unit "
-                "K, M, G or T (powers of 1024), e.g. '512M', '2G', '1.5GiB'"
-            )
-        num = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    else:
-        raise SizeError(
-            f"a size must be a byte count or a string like '512M'; got {type(value).__name__}"
-        )
-    if num < 0:
-        raise SizeError(f"a size cannot be negative; got {value!r}")
-    if num > MAX_LIMIT_BYTES:
-        raise SizeError(f"size {value!r} is larger than 1 EiB; check the unit")
-    return num
-
-
-def parse_limit(value: object) -> int | None:
-    """A limit: a size, or ``None``/``"none"``/``"unlimited"`` for no limit."""
-    if value is None:
-        return None
-    if isinstance(value, str) and value.strip().lower() in {"none", "null", "unlimited"}:
-        return None
-    return parse_size(value)
-
-
-def format_size(num_bytes: int | None) -> str:
-    """Human form of a byte count (``1.5GiB``); ``unlimited`` for None."""
-    if num_bytes is None:
-        return "unlimited"
-    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if num_bytes >= factor:
-            return f"{num_bytes / factor:.4g}{unit}"
-    return f"{num_bytes}B"
-
-
-class Status(str, Enum):
-    """The one status vocabulary (docs/design.md, "Statuses")."""
-
-    PENDING = "pending"  # sidecar holds the limit; the engine has not acknowledged it
-    DEFERRED = "deferred"  # engine holds the target but maps more; carries reason + overage
-    APPLIED = "applied"  # mapped <= limit on every rank, after the rank barrier
-    UNREACHABLE = "unreachable"  # the engine stopped answering heartbeats/pushes
-    STOPPED = "stopped"  # the engine deregistered on a clean shutdown (desired limit kept)
-    STALE = "stale"  # rejected: an older revision (response only)
-    CONFLICT = "conflict"  # rejected: same revision, other limit (response only)
 
 
 def _size_or_none(value: Any) -> int | None:
@@ -125,15 +35,6 @@ def _size_or_none(value: Any) -> int | None:
 
 
 LimitSize = Annotated[int | None, BeforeValidator(_size_or_none)]
-
-#: Largest revision accepted anywhere (fits SQLite's signed 64-bit integers with room to grow).
-MAX_REVISION = 1 << 62
-
-#: Largest revision a client may name (PUT with ``revision``): 2^53, what every JSON
-#: client reads exactly. The range above it is left to revisions the sidecar and the
-#: engine take themselves (current + 1), so a client-named revision can never use up
-#: the space: 2^62 - 2^53 increments remain after the largest one.
-MAX_CLIENT_REVISION = 1 << 53
 
 #: A revision on the wire: 0 (none yet) up to :data:`MAX_REVISION`.
 Revision = Annotated[int, Field(ge=0, le=MAX_REVISION)]
@@ -153,7 +54,6 @@ MAX_VERSION_CHARS = 128  # engine version string
 MAX_REASON_CHARS = 64  # a reason word, e.g. running_requests
 MAX_MESSAGE_CHARS = 1024  # a human message
 MAX_RANKS = 1024  # ranks of one instance
-MAX_SOCKET_PATH_CHARS = 107  # sockaddr_un.sun_path, minus the terminating NUL
 
 
 class _Strict(BaseModel):
@@ -218,7 +118,7 @@ class RegisterBody(_Strict):
     engine: str = Field(min_length=1, max_length=MAX_NAME_CHARS)  # "vllm" or "sglang"
     engine_version: str = Field(max_length=MAX_VERSION_CHARS)
     # the engine's control socket
-    socket_path: str | None = Field(default=None, max_length=MAX_SOCKET_PATH_CHARS)
+    socket_path: str | None = Field(default=None, max_length=MAX_SOCKET_PATH_BYTES)
     # device memory of one rank (limit-percent)
     device_total_bytes: int | None = Field(default=None, ge=0, le=MAX_LIMIT_BYTES)
     state: EngineState

@@ -1,0 +1,82 @@
+"""The contract between the engine extension and the sidecar.
+
+Both sides import it, so the two can never disagree on a field, a word or a rule:
+
+* sizes -- :func:`parse_size` / :func:`parse_limit` / :func:`format_size`, the one size
+  parser and printer (API, CLI, settings);
+* statuses and reasons -- :class:`Status`, :class:`DeferReason`, :class:`WaitReason`,
+  :class:`InstanceReason` (API, CLI, metrics, logs);
+* revisions -- :func:`judge_revision`, the one revision rule (the sidecar's store and the
+  engine's mailbox), and its bounds;
+* paths -- instance ids and unix-socket path limits;
+* the JSON bodies exchanged over HTTP (pydantic models).
+
+Dependency rule: this package imports only pydantic and the standard library (a test
+holds it to that), so the sidecar imports it without any engine, allocator or
+engine-core module. Import it as ``engine_ext.protocol``; its submodules are private.
+"""
+
+from __future__ import annotations
+
+from ._paths import ID_PATTERN, MAX_SOCKET_PATH_BYTES, socket_path_fits
+from ._revisions import (
+    MAX_CLIENT_REVISION,
+    MAX_REVISION,
+    RevisionOutcome,
+    RevisionVerdict,
+    judge_revision,
+)
+from ._sizes import MAX_LIMIT_BYTES, SizeError, format_size, parse_limit, parse_size
+from ._status import DeferReason, InstanceReason, Status, WaitReason
+from ._wire import (
+    MAX_MESSAGE_CHARS,
+    MAX_NAME_CHARS,
+    MAX_RANKS,
+    MAX_REASON_CHARS,
+    MAX_VERSION_CHARS,
+    REGISTRATION_HEADER,
+    REGISTRATION_TOKEN_PATTERN,
+    ByteCount,
+    EngineState,
+    LimitBody,
+    LimitSize,
+    RankState,
+    RegisterBody,
+    RegisterReply,
+    Revision,
+)
+
+__all__ = [
+    "ID_PATTERN",
+    "MAX_CLIENT_REVISION",
+    "MAX_LIMIT_BYTES",
+    "MAX_MESSAGE_CHARS",
+    "MAX_NAME_CHARS",
+    "MAX_RANKS",
+    "MAX_REASON_CHARS",
+    "MAX_REVISION",
+    "MAX_SOCKET_PATH_BYTES",
+    "MAX_VERSION_CHARS",
+    "REGISTRATION_HEADER",
+    "REGISTRATION_TOKEN_PATTERN",
+    "ByteCount",
+    "DeferReason",
+    "EngineState",
+    "InstanceReason",
+    "LimitBody",
+    "LimitSize",
+    "RankState",
+    "RegisterBody",
+    "RegisterReply",
+    "Revision",
+    "RevisionOutcome",
+    "RevisionVerdict",
+    "SizeError",
+    "Status",
+    "WaitReason",
+    "format_size",
+    "judge_revision",
+    "parse_limit",
+    "parse_size",
+    "socket_path_fits",
+]
