@@ -25,8 +25,8 @@ import random
 import sys
 import time
 import timeit
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from allocator import BlockAllocator, HostBackend, PageAllocator, PageLayout
 from engine_ext import CoordinatorConfig, LimitMailbox, ShrinkCoordinator
+from engine_ext.cpu_harness import ToyPrefixCache
 from engine_ext.protocol import Status
 
 PAGE_BYTES = 64 * 1024
@@ -42,39 +43,20 @@ BLOCKS_PER_PAGE = 16
 SEED = 7
 
 
-class LruPrefixCache:
-    """A prefix cache over BlockAllocator: unreferenced blocks stay cached in LRU order."""
-
-    name = "bench-lru"
+class LruPrefixCache(ToyPrefixCache):
+    """The shared toy prefix cache: a finished request's blocks stay cached in LRU order."""
 
     def __init__(self, blocks: BlockAllocator) -> None:
-        self.blocks = blocks
-        self.lru: OrderedDict[int, None] = OrderedDict()  # evictable blocks, oldest first
-        self.evicted = 0
+        super().__init__(blocks, name="bench-lru")
 
     def admit(self, n: int) -> list[int] | None:
-        got = self.blocks.alloc(n)
-        while got is None and self.lru:  # make room the engine's way: oldest cached first
-            self.evict([next(iter(self.lru))])
-            got = self.blocks.alloc(n)
-        return got
+        return self.allocate(n, make_room=True)  # the engine's way: oldest cached first
 
     def finish(self, blocks: Iterable[int]) -> None:
+        blocks = list(blocks)
         for block in blocks:
-            self.lru[block] = None
-
-    def evictable_blocks(self) -> Iterable[int]:
-        return list(self.lru)
-
-    def is_evictable(self, block: int) -> bool:
-        return block in self.lru
-
-    def evict(self, blocks: Sequence[int]) -> int:
-        for block in blocks:
-            del self.lru[block]
-        self.blocks.free(blocks)
-        self.evicted += len(blocks)
-        return len(blocks)
+            self.insert(block, block)  # distinct contents: the block id is the key
+        self.release(blocks)
 
 
 @dataclass
@@ -103,7 +85,7 @@ class Pool:
 
 def reclaimable_occupancies(pool: Pool) -> list[int]:
     per_page: dict[int, int] = {}
-    for block in pool.cache.lru:
+    for block in pool.cache.evictable_blocks():
         page = pool.blocks.page_of(block)
         per_page[page] = per_page.get(page, 0) + 1
     return sorted(n for p, n in per_page.items() if n == pool.blocks.occupancy(p))
@@ -113,8 +95,7 @@ def lru_evict_until(pool: Pool, num_pages: int) -> tuple[int, int]:
     """Native order: evict oldest cached blocks until ``num_pages`` pages emptied."""
     start = pool.pages.num_mapped
     evicted = 0
-    while start - pool.pages.num_mapped < num_pages and pool.cache.lru:
-        pool.cache.evict([next(iter(pool.cache.lru))])
+    while start - pool.pages.num_mapped < num_pages and pool.cache.evict_oldest():
         evicted += 1
     return evicted, start - pool.pages.num_mapped
 
@@ -131,7 +112,7 @@ def bench_eviction() -> None:
           f"{sum(len(r) for r in aware.running)} running blocks pinning {pinned_pages} pages, "
           f"{len(occ)} reclaimable pages; target: free {want} pages")
 
-    aware.cache.evicted = native.cache.evicted = 0  # count the shrink only, not the trace
+    aware.cache.num_evicted = native.cache.num_evicted = 0  # count the shrink only, not the trace
     mailbox = LimitMailbox()
     coord = ShrinkCoordinator(mailbox, aware.blocks, CoordinatorConfig())
     coord.add_reclaimer(aware.cache)
@@ -145,7 +126,7 @@ def bench_eviction() -> None:
     lru_evicted, lru_freed = lru_evict_until(native, want)
     per = BLOCKS_PER_PAGE
     rows = [
-        ("page-aware (core)", aware.cache.evicted, freed),
+        ("page-aware (core)", aware.cache.num_evicted, freed),
         ("LRU order (native)", lru_evicted, lru_freed),
         ("minimum", minimum, want),
     ]
@@ -157,7 +138,7 @@ def bench_eviction() -> None:
               f"{bpp / per:>15.2f}")
     print(f"page-aware shrink pass: {step_ms:.2f} ms, 1 pass to applied "
           f"(goal: <= 1.1 x {per} blocks per page: "
-          f"{'met' if aware.cache.evicted / freed <= 1.1 * per else 'NOT met'})")
+          f"{'met' if aware.cache.num_evicted / freed <= 1.1 * per else 'NOT met'})")
     for pool in (aware, native):
         pool.backend.release()
 

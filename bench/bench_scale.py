@@ -30,7 +30,6 @@ import random
 import sys
 import time
 import timeit
-from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 if not any(Path(p, "allocator").is_dir() for p in sys.path if p):
@@ -38,24 +37,10 @@ if not any(Path(p, "allocator").is_dir() for p in sys.path if p):
 
 from allocator import BlockAllocator, HostBackend, PageAllocator, PageLayout
 from engine_ext import CoordinatorConfig, LimitMailbox, ShrinkCoordinator
+from engine_ext.cpu_harness import ToyPrefixCache
 
 BPP = 16
 SIZES = (1_000, 10_000, 100_000, 1_000_000)
-
-
-class NoCache:
-    """A reclaimer with nothing evictable (the idle engine of the step() bench)."""
-
-    name = "bench-none"
-
-    def evictable_blocks(self) -> Iterable[int]:
-        return ()
-
-    def is_evictable(self, block: int) -> bool:
-        return False
-
-    def evict(self, blocks: Sequence[int]) -> int:
-        return 0
 
 
 def build(num_blocks: int) -> tuple[HostBackend, PageAllocator, BlockAllocator]:
@@ -119,7 +104,7 @@ def idle_step_ns(num_blocks: int) -> float:
         assert got is not None
         mailbox = LimitMailbox()
         coord = ShrinkCoordinator(mailbox, blocks, CoordinatorConfig())
-        coord.add_reclaimer(NoCache())
+        coord.add_reclaimer(ToyPrefixCache(blocks, name="bench-none"))  # nothing cached
         mailbox.publish_next(None)
         coord.step()  # take it; nothing is pending from now on
         n = 50_000

@@ -14,6 +14,8 @@ Public API (everything else in this package is private):
 * :func:`launch_vllm_server` -> :class:`VllmServer` -- the real ``vllm serve``
   with the stub executor (:data:`STUB_EXECUTOR`) on a free loopback port;
 * :func:`free_port` -- a free loopback TCP port;
+* :class:`ToyPrefixCache` -- a minimal engine prefix cache over the core's
+  ``BlockAllocator`` (a ``Reclaimer``), for driving the core without an engine;
 * :class:`StubExecutor` -- the vLLM ``Executor`` behind :data:`STUB_EXECUTOR`
   (importing it imports vLLM);
 * :class:`CpuHarness`, :class:`HarnessConfig`, :class:`HarnessRequest`,
@@ -31,6 +33,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from engine_ext.cpu_harness._tiny_model import TinyModelSpec, make_document, make_tiny_model_dir
+from engine_ext.cpu_harness._toy_cache import ToyPrefixCache
 from engine_ext.cpu_harness.vllm._launcher import (
     STUB_EXECUTOR,
     VllmServer,
@@ -54,6 +57,7 @@ __all__ = [
     "HarnessRequest",
     "StubExecutor",
     "TinyModelSpec",
+    "ToyPrefixCache",
     "VllmServer",
     "free_port",
     "launch_vllm_server",

@@ -3,7 +3,8 @@
 Real: ``HostBackend`` memfd, ``RankGroup`` + rank processes (``python -m
 engine_ext.ranks``), ``RankedBackend``, ``PageAllocator``/``BlockAllocator``,
 ``ElasticInstance`` (mailbox, coordinator, control socket) with the
-``RankChannelBarrier``. Toy: the prefix cache (a dict of full-block prefixes)
+``RankChannelBarrier``. Toy: the prefix cache (the shared ``ToyPrefixCache``,
+full blocks keyed by their whole prefix)
 and the "model": every scheduled token is written by the *ranks* into its KV
 slot (TP rank t writes word t, PP stage p writes its regions), and a sampled
 token is a digest of the KV read back from the scheduler's own view, so a
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from allocator import BlockAllocator, HostBackend, PageAllocator, PageLayout
 from engine_ext import ElasticInstance, EngineBinding, EngineSettings
+from engine_ext.cpu_harness import ToyPrefixCache
 from engine_ext.ranks import RankChannelBarrier, RankedBackend, RankGroup, memfd_view
 
 BLOCK_SIZE = 16  # tokens per block
@@ -29,31 +31,6 @@ SLOT_BYTES = 64  # bytes of one token slot in one region
 BLOCK_BYTES = BLOCK_SIZE * SLOT_BYTES
 LAYOUT = PageLayout(page_bytes=4096, num_pages=24, num_regions=4)
 BLOCKS_PER_PAGE = LAYOUT.page_bytes // BLOCK_BYTES
-
-
-class ToyCache:
-    """Prefix cache: full blocks keyed by their whole prefix. A core ``Reclaimer``."""
-
-    name = "toy-prefix-cache"
-
-    def __init__(self, blocks: BlockAllocator) -> None:
-        self.blocks = blocks
-        self.by_key: dict[tuple[int, ...], int] = {}
-        self.key_of: dict[int, tuple[int, ...]] = {}
-        self.refs: dict[int, int] = {}
-
-    def evictable_blocks(self) -> list[int]:
-        return [b for b in self.key_of if self.refs.get(b, 0) == 0]
-
-    def is_evictable(self, block: int) -> bool:
-        return block in self.key_of and self.refs.get(block, 0) == 0
-
-    def evict(self, blocks: list[int]) -> int:
-        done = [b for b in blocks if self.is_evictable(b)]
-        for block in done:
-            del self.by_key[self.key_of.pop(block)]
-        self.blocks.free(done)
-        return len(done)
 
 
 @dataclass
@@ -77,7 +54,7 @@ class ToyEngine:
                                            slot_bytes=SLOT_BYTES, timeout_s=30)
         self.pages = PageAllocator(self.backend)
         self.blocks = BlockAllocator(self.pages, BLOCKS_PER_PAGE)
-        self.cache = ToyCache(self.blocks)
+        self.cache = ToyPrefixCache(self.blocks)
         self.woken = threading.Event()
         settings = EngineSettings(runtime_dir=tmp / "run", instance_id=f"toy-{tp}x{pp}")
         self.instance = ElasticInstance(settings, EngineBinding(
@@ -99,19 +76,17 @@ class ToyEngine:
         req = Request(tokens=list(prompt), prompt_len=len(prompt))
         hits = 0
         for i in range(len(prompt) // BLOCK_SIZE):
-            block = self.cache.by_key.get(tuple(prompt[: (i + 1) * BLOCK_SIZE]))
+            block = self.cache.lookup(tuple(prompt[: (i + 1) * BLOCK_SIZE]))
             if block is None:
                 break
             req.table.append(block)
             hits += 1
         needed = -(-len(prompt) // BLOCK_SIZE) - hits
-        fresh = self.blocks.alloc(needed) if needed else []
+        fresh = self.cache.allocate(needed) if needed else []
         if fresh is None:
             return None
         for block in req.table:
-            self.cache.refs[block] = self.cache.refs.get(block, 0) + 1
-        for block in fresh:
-            self.cache.refs[block] = 1
+            self.cache.acquire(block)
         req.table.extend(fresh)
         req.written = hits * BLOCK_SIZE
         self._write(req)
@@ -123,29 +98,17 @@ class ToyEngine:
             req.tokens.append(self._sample(req))
             if len(req.tokens) > len(req.table) * BLOCK_SIZE:
                 self.instance.step()
-                block = self.blocks.alloc(1)
+                block = self.cache.allocate(1)
                 assert block is not None, "decode ran out of blocks"
-                self.cache.refs[block[0]] = 1
                 req.table.extend(block)
             self._write(req)
 
     def finish(self, req: Request) -> None:
         """Full blocks go to the prefix cache; the partial tail block is freed."""
-        to_free = []
         for i, block in enumerate(req.table):
-            self.cache.refs[block] -= 1
-            key = tuple(req.tokens[: (i + 1) * BLOCK_SIZE])
-            full = (i + 1) * BLOCK_SIZE <= req.written
-            if self.cache.refs[block] == 0:
-                if full and key not in self.cache.by_key and block not in self.cache.key_of:
-                    self.cache.by_key[key] = block
-                    self.cache.key_of[block] = key
-                elif block not in self.cache.key_of:
-                    to_free.append(block)
-        for block in to_free:
-            del self.cache.refs[block]
-        if to_free:
-            self.blocks.free(to_free)
+            if (i + 1) * BLOCK_SIZE <= req.written:  # full: cached unless its prefix already is
+                self.cache.insert(block, tuple(req.tokens[: (i + 1) * BLOCK_SIZE]))
+        self.cache.release(req.table)
         req.table = []
 
     abort = finish

@@ -1,12 +1,13 @@
-"""Test helpers: a real host-memory pool and a small real prefix cache (a Reclaimer)."""
+"""Test helpers: a real host-memory pool and the shared toy prefix cache (a Reclaimer)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from allocator import BlockAllocator, HostBackend, PageAllocator
+from engine_ext.cpu_harness import ToyPrefixCache
 
 PAGE_BYTES = 64 * 1024  # one page in one region
 NUM_REGIONS = 2  # e.g. K and V of one layer
@@ -23,71 +24,42 @@ class Request:
     hashes: list[int]
 
 
-class PrefixCache:
-    """A tiny prefix cache over :class:`BlockAllocator` (a real ``Reclaimer``).
+class PrefixCache(ToyPrefixCache):
+    """The shared toy prefix cache (``engine_ext.cpu_harness.ToyPrefixCache``) with requests.
 
-    Blocks are keyed by a content hash. A request references its blocks (ref
-    count); when it finishes, hashed blocks with no references stay cached and
+    Every block a request allocates is cached under its content hash at once;
+    when the request finishes, its unreferenced blocks stay cached and
     evictable. Engine thread only: it shares the pool's guard.
     """
 
-    name = "test-prefix-cache"
-
     def __init__(self, blocks: BlockAllocator) -> None:
-        self.blocks = blocks
-        self.guard = blocks.guard
-        self.refs: dict[int, int] = {}  # block -> running requests referencing it
-        self.by_hash: dict[int, int] = {}  # content hash -> cached block
-        self.hash_of: dict[int, int] = {}  # cached block -> content hash
-        self.num_evicted = 0
+        super().__init__(blocks, name="test-prefix-cache")
 
     def start(self, hashes: Sequence[int]) -> Request | None:
         """Admit a request over ``hashes``: reuse cached blocks, allocate the rest."""
-        self.guard.check()
-        hits = [self.by_hash.get(h) for h in hashes]
-        fresh = self.blocks.alloc(sum(1 for b in hits if b is None))
+        hits = [self.lookup(h) for h in hashes]
+        fresh = self.allocate(sum(1 for b in hits if b is None))
         if fresh is None:
             return None
         it = iter(fresh)
         out = []
         for h, hit in zip(hashes, hits):
-            block = hit if hit is not None else next(it)
             if hit is None:
-                self.by_hash[h] = block
-                self.hash_of[block] = h
-            self.refs[block] = self.refs.get(block, 0) + 1
+                block = next(it)
+                self.insert(block, h)
+            else:
+                block = hit
+                self.acquire(block)
             out.append(block)
         return Request(out, list(hashes))
 
     def touch(self, block: int) -> None:
         """A new request hits ``block`` (takes a reference)."""
-        self.guard.check()
-        self.refs[block] = self.refs.get(block, 0) + 1
+        self.acquire(block)
 
     def finish(self, req: Request) -> None:
         """The request ends: its blocks stay cached (evictable once unreferenced)."""
-        self.guard.check()
-        for block in req.blocks:
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                del self.refs[block]
-
-    # -- Reclaimer ------------------------------------------------------------------
-    def evictable_blocks(self) -> Iterable[int]:
-        return [b for b in self.hash_of if b not in self.refs]
-
-    def is_evictable(self, block: int) -> bool:
-        return block in self.hash_of and block not in self.refs
-
-    def evict(self, blocks: Sequence[int]) -> int:
-        self.guard.check()
-        for block in blocks:
-            assert self.is_evictable(block), f"asked to evict referenced block {block}"
-        for block in blocks:
-            del self.by_hash[self.hash_of.pop(block)]
-        self.blocks.free(blocks)
-        self.num_evicted += len(blocks)
-        return len(blocks)
+        self.release(req.blocks)
 
 
 @dataclass
