@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # Module level: FastAPI resolves the bare route's annotations from these globals.
+from engine_ext.cpu_harness import free_port
 from engine_ext.protocol import LimitBody
 
 NUM_IDS = 8
@@ -86,13 +86,6 @@ async def _load(url: str, num_requests: int, concurrency: int) -> dict[str, floa
             "p99_ms": 1e3 * latencies[int(len(latencies) * 0.99) - 1]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
     import httpx
 
@@ -133,7 +126,7 @@ def main() -> None:
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as tmp:
-        ports = {"sidecar": _free_port(), "bare": _free_port()}
+        ports = {"sidecar": free_port(), "bare": free_port()}
         cmds = {
             "sidecar": [sys.executable, "-m", "sidecar.cli", "serve", "--port",
                         str(ports["sidecar"]), "--db", f"{tmp}/bench.db"],
