@@ -4,26 +4,20 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
-import signal
-import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING
 
 import httpx
 
 from allocator import BackendError
 
-from ._cleanup import SOCKET_FILE, clear_owner, sweep_stale_runtime_dirs, write_owner
 from ._control import ControlServer
 from ._coordinator import CoordinatorConfig, ShrinkCoordinator
-from ._errors import EngineExtConfigError
 from ._mailbox import LimitMailbox, PublishResult
 from ._reclaim import Reclaimer
+from ._runtime_dir import SOCKET_FILE, RuntimeDir
 from ._settings import EngineSettings
 from ._sidecar_client import SidecarClient
 from .protocol import EngineState, RegisterBody
@@ -52,8 +46,8 @@ class EngineBinding:
 class ElasticInstance:
     """Wires mailbox, coordinator, control socket and sidecar client for one instance.
 
-    Owns the per-instance runtime directory (mode 0700) and the control
-    socket in it, the sidecar client and the mailbox. The adapter calls
+    Owns the per-instance runtime directory (a :class:`RuntimeDir`, mode 0700) and the
+    control socket in it, the sidecar client and the mailbox. The adapter calls
     :meth:`start` on the engine thread before the first allocation, then
     ``coordinator.step()`` (or :meth:`step`) at the top of each allocation
     and when idle, and :meth:`close` on shutdown. :meth:`set_limit` may be
@@ -79,8 +73,9 @@ class ElasticInstance:
         self.coordinator = ShrinkCoordinator(self.mailbox, binding.blocks, config)
         for reclaimer in binding.reclaimers:
             self.coordinator.add_reclaimer(reclaimer)
-        self.runtime_dir = settings.resolved_runtime_dir() / self.instance_id
-        self.socket_path = str(self.runtime_dir / SOCKET_FILE)
+        self.runtime = RuntimeDir(settings.resolved_runtime_dir() / self.instance_id)
+        self.runtime_dir = self.runtime.path
+        self.socket_path = str(self.runtime.file(SOCKET_FILE))
         self.control = ControlServer(self.socket_path, self.mailbox)
         self.sidecar: SidecarClient | None = None
         if settings.sidecar_url is not None:
@@ -103,9 +98,8 @@ class ElasticInstance:
         if self._started:
             return
         self._started = True
-        _make_private_dir(self.runtime_dir)
-        write_owner(self.runtime_dir)  # lets a later start tell this dir from a crash's leftover
-        sweep_stale_runtime_dirs(self.runtime_dir.parent, keep=self.instance_id)
+        self.runtime.create()
+        self.runtime.sweep_siblings()
         atexit.register(self.close)
         try:
             self.control.start()
@@ -150,19 +144,12 @@ class ElasticInstance:
         if self.sidecar is not None:
             self.sidecar.stop()
         self.control.stop()
-        clear_owner(self.runtime_dir)
-        try:
-            self.runtime_dir.rmdir()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            _log.warning("left %s in place: %s", self.runtime_dir, exc)
+        self.runtime.remove()
 
     def install_signal_cleanup(self) -> None:
-        """Main thread: on SIGINT/SIGTERM close first, then do what the old handler did."""
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous = signal.getsignal(signum)
-            signal.signal(signum, _chained(self.close, signum, previous))
+        """Main thread: on SIGINT/SIGTERM remove the runtime dir at once, close, then do
+        what the old handler did (:meth:`RuntimeDir.remove_on_signals`)."""
+        self.runtime.remove_on_signals(then=self.close)
 
     def _register_body(self) -> RegisterBody:
         return RegisterBody(
@@ -172,53 +159,3 @@ class ElasticInstance:
             device_total_bytes=self.binding.device_total_bytes,
             state=self.mailbox.latest_state,
         )
-
-
-_Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
-
-
-def _chained(
-    close: Callable[[], None], signum: int, previous: _Handler
-) -> Callable[[int, FrameType | None], None]:
-    def handler(sig: int, frame: FrameType | None) -> None:
-        close()
-        if callable(previous):
-            previous(sig, frame)
-        elif previous == signal.SIG_DFL:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-    return handler
-
-
-def _make_private_dir(path: Path) -> None:
-    """Create ``path`` (and its parent) with mode 0700; refuse a dir owned by someone else.
-
-    An existing parent (the runtime root) that others may write to is tightened (group and
-    world write removed): anyone who can write there could replace an instance's dir.
-    """
-    for directory in (path.parent, path):
-        try:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            info = os.lstat(directory)
-        except OSError as exc:
-            raise EngineExtConfigError(
-                f"cannot create the runtime dir {directory}: {exc}; set KVSIDECAR_RUNTIME_DIR"
-            ) from exc
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            raise EngineExtConfigError(
-                f"{directory} is not a directory owned by this user; set KVSIDECAR_RUNTIME_DIR "
-                "to a private directory"
-            )
-        if directory == path.parent and info.st_mode & 0o022:
-            tightened = stat.S_IMODE(info.st_mode) & ~0o022
-            _log.warning("the runtime root %s was writable by others (mode %o); tightened "
-                         "to %o", directory, stat.S_IMODE(info.st_mode), tightened)
-            try:
-                os.chmod(directory, tightened)
-            except OSError as exc:
-                raise EngineExtConfigError(
-                    f"the runtime root {directory} is writable by others and cannot be "
-                    f"tightened ({exc}); set KVSIDECAR_RUNTIME_DIR to a private directory"
-                ) from exc
-    os.chmod(path, 0o700)

@@ -13,11 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import select
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_ext._barrier import BarrierOutcome
-from engine_ext._cleanup import RANK_SOCKET_FILE, clear_owner, write_owner
+from engine_ext._runtime_dir import RANK_SOCKET_FILE, RuntimeDir
 from engine_ext.protocol import RankState
 
 from ._wire import RankChannelError, recv_message, send_message
@@ -121,15 +119,12 @@ class RankGroup:
         The dir (mode 0700, with an owner record so a crash's leftover is
         swept) and the socket exist only while the ranks connect.
         """
-        runtime_root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        private = Path(tempfile.mkdtemp(prefix=f".ranks-{label}-", dir=runtime_root))
+        private = RuntimeDir.create_unique(runtime_root, f".ranks-{label}-")
         try:
-            write_owner(private)
-            return cls.spawn(str(private / RANK_SOCKET_FILE), world_size, timeout_s=timeout_s,
-                             barrier_delay_s=barrier_delay_s)
+            return cls.spawn(str(private.file(RANK_SOCKET_FILE)), world_size,
+                             timeout_s=timeout_s, barrier_delay_s=barrier_delay_s)
         finally:
-            clear_owner(private)
-            shutil.rmtree(private, ignore_errors=True)
+            private.remove()
 
     def set_flush(self, flush: Callable[[], None] | None) -> None:
         """Called before every ``call``/``run_step``: the backend sends its queued unmaps first."""

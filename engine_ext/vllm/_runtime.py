@@ -29,17 +29,11 @@ Threads: :meth:`wake` from any thread; everything else on the busy-loop thread.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import signal
 import threading
 from collections.abc import Iterable, Sequence
-from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from engine_ext._cleanup import clear_owner
 from engine_ext._coordinator import Demand
 from engine_ext._errors import EngineExtConfigError
 from engine_ext.protocol import DeferReason, EngineState, Status
@@ -148,8 +142,7 @@ class VllmRuntime:
         self._engine_core = engine_core
         self.instance.start()
         if threading.current_thread() is threading.main_thread():
-            self.instance.install_signal_cleanup()
-            _unlink_first_on_signal(self.instance.socket_path)
+            self.instance.install_signal_cleanup()  # removes the socket first (RuntimeDir)
         _log.info("kvsidecar: instance %s, control socket %s", self.instance.instance_id,
                   self.instance.socket_path)  # fmt: skip
         self._pass()
@@ -316,27 +309,6 @@ def _blocks_needed(request: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     num_tokens, num_computed = int(request.num_tokens), int(request.num_computed_tokens)
     total = max(num_tokens, num_computed + num_hit + num_ext + num_new)
     return max(1, -(-total // block_tokens) - num_hit // block_tokens)
-
-
-def _unlink_first_on_signal(socket_path: str) -> None:
-    """Main thread: on SIGTERM/SIGINT remove the socket file before anything else.
-
-    vLLM's API server SIGKILLs its EngineCore right after SIGTERM (shutdown
-    timeout 0), so the orderly close may not get to run; unlinking is one
-    syscall and always does.
-    """
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        previous = signal.getsignal(signum)
-
-        def handler(sig: int, frame: FrameType | None, previous: Any = previous) -> None:
-            with contextlib.suppress(OSError):
-                os.unlink(socket_path)
-                clear_owner(Path(os.path.dirname(socket_path)))  # engine_ext._cleanup
-                os.rmdir(os.path.dirname(socket_path))
-            if callable(previous):
-                previous(sig, frame)
-
-        signal.signal(signum, handler)
 
 
 _configured: tuple[EngineSettings, VllmSettings] | None = None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from engine_ext._cleanup import OWNER_FILE
+from engine_ext._runtime_dir import OWNER_FILE
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from allocator import AllocatorContractError, HostBackend, PageLayout
-from engine_ext._cleanup import OWNER_FILE, owner_alive, sweep_stale_runtime_dirs, write_owner
+from engine_ext._runtime_dir import OWNER_FILE, owner_alive, sweep_stale_runtime_dirs, write_owner
 from engine_ext.ranks import RankChannelError, RankedBackend, RankGroup
 from engine_ext.ranks._wire import recv_message, send_message
 

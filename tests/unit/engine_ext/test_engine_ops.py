@@ -25,7 +25,7 @@ from engine_ext import (
     LimitMailbox,
     load_engine_settings,
 )
-from engine_ext._cleanup import OWNER_FILE, sweep_stale_runtime_dirs
+from engine_ext._runtime_dir import OWNER_FILE, sweep_stale_runtime_dirs
 from engine_ext.protocol import MAX_REVISION, Status
 from sidecar import SidecarSettings
 
@@ -140,30 +140,31 @@ def _instance(pool: Pool, root: Path, url: str, token: str = "tok") -> ElasticIn
 def test_a_clean_shutdown_deregisters_and_a_second_process_is_refused(
         pool: Pool, tmp_path: Path, sidecar: ThreadedSidecar,
         caplog: pytest.LogCaptureFixture) -> None:
-    api = httpx.Client(base_url=sidecar.url, timeout=30, headers={"Authorization": "Bearer tok"})
-    assert api.put("/instances/eng-d/limit", json={"limit": "1G"}).status_code == 200
-    first = _instance(pool, tmp_path / "rt1", sidecar.url)
-    first.start()
-    try:
-        assert first.sidecar is not None and first.sidecar.registered
-        # a second engine process on the same id (another replica): refused, said clearly
-        second = _instance(pool, tmp_path / "rt2", sidecar.url, token=" tok\n")
-        assert second.sidecar is not None
-        with caplog.at_level("ERROR", logger="engine_ext.sidecar_client"):
-            assert not second.sidecar.register_blocking(timeout_s=0.5)
-        assert "held by another live engine process" in caplog.text
-        second.sidecar.stop()
+    with httpx.Client(base_url=sidecar.url, timeout=30,
+                      headers={"Authorization": "Bearer tok"}) as api:
+        assert api.put("/instances/eng-d/limit", json={"limit": "1G"}).status_code == 200
+        first = _instance(pool, tmp_path / "rt1", sidecar.url)
+        first.start()
+        try:
+            assert first.sidecar is not None and first.sidecar.registered
+            # a second engine process on the same id (another replica): refused, said clearly
+            second = _instance(pool, tmp_path / "rt2", sidecar.url, token=" tok\n")
+            assert second.sidecar is not None
+            with caplog.at_level("ERROR", logger="engine_ext.sidecar_client"):
+                assert not second.sidecar.register_blocking(timeout_s=0.5)
+            assert "held by another live engine process" in caplog.text
+            second.sidecar.stop()
+            view = api.get("/instances/eng-d").json()
+            assert view["engine"]["socket_path"] == first.socket_path
+        finally:
+            first.close()
         view = api.get("/instances/eng-d").json()
-        assert view["engine"]["socket_path"] == first.socket_path
-    finally:
-        first.close()
-    view = api.get("/instances/eng-d").json()
-    assert (view["status"], view["reason"]) == ("stopped", "deregistered")
-    assert view["desired"]["limit_bytes"] == 1 << 30  # kept for the next start
-    again = _instance(pool, tmp_path / "rt2", sidecar.url)
-    again.start()  # the id is free again after a clean stop
-    try:
-        assert again.sidecar is not None and again.sidecar.registered
-        assert api.get("/instances/eng-d").json()["status"] != "stopped"
-    finally:
-        again.close()
+        assert (view["status"], view["reason"]) == ("stopped", "deregistered")
+        assert view["desired"]["limit_bytes"] == 1 << 30  # kept for the next start
+        again = _instance(pool, tmp_path / "rt2", sidecar.url)
+        again.start()  # the id is free again after a clean stop
+        try:
+            assert again.sidecar is not None and again.sidecar.registered
+            assert api.get("/instances/eng-d").json()["status"] != "stopped"
+        finally:
+            again.close()

@@ -1,0 +1,298 @@
+"""The runtime directory of an instance (or of a rank group): one owner for its life.
+
+:class:`RuntimeDir` creates the dir with safe modes, records its owner, sweeps the dirs of
+dead owners next to it, and removes it -- in order at close, or in a few syscalls from a
+signal handler. :class:`ElasticInstance` (``control.sock``) and
+:meth:`RankGroup.spawn_private` (``r.sock``, short-lived ``.ranks-*`` dirs) use it; the
+socket file itself belongs to whoever binds it (:class:`ControlServer`, the rank group),
+which removes it first when it stops.
+
+Every dir holds ``.owner`` (the pid and the process start time from ``/proc/<pid>/stat``)
+while its process runs. A dir whose owner is gone -- the process does not exist, or the
+pid was reused by a process that started at another time -- was left by a crash or a
+``kill -9``: :func:`sweep_stale_runtime_dirs` removes it at the next start of any
+instance, but only the files an instance creates there, by exact name (the sockets
+``control.sock`` and ``r.sock``, ``.owner`` and its temporary ``.owner.<pid>.tmp``);
+a dir without ``.owner``, with a live owner, owned by another user, or holding anything
+else (another program's socket, a file named ``.owner-notes``) is left alone, with
+everything in it.
+
+Threads: any; these are plain filesystem calls (signal handlers: the main thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from ._errors import EngineExtConfigError
+
+__all__ = [
+    "OWNER_FILE",
+    "RANK_SOCKET_FILE",
+    "SOCKET_FILE",
+    "RuntimeDir",
+    "clear_owner",
+    "owner_alive",
+    "sweep_stale_runtime_dirs",
+    "write_owner",
+]
+
+_log = logging.getLogger("engine_ext.runtime_dir")
+
+OWNER_FILE = ".owner"
+SOCKET_FILE = "control.sock"  # the instance's control socket
+RANK_SOCKET_FILE = "r.sock"  # the rank channel's listening socket (``.ranks-*`` dirs)
+_SOCKETS = frozenset({SOCKET_FILE, RANK_SOCKET_FILE})
+_OWNER_TMP = re.compile(r"^\.owner\.\d+\.tmp$")  # write_owner's temporary file
+
+
+def _start_time(pid: int) -> str | None:
+    """Start time of ``pid`` in clock ticks since boot; None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+    fields = data.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def write_owner(runtime_dir: Path, pid: int | None = None) -> None:
+    """Record this process (or ``pid``) as the owner of ``runtime_dir`` (atomic replace)."""
+    pid = os.getpid() if pid is None else pid
+    started = _start_time(pid)
+    tmp = runtime_dir / f"{OWNER_FILE}.{pid}.tmp"
+    tmp.write_text(f"{pid} {started}\n", encoding="ascii")
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, runtime_dir / OWNER_FILE)
+
+
+def clear_owner(runtime_dir: Path) -> None:
+    """Remove the owner record if this process wrote it."""
+    path = runtime_dir / OWNER_FILE
+    try:
+        pid = int(path.read_text(encoding="ascii").split()[0])
+    except (OSError, ValueError, IndexError):
+        return
+    if pid == os.getpid():
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def owner_alive(runtime_dir: Path) -> bool | None:
+    """True/False whether the recorded owner lives; None if there is no readable record."""
+    try:
+        pid_s, started = (runtime_dir / OWNER_FILE).read_text(encoding="ascii").split()[:2]
+        pid = int(pid_s)
+    except (OSError, ValueError):
+        return None
+    now = _start_time(pid)
+    return now is not None and (started == "None" or now == started)
+
+
+def sweep_stale_runtime_dirs(root: Path, *, keep: str | None = None) -> list[Path]:
+    """Remove instance dirs under ``root`` whose owner is dead; returns what was removed."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for entry in entries:
+        if entry.name == keep or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = Path(entry.path)
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        if owner_alive(path) is not False:
+            continue  # alive, or not ours to judge
+        if _remove_instance_dir(path):
+            removed.append(path)
+    return removed
+
+
+def _ours(name: str, mode: int) -> bool:
+    """Whether an entry of an instance dir is one this project creates (exact names)."""
+    if name in _SOCKETS:
+        return stat.S_ISSOCK(mode)
+    return stat.S_ISREG(mode) and (name == OWNER_FILE or _OWNER_TMP.match(name) is not None)
+
+
+def _remove_instance_dir(path: Path) -> bool:
+    try:
+        children = list(os.scandir(path))
+        modes = [c.stat(follow_symlinks=False).st_mode for c in children]
+    except OSError:
+        return False
+    foreign = [c.name for c, m in zip(children, modes, strict=True) if not _ours(c.name, m)]
+    if foreign:
+        _log.warning("left the stale runtime dir %s in place: it holds files kvsidecar did "
+                     "not create (%s)", path, ", ".join(sorted(foreign)[:5]))
+        return False
+    for child in children:
+        try:
+            os.unlink(child.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("could not remove %s from a stale runtime dir: %s", child.path, exc)
+            return False
+    try:
+        path.rmdir()
+    except OSError as exc:
+        _log.warning("left the stale runtime dir %s (owner gone) in place: %s", path, exc)
+        return False
+    _log.info("removed the stale runtime dir %s (its owner is gone)", path)
+    return True
+
+
+_Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
+
+
+class RuntimeDir:
+    """One private runtime directory of this process, from creation to removal.
+
+    Owns the dir (mode 0700, under a root that others cannot write), its ``.owner``
+    record, and the removal of both. Files others bind in it (the control socket, the
+    rank socket) are theirs to remove; :meth:`remove_now` removes the sockets too, for
+    a process that is being killed. Invariant: it never removes a file it did not
+    create by name, nor a dir another live process owns.
+
+    Threads: :meth:`create`, :meth:`remove` and :meth:`sweep_siblings` from the thread
+    that owns the instance; :meth:`remove_now` from any (it takes no lock);
+    :meth:`remove_on_signals` from the main thread.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def file(self, name: str) -> Path:
+        """A file in the dir (``SOCKET_FILE``, ``RANK_SOCKET_FILE``)."""
+        return self.path / name
+
+    def create(self) -> RuntimeDir:
+        """Create the dir (and the root) privately and record this process as its owner."""
+        _make_private_dir(self.path)
+        write_owner(self.path)  # lets a later start tell this dir from a crash's leftover
+        return self
+
+    @classmethod
+    def create_unique(cls, root: Path, prefix: str) -> RuntimeDir:
+        """A fresh dir ``root/<prefix><random>`` (mode 0700), owned by this process."""
+        _make_private_root(root)
+        try:
+            path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+        except OSError as exc:
+            raise EngineExtConfigError(
+                f"cannot create a runtime dir under {root}: {exc}; set KVSIDECAR_RUNTIME_DIR"
+            ) from exc
+        write_owner(path)
+        return cls(path)
+
+    def sweep_siblings(self) -> list[Path]:
+        """Remove the dirs next to this one whose owner is dead (see the module doc)."""
+        return sweep_stale_runtime_dirs(self.path.parent, keep=self.path.name)
+
+    def remove(self) -> None:
+        """Close: drop the owner record (if this process wrote it) and the dir, once the
+        socket owners removed their files. Anything else left in it keeps it (logged)."""
+        clear_owner(self.path)
+        try:
+            self.path.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("left %s in place: %s", self.path, exc)
+
+    def remove_now(self) -> None:
+        """For a process about to be killed: the sockets, the owner record and the dir,
+        each with one syscall or two, errors ignored, no lock and no logging (safe in a
+        signal handler, whatever the interrupted code holds)."""
+        for name in _SOCKETS:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path / name)
+        with contextlib.suppress(OSError):
+            clear_owner(self.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.path)
+
+    def remove_on_signals(self, then: Callable[[], None] | None = None) -> None:
+        """Main thread: on SIGINT/SIGTERM run :meth:`remove_now` first (vLLM SIGKILLs its
+        EngineCore right after SIGTERM, so an orderly close may not get to run), then
+        ``then`` (the orderly close), then what the previous handler did (a default
+        handler: the process dies of the signal; an ignored signal: nothing more)."""
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.getsignal(signum)
+            signal.signal(signum, _chained(self.remove_now, then, signum, previous))
+
+
+def _chained(first: Callable[[], None], then: Callable[[], None] | None, signum: int,
+             previous: _Handler) -> Callable[[int, FrameType | None], None]:
+    def handler(sig: int, frame: FrameType | None) -> None:
+        first()
+        if then is not None:
+            then()
+        if callable(previous):
+            previous(sig, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    return handler
+
+
+def _make_private_root(root: Path) -> None:
+    """Create ``root`` (mode 0700) or check it; an existing root that others may write to is
+    tightened (group and world write removed): anyone who can write there could replace an
+    instance's dir."""
+    info = _private_dir(root)
+    if info.st_mode & 0o022:
+        tightened = stat.S_IMODE(info.st_mode) & ~0o022
+        _log.warning("the runtime root %s was writable by others (mode %o); tightened "
+                     "to %o", root, stat.S_IMODE(info.st_mode), tightened)
+        try:
+            os.chmod(root, tightened)
+        except OSError as exc:
+            raise EngineExtConfigError(
+                f"the runtime root {root} is writable by others and cannot be "
+                f"tightened ({exc}); set KVSIDECAR_RUNTIME_DIR to a private directory"
+            ) from exc
+
+
+def _make_private_dir(path: Path) -> None:
+    """Create ``path`` (and its root) with mode 0700; refuse a dir owned by someone else."""
+    _make_private_root(path.parent)
+    _private_dir(path)
+    os.chmod(path, 0o700)
+
+
+def _private_dir(directory: Path) -> os.stat_result:
+    """Create ``directory`` (mode 0700) if missing; it must be a dir owned by this user."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = os.lstat(directory)
+    except OSError as exc:
+        raise EngineExtConfigError(
+            f"cannot create the runtime dir {directory}: {exc}; set KVSIDECAR_RUNTIME_DIR"
+        ) from exc
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise EngineExtConfigError(
+            f"{directory} is not a directory owned by this user; set KVSIDECAR_RUNTIME_DIR "
+            "to a private directory"
+        )
+    return info

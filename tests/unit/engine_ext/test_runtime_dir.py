@@ -1,0 +1,161 @@
+"""RuntimeDir: one owner of a runtime dir (modes, owner record, sweep, removal), with real
+processes as owners: a live one, one killed with SIGKILL, one ended by SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine_ext._runtime_dir import (
+    OWNER_FILE,
+    RANK_SOCKET_FILE,
+    SOCKET_FILE,
+    RuntimeDir,
+    owner_alive,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+
+#: A child that owns ``root/<name>`` with a bound control socket, then waits on stdin.
+_OWNER = textwrap.dedent(
+    """
+    import signal, socket, sys
+    from pathlib import Path
+    from engine_ext._runtime_dir import SOCKET_FILE, RuntimeDir
+    rd = RuntimeDir(Path(sys.argv[1]) / sys.argv[2]).create()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(rd.file(SOCKET_FILE)))
+    if sys.argv[3] == "signals":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        rd.remove_on_signals()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def _owner(root: Path, name: str, mode: str = "plain") -> subprocess.Popen[str]:
+    child = subprocess.Popen([sys.executable, "-c", _OWNER, str(root), name, mode],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    return child
+
+
+def _stop(child: subprocess.Popen[str]) -> None:
+    child.kill()  # no-op if it already ended
+    child.wait(timeout=30)
+    for pipe in (child.stdin, child.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_create_makes_a_private_dir_with_a_private_owner_record(tmp_path: Path) -> None:
+    rd = RuntimeDir(tmp_path / "root" / "inst").create()
+    assert _mode(rd.path) == 0o700 and _mode(tmp_path / "root") == 0o700
+    assert _mode(rd.file(OWNER_FILE)) == 0o600
+    assert owner_alive(rd.path) is True
+    assert [p.name for p in rd.path.iterdir()] == [OWNER_FILE]  # no temporary left
+    rd.remove()
+    assert not rd.path.exists() and (tmp_path / "root").exists()
+
+
+def test_an_existing_dir_is_made_private_again(tmp_path: Path) -> None:
+    (tmp_path / "inst").mkdir(mode=0o755)
+    os.chmod(tmp_path / "inst", 0o755)
+    rd = RuntimeDir(tmp_path / "inst").create()
+    assert _mode(rd.path) == 0o700
+
+
+def test_create_unique_dirs_are_private_owned_and_distinct(tmp_path: Path) -> None:
+    root = tmp_path / "rt"
+    a = RuntimeDir.create_unique(root, ".ranks-x-")
+    b = RuntimeDir.create_unique(root, ".ranks-x-")
+    assert a.path != b.path and a.path.parent == b.path.parent == root
+    assert a.path.name.startswith(".ranks-x-")
+    assert _mode(a.path) == 0o700 and _mode(a.file(OWNER_FILE)) == 0o600
+    a.remove()
+    b.remove()
+    assert list(root.iterdir()) == []
+
+
+def test_sweep_removes_a_killed_owners_dir_and_keeps_a_live_ones(tmp_path: Path) -> None:
+    live = _owner(tmp_path, "live")
+    killed = _owner(tmp_path, "killed")
+    try:
+        killed.kill()  # SIGKILL: no handler runs, the dir and its socket stay
+        killed.wait(timeout=30)
+        assert (tmp_path / "killed" / SOCKET_FILE).is_socket()
+        me = RuntimeDir(tmp_path / "me").create()
+        assert me.sweep_siblings() == [tmp_path / "killed"]
+        assert not (tmp_path / "killed").exists()
+        assert (tmp_path / "live" / SOCKET_FILE).is_socket()  # a live owner's: untouched
+        assert owner_alive(tmp_path / "live") is True
+        assert me.path.exists()
+    finally:
+        _stop(live)
+        _stop(killed)
+
+
+def test_sigterm_with_the_default_handler_removes_the_dir_and_still_ends_the_process(
+        tmp_path: Path) -> None:
+    child = _owner(tmp_path, "sig", "signals")
+    try:
+        child.send_signal(signal.SIGTERM)
+        child.wait(timeout=30)
+    finally:
+        _stop(child)
+    assert child.returncode == -signal.SIGTERM  # died of the signal, as without us
+    assert not (tmp_path / "sig").exists()
+
+
+def test_remove_now_takes_the_sockets_too(tmp_path: Path) -> None:
+    rd = RuntimeDir(tmp_path / "inst").create()
+    for name in (SOCKET_FILE, RANK_SOCKET_FILE):
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(rd.file(name)))
+    rd.remove_now()
+    assert not rd.path.exists()
+    rd.remove_now()  # again: nothing left, no error
+    rd.remove()
+
+
+def test_remove_keeps_a_dir_holding_anything_else(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    rd = RuntimeDir(tmp_path / "inst").create()
+    (rd.path / "notes.txt").write_text("someone else's")
+    with caplog.at_level("WARNING", logger="engine_ext.runtime_dir"):
+        rd.remove()
+    assert sorted(p.name for p in rd.path.iterdir()) == ["notes.txt"]  # owner record gone
+    assert "left" in caplog.text
+
+
+def test_remove_leaves_another_processes_owner_record(tmp_path: Path) -> None:
+    live = _owner(tmp_path, "shared")
+    try:
+        RuntimeDir(tmp_path / "shared").remove()  # not ours: the record and dir stay
+        assert (tmp_path / "shared" / OWNER_FILE).exists()
+    finally:
+        _stop(live)
+
+
+def test_a_runtime_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    from engine_ext import EngineExtConfigError
+
+    (tmp_path / "root").write_text("a file")
+    with pytest.raises(EngineExtConfigError, match="KVSIDECAR_RUNTIME_DIR"):
+        RuntimeDir.create_unique(tmp_path / "root", ".ranks-")
+    with pytest.raises(EngineExtConfigError, match="KVSIDECAR_RUNTIME_DIR"):
+        RuntimeDir(tmp_path / "root" / "inst").create()
