@@ -439,7 +439,9 @@ class Autopilot:
             else obs.limit_bytes
         return Member(
             rec.row.id, live, reported=True, desired=rec.row.limit_bytes, held=held,
-            mapped=obs.mapped_bytes, pinned=obs.pinned_bytes, waiting=obs.waiting_bytes,
+            mapped=obs.mapped_bytes, waiting=obs.waiting_bytes,
+            # pinned bytes are a periodic scan: without running requests nothing is pinned
+            pinned=obs.pinned_bytes if obs.num_running_requests else 0,
             busy=busy, floor=obs.floor_bytes, capacity=obs.capacity_bytes,
             page=max(1, obs.page_bundle_bytes), min=p.min_bytes, max=p.max_bytes,
             weight=p.weight, pin=pin)

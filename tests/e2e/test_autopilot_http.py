@@ -49,19 +49,17 @@ def _lim(c: httpx.Client, iid: str) -> int:
     return 1 << 62 if limit is None else limit
 
 
-def _settle(c: httpx.Client, *engines: SimEngine, rounds: int = 40) -> None:
-    """Let the engines follow their limits (apply) until no limit changes for a while."""
-    quiet = 0
-    last: list[int | None] = []
+def _settle(c: httpx.Client, *engines: SimEngine, rounds: int = 100) -> None:
+    """Let the engines follow their limits (apply) until each sits at its target."""
     for _ in range(rounds):
         for e in engines:
             e.sync()
-        now = [_desired(c, e.iid) for e in engines]
-        quiet = quiet + 1 if now == last else 0
-        last = now
-        if quiet >= 4:
+        dev = c.get(f"/devices/{DEV}").json()
+        if all(m["limit_bytes"] == m["target_bytes"] and m["status"] == "applied"
+               for m in dev["instances"]):
             return
-        time.sleep(0.06)
+        time.sleep(0.05)
+    raise AssertionError(f"the limits did not settle: {dev}")
 
 
 def test_budget_shares_the_device_and_grows_only_after_the_shrink_is_applied(
@@ -189,6 +187,8 @@ def test_device_limits_are_atomic_and_shrink_first(c: httpx.Client) -> None:
     a.pinned = 6 * GiB
     a.register(), b.register()
     c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
+    _settle(c, a, b)  # A (busy) holds 6G under its policy limit
+    assert a.mapped == 6 * GiB
     r = c.put(f"/devices/{DEV}/limits", json={"limits": {"a": "2G", "b": "6G"}})
     assert r.status_code == 200, r.text
     assert _desired(c, "a") == 2 * GiB
