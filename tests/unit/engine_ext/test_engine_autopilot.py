@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Self
 
 import httpx
 import pytest
@@ -44,7 +45,7 @@ class _Watch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> _Watch:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -79,7 +80,7 @@ def test_load_moving_between_three_engines_stays_in_budget(sidecar: ThreadedSide
         with _Watch(engines, sidecar.url) as watch:
             for busy in engines:  # the next load starts while the last requests still run
                 mine = [busy.submit(pages=4, iterations=40) for _ in range(10)]
-                wait_until(lambda: any(j.done.is_set() for j in mine), timeout_s=120)
+                wait_until(lambda mine=mine: any(j.done.is_set() for j in mine), timeout_s=120)
                 jobs += mine
             for job in jobs:
                 assert job.done.wait(120), "a request never finished"
