@@ -33,6 +33,7 @@ class EngineSpec:
     instance_id: str
     reclaim: bool  # False: the baseline "what a user of the old tool saw"
     kv_cache_bytes: int  # virtual KV capacity of the engine
+    device_id: str | None = None  # KVSIDECAR_DEVICE_ID (the autopilot scenario's host device)
 
 
 class Cluster:
@@ -95,6 +96,8 @@ class Cluster:
             "KVSIDECAR_HEARTBEAT_S": "1",
             "VLLM_SERVER_DEV_MODE": "1",  # exposes POST /reset_prefix_cache
         }
+        if spec.device_id is not None:
+            env["KVSIDECAR_DEVICE_ID"] = spec.device_id
         return launch_vllm_server(
             self.model_dir,
             env=env,
