@@ -351,6 +351,7 @@ class Autopilot:
         """One policy pass over one device (under the lock)."""
         dev = self._devices.get(device_id)
         if dev is None or dev.budget_bytes is None:
+            self._would.pop(device_id, None)
             return
         members = self._members(device_id)
         targets = compute_targets(dev.budget_bytes, members)
@@ -361,7 +362,7 @@ class Autopilot:
         hysteresis = int(self._settings.autopilot_hysteresis * dev.budget_bytes)
         changes = plan(dev.budget_bytes, members, targets, hysteresis)
         if not self._active(device_id):
-            if [c for c in changes] != self._would.get(device_id):
+            if changes != self._would.get(device_id):
                 for c in changes:
                     _log.info("device %s (dry run): would set %s %s -> %s (%s)", device_id,
                               c.id, format_size(c.old), format_size(c.new), c.reason,

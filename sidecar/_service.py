@@ -29,7 +29,7 @@ from ._errors import (
     TooManyInstancesError,
     UnknownInstanceError,
 )
-from ._instances import InstanceRecord
+from ._instances import InstanceRecord, derive_status
 from ._logging import audit_deregister, audit_forget, audit_limit_change
 from ._metrics import Metrics
 from ._models import InstanceView
@@ -101,7 +101,7 @@ class InstanceService:
 
     def status_of(self, rec: InstanceRecord) -> Status:
         """The instance's status now (``derive_status``)."""
-        return rec.view(self._now, self._settings.heartbeat_timeout_s).status
+        return derive_status(rec, self._now, self._settings.heartbeat_timeout_s)[0]
 
     async def wait(self, instance_id: str, until: Callable[[InstanceView], bool],
                    timeout_s: float) -> InstanceView:
