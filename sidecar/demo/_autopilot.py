@@ -2,7 +2,7 @@
 
 Three vLLM CPU-harness engines register on one host device. The same load,
 moving from A to B to C (each engine's burst starts while the previous one
-still runs), is run twice: once under a static equal split of the budget
+still has its last quarter running), is run twice: once under a static equal split of the budget
 (three operator limits of budget/3), once under the autopilot (a budget on
 the device, no limits). A 50 ms thread samples the KV memory of the three
 engines from /proc (the memfds' allocated blocks) and the device view.
@@ -115,7 +115,7 @@ def _memfd_paths(pid: int, name: str = "kvsidecar-stub-kv") -> list[str]:
 
 def _load(cluster: Cluster, ids: list[str], per_engine: int, words: int, seed: int,
           watch: _Watch | None) -> dict[str, Any]:
-    """A->B->C: each engine's burst starts when the previous one is half answered."""
+    """A->B->C: each engine's burst starts when 3/4 of the previous one is answered."""
     latencies: list[float] = []
     failures: list[str] = []
     started: dict[str, float] = {}
@@ -133,7 +133,7 @@ def _load(cluster: Cluster, ids: list[str], per_engine: int, words: int, seed: i
         with lock:
             latencies.append(time.monotonic() - t)
             answered[instance_id] += 1
-            if 2 * answered[instance_id] >= per_engine:
+            if 4 * answered[instance_id] >= 3 * per_engine:
                 half_done[instance_id].set()
 
     t0 = time.monotonic()
