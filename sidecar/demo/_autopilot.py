@@ -1,10 +1,10 @@
 """The autopilot scenario (``kvsidecar demo --autopilot``): three engines, one budgeted device.
 
 Three vLLM CPU-harness engines register on one host device. The same load,
-moving from A to B to C (each engine's burst starts while the previous one
-still has its last quarter running), is run twice: once under a static equal split of the budget
-(three operator limits of budget/3), once under the autopilot (a budget on
-the device, no limits). A 50 ms thread samples the KV memory of the three
+moving from A to B to C (each engine's burst starts while the last quarter
+of the previous one still runs), is run twice: once under a static equal
+split of the budget (three operator limits of budget/3), once under the
+autopilot (a budget on the device, no limits). A 50 ms thread samples the KV memory of the three
 engines from /proc (the memfds' allocated blocks) and the device view.
 
 Checks: every request succeeds (both runs); the /proc sum stays within the
