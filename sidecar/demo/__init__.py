@@ -159,7 +159,7 @@ def _run_autopilot(args: argparse.Namespace, console: Console) -> bool:
         console.print(f"engines up in {time.monotonic() - t0:.0f}s; sidecar {cluster.sidecar_url}")
         with console.status("load A->B->C: static equal split, then the autopilot…"):
             results["autopilot"] = autopilot_vs_static(
-                cluster, ids, budget, per_engine=8 if args.quick else 16, words=1200)
+                cluster, ids, budget, per_engine=12 if args.quick else 24, words=1200)
         a = results["autopilot"]
         console.print(f"completion: static split {a['static_split']['completion_s']}s, "
                       f"autopilot {a['autopilot']['completion_s']}s; p99 latency: static "

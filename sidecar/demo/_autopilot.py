@@ -126,7 +126,7 @@ def _load(cluster: Cluster, ids: list[str], per_engine: int, words: int, seed: i
     def one(instance_id: str, prompt: str) -> None:
         t = time.monotonic()
         try:
-            cluster.complete(instance_id, prompt, max_tokens=32)
+            cluster.complete(instance_id, prompt, max_tokens=48)
         except Exception as exc:  # noqa: BLE001 -- counted: the check fails
             with lock:
                 failures.append(f"{instance_id}: {exc}"[:200])

@@ -50,7 +50,10 @@ class Cluster:
 
     # -- sidecar -----------------------------------------------------------
     def start_sidecar(self, timeout_s: float = 30.0) -> None:
-        env = {**os.environ, "KVSIDECAR_HEARTBEAT_TIMEOUT_S": "30"}
+        env = {**os.environ, "KVSIDECAR_HEARTBEAT_TIMEOUT_S": "30",
+               # the autopilot scenario's bursts last seconds: react within a few passes
+               "KVSIDECAR_AUTOPILOT_INTERVAL_S": "0.1",
+               "KVSIDECAR_AUTOPILOT_BUSY_HOLD_S": "0.5"}
         env.pop("KVSIDECAR_TOKEN", None)
         with (self.workdir / "sidecar.log").open("wb") as log:  # the child keeps its own fd
             self._sidecar = subprocess.Popen(
