@@ -134,7 +134,7 @@ def _run(args: argparse.Namespace, console: Console) -> bool:
 
 def _run_autopilot(args: argparse.Namespace, console: Console) -> bool:
     """``--autopilot``: three engines share one budgeted device (docs/autopilot.md)."""
-    from engine_ext.vllm._tiny_model import make_tiny_model_dir
+    from engine_ext.cpu_harness import make_tiny_model_dir
 
     from ._autopilot import DEVICE, autopilot_vs_static
     from ._cluster import Cluster, EngineSpec

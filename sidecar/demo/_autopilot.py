@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from engine_ext.vllm._tiny_model import make_document
+from engine_ext.cpu_harness import make_document
 
 from ._cluster import Cluster
 
