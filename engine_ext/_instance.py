@@ -41,6 +41,7 @@ class EngineBinding:
     wake: Callable[[], None] | None = None  # wakes the engine thread after a publish
     device_total_bytes: int | None = None  # device memory of one rank (limit-percent)
     floor_pages: int = 0  # pages the engine keeps mapped whatever the limit (vLLM: null block)
+    device_id: str | None = None  # the device of the ranks (a GPU UUID); the setting wins
 
 
 class ElasticInstance:
@@ -158,4 +159,5 @@ class ElasticInstance:
             socket_path=self.socket_path,
             device_total_bytes=self.binding.device_total_bytes,
             state=self.mailbox.latest_state,
+            device_id=self.settings.device_id or self.binding.device_id,
         )

@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from allocator import ThreadGuard
 
 from ._errors import EngineExtConfigError
-from .protocol import ID_PATTERN, parse_limit, parse_size
+from .protocol import DEVICE_ID_PATTERN, ID_PATTERN, parse_limit, parse_size
 
 __all__ = ["EngineSettings", "load_engine_settings", "settings_error"]
 
@@ -52,6 +52,9 @@ class EngineSettings(BaseSettings):
     #: demand up to the limit. None: the device's total memory.
     virtual_kv_bytes: Annotated[int | None, BeforeValidator(_size)] = Field(default=None, gt=0)
     heartbeat_s: float = Field(default=5.0, gt=0, le=3600)
+    #: The device this engine's ranks use, sent at registration (docs/autopilot.md): a GPU
+    #: UUID, ``node1-gpu0``, or a named host device on CPU. None: the adapter's own (if any).
+    device_id: str | None = Field(default=None, pattern=DEVICE_ID_PATTERN)
     register_timeout_s: float = Field(default=10.0, ge=0, le=600)
 
     @field_validator("instance_id")

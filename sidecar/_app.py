@@ -8,11 +8,12 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 
+from ._autopilot import Autopilot
 from ._body_limit import BodyLimitMiddleware
 from ._docs_ui import install_docs
 from ._metrics import Metrics
 from ._problems import install_problem_handlers
-from ._routes import engines, health, instances
+from ._routes import devices, engines, health, instances
 from ._service import InstanceService
 from ._settings import SidecarSettings
 from ._store import Store
@@ -36,12 +37,16 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     client = httpx.AsyncClient(transport=UnixSocketRouter(), timeout=settings.push_timeout_s)
     metrics = Metrics()
     service = InstanceService(store, client, settings, metrics)
+    autopilot = Autopilot(store, service, settings, metrics)
     try:
         await service.start()
+        await autopilot.start()
         app.state.service = service
+        app.state.autopilot = autopilot
         app.state.metrics = metrics
         yield
     finally:
+        await autopilot.close()
         await service.close()
         await client.aclose()
         await store.close()
@@ -56,6 +61,7 @@ def create_app(settings: SidecarSettings | None = None) -> FastAPI:
     install_problem_handlers(app)
     install_docs(app)
     app.include_router(instances.router)
+    app.include_router(devices.router)
     app.include_router(engines.router)
     app.include_router(health.router)
     token = None if settings.token is None else settings.token.get_secret_value()

@@ -8,13 +8,15 @@ from typing import Annotated
 from fastapi import Depends, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from engine_ext.protocol import ID_PATTERN
+from engine_ext.protocol import DEVICE_ID_PATTERN, ID_PATTERN
 
+from ._autopilot import Autopilot
 from ._errors import UnauthorizedError
 from ._service import InstanceService
 from ._settings import SidecarSettings
 
-__all__ = ["Authorized", "InstanceId", "Service", "Settings", "WaitSeconds"]
+__all__ = ["Authorized", "AutopilotDep", "DeviceId", "InstanceId", "Service", "Settings",
+           "WaitSeconds"]
 
 MAX_WAIT_S = 300.0
 # Dependencies are ``async def``: FastAPI runs plain ``def`` ones in a worker thread (a
@@ -32,7 +34,13 @@ async def _settings(request: Request) -> SidecarSettings:
     return settings
 
 
+async def _autopilot(request: Request) -> Autopilot:
+    autopilot: Autopilot = request.app.state.autopilot
+    return autopilot
+
+
 Service = Annotated[InstanceService, Depends(_service)]
+AutopilotDep = Annotated[Autopilot, Depends(_autopilot)]
 Settings = Annotated[SidecarSettings, Depends(_settings)]
 
 
@@ -56,6 +64,11 @@ InstanceId = Annotated[str, Path(
     pattern=ID_PATTERN, max_length=63,
     description="1-63 characters: letters, digits, '.', '_' or '-', starting with a letter "
                 "or digit")]
+
+DeviceId = Annotated[str, Path(
+    pattern=DEVICE_ID_PATTERN, max_length=128,
+    description="a device id as engines register it (KVSIDECAR_DEVICE_ID): 1-128 letters, "
+                "digits, '.', '_', ':' or '-'")]
 
 WaitSeconds = Annotated[float | None, Query(
     ge=0, le=MAX_WAIT_S,

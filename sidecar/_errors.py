@@ -12,6 +12,9 @@ Services raise these; the HTTP layer maps each class to one status code and an
           ├── RevisionRejectedError   stale or conflicting revision (409)
           ├── DuplicateInstanceError  another live engine process holds the id (409)
           ├── TooManyInstancesError   the instance cap is reached (409)
+          ├── UnknownDeviceError      no such device (404)
+          ├── BudgetError             a budget cannot hold the mins and pins asked for (409)
+          ├── DeviceMoveError         an instance registers on another device (409)
           └── UnauthorizedError       missing or wrong bearer token (401)
 
 (An oversized body never reaches a service: ``BodyLimitMiddleware`` answers 413.)
@@ -26,6 +29,8 @@ from typing import Any
 from engine_ext.protocol import Status
 
 __all__ = [
+    "BudgetError",
+    "DeviceMoveError",
     "DuplicateInstanceError",
     "InvalidInputError",
     "RequestError",
@@ -35,6 +40,7 @@ __all__ = [
     "StoreError",
     "TooManyInstancesError",
     "UnauthorizedError",
+    "UnknownDeviceError",
     "UnknownInstanceError",
 ]
 
@@ -114,3 +120,22 @@ class TooManyInstancesError(RequestError):
 
 class UnauthorizedError(RequestError):
     """The bearer token is missing or wrong."""
+
+
+class UnknownDeviceError(RequestError):
+    """The device id is not known: no engine registered on it and no budget names it."""
+
+    def __init__(self, device_id: str) -> None:
+        super().__init__(
+            f"device {device_id!r} is not known: start an engine with "
+            f"KVSIDECAR_DEVICE_ID={device_id} so it registers there (GET /devices lists "
+            "the known devices)")
+        self.device_id = device_id
+
+
+class BudgetError(RequestError):
+    """A budget, min or pinned limit that the device's budget cannot hold."""
+
+
+class DeviceMoveError(RequestError):
+    """An instance registers on another device than the one it is recorded on."""

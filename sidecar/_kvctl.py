@@ -30,7 +30,7 @@ from ._kvctl_client import (
     SidecarApi,
     SocketApi,
 )
-from ._kvctl_render import instance_line, instance_table, state_line
+from ._kvctl_render import device_lines, instance_line, instance_table, state_line
 from ._version import version_line
 
 __all__ = ["CtlSettings", "app", "main"]
@@ -278,6 +278,90 @@ def watch(ctx: typer.Context,
                 live.update(instance_table(fetch()), refresh=True)
     except KeyboardInterrupt:
         pass
+
+
+@app.command()
+def devices(ctx: typer.Context,
+            device_id: Annotated[str | None, typer.Argument(help="one device")] = None,
+            as_json: JsonOpt = False) -> None:
+    """Devices: budget, sum of limits and mapped, free, and each instance's share."""
+    _sidecar_only(ctx, "devices")
+    if device_id is None:
+        views = _run(ctx, lambda api: api.devices()).body["devices"]
+    else:
+        views = [_run(ctx, lambda api: api.device(device_id)).body]
+    if as_json:
+        _out.print_json(json.dumps(views if device_id is None else views[0]))
+        return
+    for view in views:
+        _out.print("\n".join(device_lines(view)), markup=False)
+    if not views:
+        _out.print("(no devices: start engines with KVSIDECAR_DEVICE_ID)", markup=False)
+
+
+@app.command()
+def budget(ctx: typer.Context,
+           device_id: Annotated[str, typer.Argument(help="device id, e.g. GPU-8f3c... or host0")],
+           size: Annotated[str, typer.Argument(
+               help="what the device's instances may map together (8G), or none to stop "
+                    "the autopilot there")],
+           dry_run: Annotated[bool | None, typer.Option(
+               "--dry-run/--live", help="only show what the autopilot would do")] = None,
+           as_json: JsonOpt = False) -> None:
+    """Give a device a budget: the autopilot shares it among the device's instances."""
+    _sidecar_only(ctx, "budget")
+    num = _size(size)
+    body = _run(ctx, lambda api: api.set_budget(device_id, num, dry_run)).body
+    if as_json:
+        _out.print_json(json.dumps(body))
+    else:
+        _out.print("\n".join(device_lines(body)), markup=False)
+
+
+@app.command()
+def policy(ctx: typer.Context, instance_id: IdArg,
+           min_size: Annotated[str | None, typer.Option(
+               "--min", help="the least the autopilot gives (none: 0)")] = None,
+           max_size: Annotated[str | None, typer.Option(
+               "--max", help="the most it gives (none: no max)")] = None,
+           weight: Annotated[float | None, typer.Option(
+               help="share of the spare memory, above 0 (default 1)")] = None,
+           as_json: JsonOpt = False) -> None:
+    """Set an instance's autopilot fields (only the options given change)."""
+    _sidecar_only(ctx, "policy")
+    fields: dict[str, Any] = {}
+    if min_size is not None:
+        fields["min"] = _size(min_size)
+    if max_size is not None:
+        fields["max"] = _size(max_size)
+    if weight is not None:
+        if not (math.isfinite(weight) and weight > 0):
+            raise _fail(f"--weight must be a number above 0; got {weight!r}", EXIT_USAGE)
+        fields["weight"] = weight
+    _show(ctx, _run(ctx, lambda api: api.set_policy(instance_id, fields)), as_json,
+          waited=False)
+
+
+@app.command("device-limits")
+def device_limits(ctx: typer.Context,
+                  device_id: Annotated[str, typer.Argument(help="device id")],
+                  pairs: Annotated[list[str], typer.Argument(
+                      help="ID=SIZE pairs, e.g. llama-a=2G llama-b=6G")],
+                  as_json: JsonOpt = False) -> None:
+    """Pin several instances' limits at once; applied shrink before grow."""
+    _sidecar_only(ctx, "device-limits")
+    limits: dict[str, int] = {}
+    for pair in pairs:
+        iid, sep, size = pair.partition("=")
+        num = _size(size) if sep else None
+        if not sep or num is None:
+            raise _fail(f"{pair!r}: write ID=SIZE with a size (e.g. llama-a=2G)", EXIT_USAGE)
+        limits[_check_id(iid)] = num
+    body = _run(ctx, lambda api: api.set_device_limits(device_id, limits)).body
+    if as_json:
+        _out.print_json(json.dumps(body))
+    else:
+        _out.print("\n".join(device_lines(body)), markup=False)
 
 
 def _write_lines(views: list[dict[str, Any]]) -> None:

@@ -108,6 +108,33 @@ class SidecarApi:
     def list(self) -> Reply:
         return self._call("GET", "/instances")
 
+    # --- the autopilot (docs/autopilot.md) ---
+
+    def devices(self) -> Reply:
+        return self._call("GET", "/devices")
+
+    def device(self, device_id: str) -> Reply:
+        return self._call("GET", _device_path(device_id))
+
+    def set_budget(self, device_id: str, budget: int | None, dry_run: bool | None) -> Reply:
+        if budget is None:
+            return self._call("DELETE", f"{_device_path(device_id)}/budget")
+        body: dict[str, Any] = {"budget": budget}
+        if dry_run is not None:
+            body["dry_run"] = dry_run
+        return self._call("PUT", f"{_device_path(device_id)}/budget", json_body=body)
+
+    def set_device_limits(self, device_id: str, limits: dict[str, int]) -> Reply:
+        return self._call("PUT", f"{_device_path(device_id)}/limits",
+                          json_body={"limits": limits})
+
+    def set_policy(self, instance_id: str, fields: dict[str, Any]) -> Reply:
+        return self._call("PUT", f"{_path(instance_id)}/policy", json_body=fields)
+
+
+def _device_path(device_id: str) -> str:
+    return f"/devices/{quote(device_id, safe='')}"
+
 
 def _path(instance_id: str) -> str:
     """``/instances/<id>`` with the id encoded as one path segment (no '/', '?', '..')."""

@@ -39,7 +39,34 @@ def instance_line(view: dict[str, Any]) -> str:
     parts.append(f"mapped {format_size(view['mapped_bytes'])}")
     if view.get("overage_bytes"):
         parts.append(f"over by {format_size(view['overage_bytes'])}")
+    policy = view.get("policy")
+    if policy and policy.get("device_id"):
+        source = policy.get("source") or "-"
+        why = f" ({policy['reason']})" if source == "policy" and policy.get("reason") else ""
+        pin = " pinned" if policy.get("pinned") else ""
+        parts.append(f"device {policy['device_id']} source {source}{why}{pin}")
     return "  ".join(parts)
+
+
+def device_lines(view: dict[str, Any]) -> list[str]:
+    """A device: its budget line, then one line per instance (``kvctl devices``)."""
+    head = (f"{view['id']}: budget {format_size(view['budget_bytes'])}"
+            f"{' (dry run)' if view.get('dry_run') else ''}  limits "
+            f"{format_size(view['sum_limits_bytes'])}  mapped "
+            f"{format_size(view['sum_mapped_bytes'])}  free "
+            f"{'-' if view['free_bytes'] is None else format_size(view['free_bytes'])}")
+    lines = [head]
+    for m in view["instances"]:
+        bounds = f"min {format_size(m['min_bytes'])} max {format_size(m['max_bytes'])} " \
+                 f"weight {m['weight']:g}"
+        lines.append(f"  {m['id']}: {m['status']}  limit {format_size(m['limit_bytes'])}  "
+                     f"target {format_size(m['target_bytes'])}  mapped "
+                     f"{format_size(m['mapped_bytes'])}  {m['source'] or '-'}"
+                     f"{' pinned' if m['pinned'] else ''}  {m['reason'] or ''}  {bounds}")
+    for w in view.get("would", []):
+        lines.append(f"  would set {w['instance']}: {format_size(w['old_bytes'])} -> "
+                     f"{format_size(w['new_bytes'])} ({w['reason']})")
+    return lines
 
 
 def state_line(state: dict[str, Any]) -> str:

@@ -6,7 +6,8 @@ from pydantic import BaseModel, Field
 
 from engine_ext.protocol import EngineState, Status
 
-__all__ = ["DesiredLimit", "EngineInfo", "InstanceList", "InstanceView", "Problem"]
+__all__ = ["DesiredLimit", "DeviceList", "DeviceMember", "DeviceView", "EngineInfo", "InstanceList",
+           "InstanceView", "PlannedChange", "PolicyView", "Problem"]
 
 
 class DesiredLimit(BaseModel):
@@ -42,6 +43,8 @@ class InstanceView(BaseModel):
     last_seen_s_ago: float | None = Field(description="seconds since the engine's last report")
     engine: EngineInfo | None
     observed: EngineState | None = Field(description="the engine's last report, as sent")
+    policy: PolicyView | None = Field(
+        default=None, description="device, autopilot fields, limit source (docs/autopilot.md)")
 
 
 class InstanceList(BaseModel):
@@ -58,3 +61,71 @@ class Problem(BaseModel):
     status: int
     detail: str
     errors: list[dict[str, str]] | None = None
+
+
+class PolicyView(BaseModel):
+    """An instance's place under the autopilot (docs/autopilot.md)."""
+
+    device_id: str | None = Field(description="the device its ranks use (from registration)")
+    min_bytes: int
+    max_bytes: int | None
+    weight: float
+    source: str | None = Field(description="who set the current desired limit: operator|policy")
+    pinned: bool = Field(description="an operator's limit holds until DELETE .../limit")
+    pin_bytes: int | None = Field(description="the operator's limit while pinned")
+    target_bytes: int | None = Field(description="where the autopilot takes the limit")
+    reason: str | None = Field(description="why the policy set the current limit")
+    changed_at: float | None = Field(description="unix seconds of the last autopilot change")
+    managed: bool = Field(description="the autopilot writes this instance's limit")
+
+
+class DeviceMember(BaseModel):
+    """One instance in a device view."""
+
+    id: str
+    status: Status
+    source: str | None
+    pinned: bool
+    limit_bytes: int | None = Field(description="desired limit (null = unlimited)")
+    target_bytes: int | None
+    reason: str | None
+    mapped_bytes: int
+    committed_bytes: int | None = Field(
+        description="the most it may map before its next report (null: not heard from yet)")
+    min_bytes: int
+    max_bytes: int | None
+    weight: float
+
+
+class PlannedChange(BaseModel):
+    """A limit change the autopilot would write (dry run) or writes next."""
+
+    instance: str
+    old_bytes: int | None
+    new_bytes: int
+    reason: str
+
+
+class DeviceView(BaseModel):
+    """``GET /devices/{id}``: a device's budget and what its instances hold."""
+
+    id: str
+    budget_bytes: int | None = Field(description="null: no budget, the autopilot leaves it")
+    revision: int
+    dry_run: bool = Field(description="the autopilot computes and shows, writes nothing")
+    sum_limits_bytes: int | None = Field(
+        description="sum of the live instances' desired limits (null if one is unlimited)")
+    sum_mapped_bytes: int = Field(description="sum of the live instances' mapped bytes")
+    free_bytes: int | None = Field(description="budget - sum of limits (null: no budget)")
+    instances: list[DeviceMember]
+    would: list[PlannedChange] = Field(
+        description="dry run: the changes the autopilot would write now")
+
+
+class DeviceList(BaseModel):
+    """``GET /devices``: every known device, sorted by id."""
+
+    devices: list[DeviceView]
+
+
+InstanceView.model_rebuild()

@@ -11,6 +11,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ._errors import (
+    BudgetError,
+    DeviceMoveError,
     DuplicateInstanceError,
     InvalidInputError,
     RevisionRejectedError,
@@ -18,6 +20,7 @@ from ._errors import (
     StoreError,
     TooManyInstancesError,
     UnauthorizedError,
+    UnknownDeviceError,
     UnknownInstanceError,
 )
 
@@ -33,6 +36,9 @@ PROBLEM_TABLE: tuple[tuple[type[SidecarError], int, str], ...] = (
     (DuplicateInstanceError, 409, "Instance id in use"),
     (TooManyInstancesError, 409, "Too many instances"),
     (UnauthorizedError, 401, "Unauthorized"),
+    (UnknownDeviceError, 404, "Unknown device"),
+    (BudgetError, 409, "Over the device budget"),
+    (DeviceMoveError, 409, "Instance on another device"),
     (StoreError, 503, "Database unavailable"),
 )
 

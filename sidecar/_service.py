@@ -29,7 +29,7 @@ from ._errors import (
     TooManyInstancesError,
     UnknownInstanceError,
 )
-from ._instances import InstanceRecord
+from ._instances import InstanceRecord, derive_status
 from ._logging import audit_deregister, audit_forget, audit_limit_change
 from ._metrics import Metrics
 from ._models import InstanceView
@@ -59,6 +59,8 @@ class InstanceService:
         self._creating: set[str] = set()  # new ids whose first write is in flight (the cap)
         self._metrics = metrics
         self._pusher = PushManager(client, settings, metrics, self._records.get, self._on_reply)
+        # adds the autopilot's part to every view (set by the Autopilot; docs/autopilot.md)
+        self.decorate: Callable[[InstanceView], InstanceView] = lambda view: view
         metrics.add_instances(self.list)
 
     @property
@@ -86,10 +88,20 @@ class InstanceService:
     def list(self) -> list[InstanceView]:
         now = self._now
         timeout = self._settings.heartbeat_timeout_s
-        return [self._records[iid].view(now, timeout) for iid in sorted(self._records)]
+        return [self.decorate(self._records[iid].view(now, timeout))
+                for iid in sorted(self._records)]
 
     def get(self, instance_id: str) -> InstanceView:
-        return self._record(instance_id).view(self._now, self._settings.heartbeat_timeout_s)
+        return self.decorate(
+            self._record(instance_id).view(self._now, self._settings.heartbeat_timeout_s))
+
+    def records(self) -> dict[str, InstanceRecord]:
+        """The instance table, for the autopilot's snapshot (read it, never change it)."""
+        return self._records
+
+    def status_of(self, rec: InstanceRecord) -> Status:
+        """The instance's status now (``derive_status``)."""
+        return derive_status(rec, self._now, self._settings.heartbeat_timeout_s)[0]
 
     async def wait(self, instance_id: str, until: Callable[[InstanceView], bool],
                    timeout_s: float) -> InstanceView:
@@ -98,7 +110,7 @@ class InstanceService:
         deadline = loop.time() + min(timeout_s, self._settings.max_wait_s)
         while True:
             rec = self._record(instance_id)
-            view = rec.view(loop.time(), self._settings.heartbeat_timeout_s)
+            view = self.decorate(rec.view(loop.time(), self._settings.heartbeat_timeout_s))
             remaining = deadline - loop.time()
             if until(view) or remaining <= 0:
                 return view

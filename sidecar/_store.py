@@ -29,7 +29,9 @@ __all__ = ["InstanceRow", "Registration", "Store"]
 _T = TypeVar("_T")
 _log = logging.getLogger("kvsidecar.store")
 
-_SCHEMA_VERSION = 2  # 2: stopped_at (clean engine shutdown); 1 is migrated on open
+# 2: stopped_at (clean engine shutdown); 1 is migrated on open
+# 3: the autopilot's tables (devices, policies; docs/autopilot.md); 2 gains them on open
+_SCHEMA_VERSION = 3
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS instances (
     id TEXT PRIMARY KEY,
@@ -44,6 +46,25 @@ CREATE TABLE IF NOT EXISTS instances (
     stopped_at REAL                    -- the engine deregistered (clean shutdown); NULL: not
 ) STRICT;
 CREATE TABLE IF NOT EXISTS ready_probe (k INTEGER PRIMARY KEY, at REAL NOT NULL) STRICT;
+CREATE TABLE IF NOT EXISTS devices (
+    id TEXT PRIMARY KEY,
+    budget_bytes INTEGER,              -- NULL = no budget (the autopilot leaves it alone)
+    revision INTEGER NOT NULL,
+    updated_at REAL NOT NULL,
+    dry_run INTEGER NOT NULL DEFAULT 0 -- 1: compute and show, write nothing
+) STRICT;
+CREATE TABLE IF NOT EXISTS policies (
+    id TEXT PRIMARY KEY,               -- the instance id
+    device_id TEXT,                    -- from the engine's registration
+    min_bytes INTEGER NOT NULL DEFAULT 0,
+    max_bytes INTEGER,                 -- NULL = no max
+    weight REAL NOT NULL DEFAULT 1.0,
+    pinned INTEGER NOT NULL DEFAULT 0, -- 1: an operator set the limit (PUT .../limit)
+    pin_bytes INTEGER,                 -- the operator's limit (NULL = unlimited)
+    source TEXT,                       -- who set the current desired limit: operator|policy
+    reason TEXT,                       -- why the policy set it
+    changed_at REAL                    -- unix seconds of that change
+) STRICT;
 """
 _COLUMNS = ("id, limit_bytes, revision, updated_at, engine, engine_version, socket_path, "
             "device_total_bytes, registered_at, stopped_at")
@@ -132,6 +153,14 @@ class Store:
         """Mark a registered engine as stopped (clean shutdown); None if not registered."""
         return await self._run(lambda: self._stopped_sync(instance_id, at))
 
+    async def call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run ``fn(connection)`` in one write transaction on the writer thread.
+
+        For the other tables' modules (``_autopilot_store``); ``fn`` must not
+        touch ``instances`` (its rows go through the methods above).
+        """
+        return await self._run(lambda: self._transaction(lambda: fn(self._db())))
+
     async def check_writable(self) -> None:
         """Raise :class:`StoreError` unless a write transaction can commit now."""
         await self._run(self._check_writable_sync)
@@ -179,7 +208,7 @@ class Store:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, _SCHEMA_VERSION):
+        if version not in (0, 1, 2, _SCHEMA_VERSION):
             raise SidecarConfigError(
                 f"the database {self.path} has schema version {version}; this sidecar "
                 f"reads version {_SCHEMA_VERSION}: use a newer kvsidecar or another --db"
@@ -187,6 +216,8 @@ class Store:
         if version == 1:
             self._check_columns(conn, _COLUMN_NAMES[:-1], version)
             conn.execute(_MIGRATE_1_TO_2)
+        elif version == 2:  # gains the autopilot's tables below; its own must be ours
+            self._check_columns(conn, _COLUMN_NAMES, version)
         conn.executescript(_SCHEMA)
         self._check_columns(conn, _COLUMN_NAMES, _SCHEMA_VERSION)
         conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")

@@ -18,7 +18,7 @@ engine-core module. Import it as ``engine_ext.protocol``; its submodules are pri
 
 from __future__ import annotations
 
-from ._paths import ID_PATTERN, MAX_SOCKET_PATH_BYTES, socket_path_fits
+from ._paths import DEVICE_ID_PATTERN, ID_PATTERN, MAX_SOCKET_PATH_BYTES, socket_path_fits
 from ._revisions import (
     MAX_CLIENT_REVISION,
     MAX_REVISION,
@@ -47,6 +47,7 @@ from ._wire import (
 )
 
 __all__ = [
+    "DEVICE_ID_PATTERN",
     "ID_PATTERN",
     "MAX_CLIENT_REVISION",
     "MAX_LIMIT_BYTES",

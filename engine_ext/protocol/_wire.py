@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from ._paths import MAX_SOCKET_PATH_BYTES
+from ._paths import DEVICE_ID_PATTERN, MAX_SOCKET_PATH_BYTES
 from ._revisions import MAX_CLIENT_REVISION, MAX_REVISION
 from ._sizes import MAX_LIMIT_BYTES, parse_limit
 from ._status import Status
@@ -124,6 +124,9 @@ class RegisterBody(_Strict):
     state: EngineState
     # random per engine process (see REGISTRATION_HEADER); None: an older engine, not checked
     registration_token: str | None = Field(default=None, pattern=REGISTRATION_TOKEN_PATTERN)
+    # the device the instance's ranks use (KVSIDECAR_DEVICE_ID; docs/autopilot.md); None: not
+    # placed on any device (no budget applies to it)
+    device_id: str | None = Field(default=None, pattern=DEVICE_ID_PATTERN)
 
 
 class RegisterReply(BaseModel):

@@ -14,7 +14,7 @@ from engine_ext.protocol import (
     RegisterReply,
 )
 
-from .._deps import Authorized, InstanceId, Service
+from .._deps import Authorized, AutopilotDep, InstanceId, Service
 from .._models import InstanceView
 from .instances import _PROBLEMS
 
@@ -30,8 +30,9 @@ RegistrationToken = Annotated[str | None, Header(
 
 @router.post("/{instance_id}/register", response_model=RegisterReply,
              summary="An engine starts: record it, answer with the retained desired limit")
-async def register(instance_id: InstanceId, body: RegisterBody,
-                   service: Service) -> RegisterReply:
+async def register(instance_id: InstanceId, body: RegisterBody, service: Service,
+                   autopilot: AutopilotDep) -> RegisterReply:
+    await autopilot.before_register(instance_id, body)  # device; a returning engine fits
     return await service.register(instance_id, body)
 
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from engine_ext.protocol import LimitBody, Status
 
-from .._deps import Authorized, InstanceId, Service, Settings, WaitSeconds
+from .._deps import Authorized, AutopilotDep, InstanceId, Service, Settings, WaitSeconds
 from .._models import InstanceList, InstanceView, Problem
 from .._service import InstanceService
 from . import watch as watch_events
@@ -62,27 +62,32 @@ async def get_instance(instance_id: InstanceId, service: Service, request: Reque
                        **_PROBLEMS},
             summary="Set the desired limit (stored durably before the answer)")
 async def put_limit(instance_id: InstanceId, body: LimitBody, service: Service,
-                    request: Request, wait: WaitSeconds = None) -> Response:
-    view = await service.set_limit(instance_id, body.limit, body.revision,
-                                   source=_source(request, "PUT"))
+                    autopilot: AutopilotDep, request: Request,
+                    wait: WaitSeconds = None) -> Response:
+    # an operator's limit pins the instance (docs/autopilot.md, "Precedence")
+    view = await autopilot.operator_limit(instance_id, body.limit, body.revision,
+                                          source=_source(request, "PUT"))
     return await _finish(request, service, view, wait)
 
 
 @router.delete("/{instance_id}/limit", response_model=InstanceView, dependencies=[Authorized],
                responses={202: {"model": InstanceView}, **_PROBLEMS},
                summary="Back to unlimited, as a new revision")
-async def delete_limit(instance_id: InstanceId, service: Service, request: Request,
-                       wait: WaitSeconds = None) -> Response:
-    view = await service.clear_limit(instance_id, source=_source(request, "DELETE"))
+async def delete_limit(instance_id: InstanceId, service: Service, autopilot: AutopilotDep,
+                       request: Request, wait: WaitSeconds = None) -> Response:
+    # on a budgeted device: back to the autopilot; elsewhere: back to unlimited
+    service.get(instance_id)  # 404 before anything
+    view = await autopilot.unpin(instance_id, source=_source(request, "DELETE"))
     return await _finish(request, service, view, wait)
 
 
 @router.delete("/{instance_id}", status_code=204, dependencies=[Authorized],
                responses=_PROBLEMS, response_class=Response,
                summary="Forget the instance: its desired limit, registration and metrics")
-async def forget_instance(instance_id: InstanceId, service: Service,
+async def forget_instance(instance_id: InstanceId, service: Service, autopilot: AutopilotDep,
                           request: Request) -> Response:
     await service.forget(instance_id, source=_source(request, "DELETE"))
+    await autopilot.forget(instance_id)
     return Response(status_code=204)
 
 

@@ -43,6 +43,10 @@ def _parse(argv: tuple[str, ...]) -> argparse.Namespace:
                         help="seconds to stay idle after lowering a limit [10]")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smaller workload (tests)")
     parser.add_argument("--keep-workdir", action="store_true", help="keep logs and the DB")
+    parser.add_argument("--autopilot", action="store_true",
+                        help="run the autopilot scenario instead: three engines on one "
+                             "budgeted host device, load moving A->B->C, against a static "
+                             "equal split (heavier: three vLLM engines)")  # fmt: skip
     return parser.parse_args(list(argv))
 
 
@@ -80,6 +84,8 @@ def _run(args: argparse.Namespace, console: Console) -> bool:
     from ._sampler import Sampler
     from ._scenarios import DemoConfig, elastic_colocation, limit_table
 
+    if args.autopilot:
+        return _run_autopilot(args, console)
     cfg = DemoConfig(idle_s=args.idle_s, quick=args.quick)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -105,6 +111,61 @@ def _run(args: argparse.Namespace, console: Console) -> bool:
             cluster.start_engines([EngineSpec("engine-b", True, 64 << 20)])
             results["elastic"] = elastic_colocation(cluster, "with-reclaim", "engine-b", cfg)
         checks = results["limit_table"]["checks"] + results["elastic"]["checks"]
+        print_checks(console, checks)
+        ok = all(c["ok"] for c in checks)
+    except Exception as exc:  # noqa: BLE001 -- last resort: record why, fail the demo, keep logs
+        results["error"] = f"{type(exc).__name__}: {exc}"
+        console.print(f"[red]demo failed:[/red] {results['error']}\nlogs in {workdir}")
+        args.keep_workdir = True
+    finally:
+        sampler.stop()
+        cluster.close()
+        results["ok"] = ok
+        results["elapsed_s"] = round(time.monotonic() - t0, 1)
+        results["samples"] = [asdict(s) for s in sampler.samples]
+        write_json(out / "demo-results.json", results)
+        plotted = write_plot(out / "demo-mapped.png", sampler.samples)
+        console.print(f"results: {out / 'demo-results.json'}"
+                      + (f"; plot: {out / 'demo-mapped.png'}" if plotted else ""))  # fmt: skip
+        if not args.keep_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return ok
+
+
+def _run_autopilot(args: argparse.Namespace, console: Console) -> bool:
+    """``--autopilot``: three engines share one budgeted device (docs/autopilot.md)."""
+    from engine_ext.cpu_harness import make_tiny_model_dir
+
+    from ._autopilot import DEVICE, autopilot_vs_static
+    from ._cluster import Cluster, EngineSpec
+    from ._report import print_checks, write_json, write_plot
+    from ._sampler import Sampler
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-demo-"))
+    t0 = time.monotonic()
+    ids = ["engine-a", "engine-b", "engine-c"]
+    budget = 6 << 20
+    results: dict[str, Any] = {"workdir": str(workdir), "scenario": "autopilot"}
+    cluster = Cluster(workdir, make_tiny_model_dir(workdir / "model"))
+    sampler = Sampler(cluster.sidecar_url, t0)
+    ok = False
+    try:
+        with console.status("starting the sidecar and three vLLM engines (CPU harness)…"):
+            cluster.start_sidecar()
+            sampler.start()
+            cluster.start_engines([EngineSpec(i, True, 64 << 20, DEVICE) for i in ids])
+        console.print(f"engines up in {time.monotonic() - t0:.0f}s; sidecar {cluster.sidecar_url}")
+        with console.status("load A->B->C: static equal split, then the autopilot…"):
+            results["autopilot"] = autopilot_vs_static(
+                cluster, ids, budget, per_engine=12 if args.quick else 24, words=1200)
+        a = results["autopilot"]
+        console.print(f"completion: static split {a['static_split']['completion_s']}s, "
+                      f"autopilot {a['autopilot']['completion_s']}s; p99 latency: static "
+                      f"{a['static_split']['p99_latency_s']}s, autopilot "
+                      f"{a['autopilot']['p99_latency_s']}s")
+        checks = a["checks"]
         print_checks(console, checks)
         ok = all(c["ok"] for c in checks)
     except Exception as exc:  # noqa: BLE001 -- last resort: record why, fail the demo, keep logs

@@ -33,6 +33,7 @@ class EngineSpec:
     instance_id: str
     reclaim: bool  # False: the baseline "what a user of the old tool saw"
     kv_cache_bytes: int  # virtual KV capacity of the engine
+    device_id: str | None = None  # KVSIDECAR_DEVICE_ID (the autopilot scenario's host device)
 
 
 class Cluster:
@@ -49,7 +50,10 @@ class Cluster:
 
     # -- sidecar -----------------------------------------------------------
     def start_sidecar(self, timeout_s: float = 30.0) -> None:
-        env = {**os.environ, "KVSIDECAR_HEARTBEAT_TIMEOUT_S": "30"}
+        env = {**os.environ, "KVSIDECAR_HEARTBEAT_TIMEOUT_S": "30",
+               # the autopilot scenario's bursts last seconds: react within a few passes
+               "KVSIDECAR_AUTOPILOT_INTERVAL_S": "0.1",
+               "KVSIDECAR_AUTOPILOT_BUSY_HOLD_S": "0.5"}
         env.pop("KVSIDECAR_TOKEN", None)
         with (self.workdir / "sidecar.log").open("wb") as log:  # the child keeps its own fd
             self._sidecar = subprocess.Popen(
@@ -95,6 +99,8 @@ class Cluster:
             "KVSIDECAR_HEARTBEAT_S": "1",
             "VLLM_SERVER_DEV_MODE": "1",  # exposes POST /reset_prefix_cache
         }
+        if spec.device_id is not None:
+            env["KVSIDECAR_DEVICE_ID"] = spec.device_id
         return launch_vllm_server(
             self.model_dir,
             env=env,

@@ -54,6 +54,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         _wait_http(url + "/healthz")
         engine_env = {"KVSIDECAR_ENABLE": "1", "KVSIDECAR_INSTANCE_ID": "llama-a",
+                      "KVSIDECAR_DEVICE_ID": "host0",  # the README's autopilot section
                       "KVSIDECAR_SIDECAR_URL": url, "KVSIDECAR_HEARTBEAT_S": "1",
                       "KVSIDECAR_RUNTIME_DIR": str(work / "run")}  # fmt: skip
         with launch_vllm_server(make_tiny_model_dir(work / "model"), env=engine_env,

@@ -1,0 +1,497 @@
+"""The autopilot: budgets per device, policy fields per instance, and the loop applying them.
+
+:mod:`sidecar._policy` decides (pure); this module builds its snapshot from the
+instance table, writes its changes through :class:`InstanceService` (durable,
+revisioned, pushed like any limit) and keeps the autopilot's own rows
+(:mod:`sidecar._autopilot_store`). docs/autopilot.md is the operator's view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+
+from prometheus_client import Counter, Histogram
+
+from engine_ext.protocol import RegisterBody, Status, format_size
+
+from ._autopilot_store import AutopilotStore, DeviceRow, PolicyRow
+from ._errors import (
+    BudgetError,
+    DeviceMoveError,
+    InvalidInputError,
+    RequestError,
+    UnknownDeviceError,
+    UnknownInstanceError,
+)
+from ._instances import InstanceRecord
+from ._metrics import Metrics
+from ._models import DeviceMember, DeviceView, InstanceView, PlannedChange, PolicyView
+from ._policy import UNBOUNDED, Change, Member, Target, committed, compute_targets, plan
+from ._revisions import decide
+from ._service import InstanceService
+from ._settings import SidecarSettings
+from ._store import Store
+
+__all__ = ["Autopilot", "PolicyFields"]
+
+_log = logging.getLogger("kvsidecar.autopilot")
+
+#: A policy update: the fields given (absent: unchanged; None: back to the default).
+PolicyFields = Mapping[str, object]
+_DEFAULTS: dict[str, object] = {"min_bytes": 0, "max_bytes": None, "weight": 1.0}
+
+
+class Autopilot:
+    """Owns the device budgets, the policy rows and the policy loop task.
+
+    Event-loop thread only. Every write of a limit on a budgeted device (the
+    policy's and the operator's) happens under ``_lock``, so the pass that
+    plans shrink-before-grow sees every pin and budget change before it
+    writes. Invariant kept by :func:`sidecar._policy.plan`: on a device not
+    in dry run, the bytes its live instances may hold never exceed its budget
+    by a grow of ours.
+    """
+
+    def __init__(self, store: Store, service: InstanceService, settings: SidecarSettings,
+                 metrics: Metrics) -> None:
+        self._store = AutopilotStore(store)
+        self._service = service
+        self._settings = settings
+        self._devices: dict[str, DeviceRow] = {}
+        self._policies: dict[str, PolicyRow] = {}
+        self._targets: dict[str, Target] = {}  # instance -> last target of the pass
+        self._would: dict[str, list[Change]] = {}  # device -> dry-run plan
+        self._busy_at: dict[str, float] = {}  # instance -> monotonic time it was last busy
+        self._awaiting: dict[str, tuple[int, float]] = {}  # instance -> (revision, decided at)
+        self._pin_sources: dict[str, str] = {}  # instance -> who pinned (for the audit line)
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.changes = Counter(
+            "kvsidecar_limit_changes", "Desired limits written on budgeted devices, by source",
+            ["source"], registry=metrics.registry)
+        self.decision_seconds = Histogram(
+            "kvsidecar_autopilot_apply_seconds",
+            "From an autopilot decision (policy or pinned operator limit) to 'applied'",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=metrics.registry)
+        service.decorate = self._decorate
+
+    # --- life ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        devices, policies = await self._store.load()
+        self._devices = {d.id: d for d in devices}
+        self._policies = {p.id: p for p in policies}
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvsidecar-autopilot")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def wake(self) -> None:
+        """Run a pass now (after a report or a change), not at the next interval."""
+        self._wake.set()
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def policy(self, instance_id: str) -> PolicyRow:
+        return self._policies.get(instance_id) or PolicyRow(instance_id)
+
+    def manages(self, instance_id: str) -> bool:
+        """The autopilot writes this instance's limits (its device has a live budget)."""
+        return self._active(self.policy(instance_id).device_id)
+
+    def _active(self, device_id: str | None) -> bool:
+        if device_id is None:
+            return False
+        dev = self._devices.get(device_id)
+        return (dev is not None and dev.budget_bytes is not None and not dev.dry_run
+                and not self._settings.autopilot_dry_run)
+
+    def device_ids(self) -> list[str]:
+        known = {d for d, row in self._devices.items() if row.budget_bytes is not None}
+        known |= {p.device_id for p in self._policies.values() if p.device_id is not None}
+        return sorted(known)
+
+    def device(self, device_id: str) -> DeviceView:
+        if device_id not in self.device_ids():
+            raise UnknownDeviceError(device_id)
+        row = self._devices.get(device_id) or DeviceRow(device_id)
+        members = self._members(device_id)
+        records = self._service.records()
+        out: list[DeviceMember] = []
+        limits: int | None = 0
+        mapped = 0
+        for m in members:
+            rec = records[m.id]
+            p = self.policy(m.id)
+            target = self._targets.get(m.id)
+            out.append(DeviceMember(
+                id=m.id, status=self._service.status_of(rec), source=p.source, pinned=p.pinned,
+                limit_bytes=m.desired, target_bytes=None if target is None else target.limit,
+                reason=p.reason, mapped_bytes=m.mapped,
+                committed_bytes=None if m.live and not m.reported else committed(m),
+                min_bytes=p.min_bytes, max_bytes=p.max_bytes, weight=p.weight))
+            if m.live:
+                mapped += m.mapped
+                limits = None if limits is None or m.desired is None else limits + m.desired
+        free = None if row.budget_bytes is None or limits is None else row.budget_bytes - limits
+        would = [PlannedChange(instance=c.id, old_bytes=c.old, new_bytes=c.new, reason=c.reason)
+                 for c in self._would.get(device_id, [])]
+        return DeviceView(id=device_id, budget_bytes=row.budget_bytes, revision=row.revision,
+                          dry_run=row.dry_run or self._settings.autopilot_dry_run,
+                          sum_limits_bytes=limits, sum_mapped_bytes=mapped, free_bytes=free,
+                          instances=out, would=would)
+
+    def devices(self) -> list[DeviceView]:
+        return [self.device(d) for d in self.device_ids()]
+
+    def _decorate(self, view: InstanceView) -> InstanceView:
+        p = self._policies.get(view.id)
+        if p is None:
+            return view
+        target = self._targets.get(view.id)
+        return view.model_copy(update={"policy": PolicyView(
+            device_id=p.device_id, min_bytes=p.min_bytes, max_bytes=p.max_bytes,
+            weight=p.weight, source=p.source, pinned=p.pinned,
+            pin_bytes=None if (pin := self._pin_of(p)) is None or pin >= UNBOUNDED else pin,
+            target_bytes=None if target is None else target.limit, reason=p.reason,
+            changed_at=p.changed_at, managed=self.manages(view.id))})
+
+    # --- operator writes -----------------------------------------------------------------
+
+    async def set_budget(self, device_id: str, budget: int | None, revision: int | None,
+                         dry_run: bool | None, *, source: str) -> DeviceView:
+        if device_id not in self.device_ids():
+            raise UnknownDeviceError(device_id)
+        async with self._lock:
+            if budget is not None:
+                self._check_budget(device_id, budget, {})
+            row, decision = await self._store.set_budget(device_id, budget, revision, dry_run)
+            self._devices[device_id] = row
+        if decision.changed:
+            _log.info("device %s: budget %s (revision %d, dry_run %s) by %s", device_id,
+                      format_size(budget), row.revision, row.dry_run, source,
+                      extra={"fields": {"event": "budget_change", "device": device_id,
+                                        "budget_bytes": budget, "revision": row.revision,
+                                        "dry_run": row.dry_run, "source": source}})
+        self.wake()
+        return self.device(device_id)
+
+    async def set_policy(self, instance_id: str, fields: PolicyFields) -> InstanceView:
+        if instance_id not in self._service.records():
+            raise UnknownInstanceError(instance_id)
+        async with self._lock:
+            p = self.policy(instance_id)
+            update = {k: (_DEFAULTS[k] if v is None else v) for k, v in fields.items()}
+            new = replace(p, **update)  # type: ignore[arg-type]
+            if new.weight <= 0:
+                raise InvalidInputError("weight", f"must be above 0; got {new.weight:g}")
+            if new.max_bytes is not None and new.min_bytes > new.max_bytes:
+                raise InvalidInputError(
+                    "min", f"min {format_size(new.min_bytes)} is above max "
+                    f"{format_size(new.max_bytes)}: lower min or raise max")
+            dev = self._devices.get(new.device_id or "")
+            if dev is not None and dev.budget_bytes is not None:
+                self._check_budget(dev.id, dev.budget_bytes, {instance_id: new})
+            await self._store.put_policies([new])
+            self._policies[instance_id] = new
+        self.wake()
+        return self._service.get(instance_id)
+
+    async def operator_limit(self, instance_id: str, limit: int | None, revision: int | None,
+                             *, source: str) -> InstanceView:
+        """``PUT .../limit``: the operator pins the instance. On a budgeted device the limit
+        is applied by the loop in shrink-before-grow order; elsewhere it is written at once."""
+        if not self.manages(instance_id):
+            view = await self._service.set_limit(instance_id, limit, revision, source=source)
+            await self._pin(instance_id, True)
+            return self._decorate(view)
+        device_id = self.policy(instance_id).device_id
+        assert device_id is not None
+        rec = self._service.records()[instance_id]
+        if revision is not None:
+            decide(rec.row.limit_bytes, rec.row.revision, limit, revision)  # stale/conflict
+        async with self._lock:
+            budget = self._devices[device_id].budget_bytes
+            assert budget is not None
+            if limit is None:
+                raise BudgetError(
+                    f"instance {instance_id!r} is on device {device_id!r}, which has a budget: "
+                    "its limit cannot be unlimited. Set a size, or DELETE .../limit to hand "
+                    "it back to the autopilot")
+            new = replace(self.policy(instance_id), pinned=True, pin_bytes=limit)
+            self._check_budget(device_id, budget, {instance_id: new})
+            await self._store.put_policies([new])
+            self._policies[instance_id] = new
+            self._pin_sources[instance_id] = source
+            await self._pass(device_id)
+        return self._service.get(instance_id)
+
+    async def unpin(self, instance_id: str, *, source: str) -> InstanceView:
+        """``DELETE .../limit``: back to the autopilot on a budgeted device (the current limit
+        stays until its next pass), back to unlimited elsewhere."""
+        if not self.manages(instance_id):
+            view = await self._service.clear_limit(instance_id, source=source)
+            await self._pin(instance_id, False)
+            return self._decorate(view)
+        async with self._lock:
+            new = replace(self.policy(instance_id), pinned=False, pin_bytes=None)
+            await self._store.put_policies([new])
+            self._policies[instance_id] = new
+            await self._pass(self.policy(instance_id).device_id or "")
+        _log.info("instance %s: unpinned by %s; the autopilot sets its limit", instance_id,
+                  source)
+        return self._service.get(instance_id)
+
+    async def set_device_limits(self, device_id: str, limits: Mapping[str, int],
+                                *, source: str) -> DeviceView:
+        """``PUT /devices/{id}/limits``: pin several instances at once (all or none), applied
+        shrink before grow."""
+        if device_id not in self.device_ids():
+            raise UnknownDeviceError(device_id)
+        dev = self._devices.get(device_id)
+        if dev is None or dev.budget_bytes is None:
+            raise BudgetError(f"device {device_id!r} has no budget; set one first (PUT "
+                              f"/devices/{device_id}/budget) so the order can be kept")
+        if not limits:
+            raise InvalidInputError("limits", "name at least one instance")
+        for iid in limits:
+            if self.policy(iid).device_id != device_id:
+                raise InvalidInputError(
+                    "limits", f"instance {iid!r} is not on device {device_id!r} (GET "
+                    f"/devices/{device_id} lists its instances)")
+        async with self._lock:
+            rows = {iid: replace(self.policy(iid), pinned=True, pin_bytes=size)
+                    for iid, size in limits.items()}
+            self._check_budget(device_id, dev.budget_bytes, rows)
+            await self._store.put_policies(list(rows.values()))
+            self._policies.update(rows)
+            for iid in rows:
+                self._pin_sources[iid] = source
+            if self._active(device_id):
+                await self._pass(device_id)
+        return self.device(device_id)
+
+    async def forget(self, instance_id: str) -> None:
+        async with self._lock:
+            await self._store.forget(instance_id)
+            for table in (self._policies, self._targets, self._busy_at, self._awaiting,
+                          self._pin_sources):
+                table.pop(instance_id, None)
+
+    # --- engine-facing -------------------------------------------------------------------
+
+    async def before_register(self, instance_id: str, body: RegisterBody) -> None:
+        """Refuse a move to another device; record the device; fit a returning engine's
+        kept limit into what its device has left (others may hold its memory now)."""
+        p = self.policy(instance_id)
+        if p.device_id is not None and body.device_id is not None \
+                and body.device_id != p.device_id:
+            raise DeviceMoveError(
+                f"instance {instance_id!r} is recorded on device {p.device_id!r} but its "
+                f"engine registered on {body.device_id!r}; an instance cannot move devices: "
+                f"forget it (kvctl forget {instance_id}) and start the engine again, or give "
+                "it another KVSIDECAR_INSTANCE_ID")
+        async with self._lock:
+            if body.device_id is not None and p.device_id is None:
+                p = replace(p, device_id=body.device_id)
+                await self._store.put_policies([p])
+                self._policies[instance_id] = p
+            device_id = p.device_id
+            if device_id is None or not self._active(device_id):
+                return
+            budget = self._devices[device_id].budget_bytes
+            assert budget is not None
+            others = [m for m in self._members(device_id) if m.id != instance_id]
+            room = max(0, budget - sum(committed(m) for m in others))
+            rec = self._service.records().get(instance_id)
+            kept = None if rec is None else rec.row.limit_bytes
+            if kept is not None and kept <= room:
+                return
+            if p.pinned and p.pin_bytes is None and kept is not None:
+                p = replace(p, pin_bytes=kept)  # the pin is the kept limit, not the fitted one
+                await self._store.put_policies([p])
+                self._policies[instance_id] = p
+            page = max(1, body.state.page_bundle_bytes)
+            new = room // page * page
+            await self._write(device_id, Change(instance_id, kept, new, "returned_fit"),
+                              reason_text=f"kept {format_size(kept)}, "
+                                          f"{format_size(room)} free on the device")
+
+    # --- the loop ------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        interval = self._settings.autopilot_interval_s
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                async with self._lock:
+                    for device_id in self.device_ids():
+                        await self._pass(device_id)
+            except asyncio.CancelledError:
+                raise
+            except RequestError as exc:
+                _log.warning("autopilot pass: %s; retrying next pass", exc.detail)
+            except Exception:  # noqa: BLE001  (a bug must not end the loop)
+                _log.exception("autopilot pass failed; retrying next pass")
+            self._observe_applied()
+
+    async def _pass(self, device_id: str) -> None:
+        """One policy pass over one device (under the lock)."""
+        dev = self._devices.get(device_id)
+        if dev is None or dev.budget_bytes is None:
+            self._would.pop(device_id, None)
+            return
+        members = self._members(device_id)
+        targets = compute_targets(dev.budget_bytes, members)
+        for m in members:
+            if m.live and m.pin is not None:
+                targets[m.id] = Target(m.id, m.pin, "operator")
+        self._targets.update(targets)
+        hysteresis = int(self._settings.autopilot_hysteresis * dev.budget_bytes)
+        changes = plan(dev.budget_bytes, members, targets, hysteresis)
+        if not self._active(device_id):
+            if changes != self._would.get(device_id):
+                for c in changes:
+                    _log.info("device %s (dry run): would set %s %s -> %s (%s)", device_id,
+                              c.id, format_size(c.old), format_size(c.new), c.reason,
+                              extra={"fields": {"event": "autopilot_dry_run",
+                                                "device": device_id, "instance": c.id,
+                                                "old_limit_bytes": c.old,
+                                                "new_limit_bytes": c.new, "reason": c.reason}})
+            self._would[device_id] = changes
+            return
+        self._would.pop(device_id, None)
+        for change in changes:
+            await self._write(device_id, change)
+
+    async def _write(self, device_id: str, change: Change, *, reason_text: str = "") -> None:
+        source = "operator" if change.reason == "operator" else "policy"
+        who = self._pin_sources.get(change.id, "an operator") if source == "operator" \
+            else "the autopilot"
+        view = await self._service.set_limit(
+            change.id, change.new, None,
+            source=f"{who} on device {device_id} ({change.reason}; shrink before grow)")
+        p = replace(self.policy(change.id), source=source, reason=change.reason,
+                    changed_at=time.time())
+        await self._store.put_policies([p])
+        self._policies[change.id] = p
+        self.changes.labels(source).inc()
+        self._awaiting[change.id] = (view.desired.revision, time.monotonic())
+        _log.info("autopilot %s: %s %s -> %s (%s%s)", device_id, change.id,
+                  format_size(change.old), format_size(change.new), change.reason,
+                  f"; {reason_text}" if reason_text else "",
+                  extra={"fields": {"event": "autopilot_change", "device": device_id,
+                                    "instance": change.id, "source": source,
+                                    "old_limit_bytes": change.old,
+                                    "new_limit_bytes": change.new, "reason": change.reason,
+                                    "revision": view.desired.revision}})
+
+    def _observe_applied(self) -> None:
+        for iid, (revision, since) in list(self._awaiting.items()):
+            rec = self._service.records().get(iid)
+            if rec is None:
+                del self._awaiting[iid]
+                continue
+            obs = rec.observed
+            if obs is not None and obs.revision >= revision \
+                    and self._service.status_of(rec) is Status.APPLIED:
+                self.decision_seconds.observe(time.monotonic() - since)
+                del self._awaiting[iid]
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _members(self, device_id: str) -> list[Member]:
+        records = self._service.records()
+        now = time.monotonic()
+        hold = self._settings.autopilot_busy_hold_s
+        out = []
+        for iid, p in sorted(self._policies.items()):
+            rec = records.get(iid)
+            if p.device_id != device_id or rec is None:
+                continue
+            out.append(self._member(rec, p, now, hold))
+        return out
+
+    def _member(self, rec: InstanceRecord, p: PolicyRow, now: float, hold: float) -> Member:
+        status = self._service.status_of(rec)
+        live = rec.row.registered_at is not None and status not in (
+            Status.UNREACHABLE, Status.STOPPED)
+        obs = rec.observed
+        if obs is not None and (obs.num_running_requests or obs.num_waiting_requests):
+            self._busy_at[rec.row.id] = now
+        busy = now - self._busy_at.get(rec.row.id, -1e9) <= hold
+        pin = self._pin_of(p)
+        if obs is None:
+            return Member(rec.row.id, live, reported=False, desired=rec.row.limit_bytes,
+                          min=p.min_bytes, max=p.max_bytes, weight=p.weight, pin=pin)
+        held = obs.effective_limit_bytes if obs.effective_limit_bytes is not None \
+            else obs.limit_bytes
+        return Member(
+            rec.row.id, live, reported=True, desired=rec.row.limit_bytes, held=held,
+            mapped=obs.mapped_bytes, waiting=obs.waiting_bytes,
+            # pinned bytes are a periodic scan: without running requests nothing is pinned
+            pinned=obs.pinned_bytes if obs.num_running_requests else 0,
+            busy=busy, floor=obs.floor_bytes, capacity=obs.capacity_bytes,
+            page=max(1, obs.page_bundle_bytes), min=p.min_bytes, max=p.max_bytes,
+            weight=p.weight, pin=pin)
+
+    def _check_budget(self, device_id: str, budget: int,
+                      changed: Mapping[str, PolicyRow]) -> None:
+        """The budget must hold every instance's min (or pinned limit) on the device."""
+        need = 0
+        parts = []
+        rows = {**{i: p for i, p in self._policies.items() if p.device_id == device_id},
+                **changed}
+        for iid, p in sorted(rows.items()):
+            pin = self._pin_of(p)
+            if pin is not None:
+                if pin >= UNBOUNDED:
+                    raise BudgetError(
+                        f"instance {iid!r} on device {device_id!r} is pinned to unlimited; "
+                        f"set its limit (kvctl set {iid} SIZE) or hand it to the autopilot "
+                        f"(kvctl clear {iid}) before budgeting the device")
+                need += pin
+                parts.append(f"{iid} pinned {format_size(pin)}")
+            elif p.min_bytes:
+                need += p.min_bytes
+                parts.append(f"{iid} min {format_size(p.min_bytes)}")
+        if need > budget:
+            raise BudgetError(
+                f"device {device_id!r}: the budget {format_size(budget)} is below what its "
+                f"instances are promised, {format_size(need)} ({', '.join(parts)}); raise the "
+                "budget or lower those mins and pinned limits")
+
+    async def _pin(self, instance_id: str, pinned: bool) -> None:
+        """Record that an operator set (or cleared) the limit of an instance the autopilot
+        does not manage now. Its desired limit is the pin (``pin_bytes`` stays None), so
+        the row is written only when the flag flips: a PUT costs no second write."""
+        p = self.policy(instance_id)
+        if instance_id not in self._service.records() or p.pinned == pinned:
+            return
+        async with self._lock:
+            p = replace(self.policy(instance_id), pinned=pinned, pin_bytes=None,
+                        source="operator", reason=None, changed_at=time.time())
+            await self._store.put_policies([p])
+            self._policies[instance_id] = p
+
+    def _pin_of(self, p: PolicyRow) -> int | None:
+        """The pinned limit (None: not pinned); an unlimited pin reads as UNBOUNDED."""
+        if not p.pinned:
+            return None
+        if p.pin_bytes is not None:
+            return p.pin_bytes
+        rec = self._service.records().get(p.id)
+        limit = None if rec is None else rec.row.limit_bytes
+        return UNBOUNDED if limit is None else limit

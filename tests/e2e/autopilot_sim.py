@@ -1,0 +1,80 @@
+"""A stand-in engine for the autopilot's HTTP tests: it reports over the real sidecar API.
+
+It holds what its last report said: ``sync()`` reads the desired limit (as the
+push would deliver it) and reports it held; with ``apply=True`` it also gives
+back what is over the limit (``applied``), else stays ``deferred`` above it.
+Its demand (``pinned``/``waiting``) is set by the test.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from engine_ext.protocol import EngineState, RegisterBody, Status
+
+GiB = 1 << 30
+PAGE = 64 << 20  # one page bundle
+
+
+class SimEngine:
+    """One stand-in engine on one device (test thread only)."""
+
+    def __init__(self, client: httpx.Client, iid: str, device: str | None, *,
+                 mapped: int = 0, capacity: int = 16 * GiB) -> None:
+        self.client = client
+        self.iid = iid
+        self.device = device
+        self.mapped = mapped
+        self.capacity = capacity
+        self.pinned = 0
+        self.waiting = 0
+        self.revision = 0
+        self.limit: int | None = None
+
+    def state(self, *, apply: bool) -> EngineState:
+        limit = self.limit
+        if apply and limit is not None:
+            self.mapped = min(self.mapped, limit)
+        over = 0 if limit is None else max(0, self.mapped - limit)
+        busy = self.pinned or self.waiting
+        return EngineState(
+            status=Status.DEFERRED if over else Status.APPLIED, revision=self.revision,
+            limit_bytes=limit, mapped_bytes=self.mapped, overage_bytes=over,
+            reason="running_requests" if over else None, capacity_bytes=self.capacity,
+            page_bundle_bytes=PAGE, pinned_bytes=min(self.pinned, self.mapped),
+            num_running_requests=1 if busy else 0,
+            num_waiting_requests=1 if self.waiting else 0, waiting_bytes=self.waiting)
+
+    def register(self, device: str | None = None) -> httpx.Response:
+        body = RegisterBody(engine="sim", engine_version="0", socket_path=None,
+                            device_total_bytes=self.capacity, state=self.state(apply=False),
+                            device_id=device or self.device)
+        r = self.client.post(f"/instances/{self.iid}/register",
+                             content=body.model_dump_json(),
+                             headers={"content-type": "application/json"})
+        if r.status_code == 200:
+            self._take(r.json())
+        return r
+
+    def sync(self, *, apply: bool = True, grow: bool = True) -> dict[str, Any]:
+        """Take the desired limit, report; ``grow``: map up to the demand under the limit."""
+        view = self.client.get(f"/instances/{self.iid}").json()
+        self._take({"limit": view["desired"]["limit_bytes"],
+                    "revision": view["desired"]["revision"]})
+        if grow and apply:
+            want = self.pinned + self.waiting
+            cap = self.capacity if self.limit is None else self.limit
+            self.mapped = max(self.mapped, min(want, cap))
+            if self.mapped >= self.pinned + self.waiting:
+                self.pinned, self.waiting = self.pinned + self.waiting, 0
+        r = self.client.post(f"/instances/{self.iid}/report",
+                             content=self.state(apply=apply).model_dump_json(),
+                             headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+        return view
+
+    def _take(self, reply: dict[str, Any]) -> None:
+        if reply["revision"] > self.revision:
+            self.revision, self.limit = reply["revision"], reply["limit"]

@@ -1,0 +1,266 @@
+"""The autopilot over real HTTP: budgets, shrink before grow, pins, bounds, bad input.
+
+Engines are :class:`SimEngine` stand-ins reporting over the real API; the
+host-memory engines measured from /proc are in test_autopilot_engines.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from autopilot_sim import GiB, SimEngine
+from support import ThreadedSidecar, wait_until
+
+from sidecar import SidecarSettings
+
+DEV = "gpu-0"
+
+
+def _settings(db: Path, **kw: Any) -> SidecarSettings:
+    return SidecarSettings(db_path=db, autopilot_interval_s=0.05, autopilot_busy_hold_s=0.5,
+                           **kw)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ThreadedSidecar]:
+    with ThreadedSidecar(_settings(tmp_path / "s.db")) as s:
+        yield s
+
+
+@pytest.fixture
+def c(server: ThreadedSidecar) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+def _desired(c: httpx.Client, iid: str) -> int | None:
+    limit: int | None = c.get(f"/instances/{iid}").json()["desired"]["limit_bytes"]
+    return limit
+
+
+def _lim(c: httpx.Client, iid: str) -> int:
+    """The desired limit; unlimited reads as more than any budget."""
+    limit = _desired(c, iid)
+    return 1 << 62 if limit is None else limit
+
+
+def _settle(c: httpx.Client, *engines: SimEngine, rounds: int = 100) -> None:
+    """Let the engines follow their limits (apply) until each sits at its target."""
+    for _ in range(rounds):
+        for e in engines:
+            e.sync()
+        dev = c.get(f"/devices/{DEV}").json()
+        if all(m["limit_bytes"] == m["target_bytes"] and m["status"] == "applied"
+               for m in dev["instances"]):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the limits did not settle: {dev}")
+
+
+def test_budget_shares_the_device_and_grows_only_after_the_shrink_is_applied(
+        c: httpx.Client) -> None:
+    a = SimEngine(c, "a", DEV)
+    b = SimEngine(c, "b", DEV, mapped=3 * GiB)  # B's prefix cache holds 3G
+    assert a.register().status_code == 200 and b.register().status_code == 200
+    r = c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
+    assert r.status_code == 200, r.text
+    assert r.json()["budget_bytes"] == 8 * GiB
+    _settle(c, a, b)
+    assert _desired(c, "a") == _desired(c, "b") == 4 * GiB  # idle: an equal split
+    # Load moves to A: B is asked to shrink; A may not grow while B holds its memory.
+    a.pinned, a.waiting = 4 * GiB, 3 * GiB
+    a.sync()
+    wait_until(lambda: _lim(c, "b") < 3 * GiB)
+    for _ in range(10):
+        a.sync()
+        b.sync(apply=False)  # B's pages are still in use: deferred at 3G
+        time.sleep(0.05)
+        assert _lim(c, "a") + b.mapped <= 8 * GiB, "A grew before B applied"
+    b.sync(apply=True)  # B gives its memory back: now A grows
+    wait_until(lambda: (a.sync(), b.sync(), _lim(c, "a") >= 7 * GiB)[2])
+    _settle(c, a, b)
+    dev = c.get(f"/devices/{DEV}").json()
+    assert dev["sum_limits_bytes"] <= 8 * GiB and dev["free_bytes"] >= 0
+    assert {m["id"] for m in dev["instances"]} == {"a", "b"}
+    view = c.get("/instances/a").json()
+    assert view["policy"]["source"] == "policy" and view["policy"]["reason"]
+    assert view["policy"]["device_id"] == DEV and view["policy"]["managed"] is True
+    metrics = c.get("/metrics").text
+    assert 'kvsidecar_limit_changes_total{source="policy"}' in metrics
+    assert "kvsidecar_autopilot_apply_seconds_count" in metrics
+
+
+def test_operator_pin_wins_until_delete(c: httpx.Client) -> None:
+    a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+    a.register(), b.register()
+    a.pinned = b.pinned = 0
+    c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
+    _settle(c, a, b)
+    assert _desired(c, "a") == _desired(c, "b") == 4 * GiB  # idle: an equal split
+    r = c.put("/instances/a/limit", json={"limit": "6G"})
+    assert r.status_code == 200, r.text
+    assert r.json()["policy"]["pinned"] is True
+    _settle(c, a, b)
+    assert _desired(c, "a") == 6 * GiB and _desired(c, "b") == 2 * GiB
+    assert c.get("/instances/a").json()["policy"]["source"] == "operator"
+    b.waiting = 6 * GiB  # B's demand does not move A's pinned limit
+    _settle(c, a, b)
+    assert _desired(c, "a") == 6 * GiB and _desired(c, "b") == 2 * GiB
+    assert c.delete("/instances/a/limit").status_code == 200
+    _settle(c, a, b)
+    assert c.get("/instances/a").json()["policy"]["pinned"] is False
+    assert _lim(c, "b") > 2 * GiB and _lim(c, "a") < 6 * GiB
+    assert _lim(c, "a") + _lim(c, "b") <= 8 * GiB
+    # an unlimited pin on a budgeted device is refused, nothing changed
+    r = c.put("/instances/a/limit", json={"limit": None})
+    assert r.status_code == 409 and "cannot be unlimited" in r.json()["detail"]
+    assert c.get("/instances/a").json()["policy"]["pinned"] is False
+
+
+def test_min_max_and_weight_bound_the_shares(c: httpx.Client) -> None:
+    a, b, d = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV), SimEngine(c, "d", DEV)
+    for e in (a, b, d):
+        e.register()
+    assert c.put("/instances/a/policy", json={"min": "3G"}).status_code == 200
+    assert c.put("/instances/b/policy", json={"max": "1G"}).status_code == 200
+    r = c.put("/instances/d/policy", json={"weight": 3})
+    assert r.status_code == 200 and r.json()["policy"]["weight"] == 3
+    c.put(f"/devices/{DEV}/budget", json={"budget": "9G"})
+    _settle(c, a, b, d)
+    la, lb, ld = (_lim(c, i) for i in ("a", "b", "d"))
+    assert la >= 3 * GiB and lb <= GiB and ld > la - 3 * GiB
+    assert la + lb + ld <= 9 * GiB
+    # null resets a field to its default
+    assert c.put("/instances/b/policy", json={"max": None}).json()["policy"]["max_bytes"] is None
+
+
+def test_bad_input_is_a_clear_4xx_and_changes_nothing(c: httpx.Client) -> None:
+    a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+    a.register(), b.register()
+    c.put("/instances/a/policy", json={"min": "3G"})
+    c.put("/instances/b/policy", json={"min": "3G"})
+    assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+    before = c.get(f"/devices/{DEV}").json()
+
+    r = c.put(f"/devices/{DEV}/budget", json={"budget": "5G"})  # below the sum of mins
+    assert r.status_code == 409 and "below what its instances are promised" in r.json()["detail"]
+    r = c.put("/instances/a/policy", json={"min": "6G"})  # the mins would not fit
+    assert r.status_code == 409
+    r = c.put("/instances/a/policy", json={"min": "2G", "max": "1G"})  # min > max
+    assert r.status_code == 422 and "above max" in r.json()["detail"]
+    r = c.put("/instances/a/policy", json={"weight": -1})
+    assert r.status_code == 422 and "weight" in r.text
+    r = c.put("/instances/a/policy", json={"weight": 0})
+    assert r.status_code == 422
+    assert c.put("/instances/zz/policy", json={"weight": 2}).status_code == 404
+    for method, path, body in (("GET", "/devices/nope", None),
+                               ("PUT", "/devices/nope/budget", {"budget": "1G"}),
+                               ("PUT", "/devices/nope/limits", {"limits": {"a": "1G"}})):
+        r = c.request(method, path, json=body)
+        assert r.status_code == 404 and "KVSIDECAR_DEVICE_ID" in r.json()["detail"], r.text
+    r = c.put(f"/devices/{DEV}/limits", json={"limits": {"a": "1G", "ghost": "1G"}})
+    assert r.status_code == 422 and "ghost" in r.json()["detail"]
+    r = c.put(f"/devices/{DEV}/limits", json={"limits": {"a": "6G", "b": "6G"}})
+    assert r.status_code == 409
+    r = c.put(f"/devices/{DEV}/budget", json={"budget": "-1G"})
+    assert r.status_code == 422
+    r = c.put("/devices/bad id/budget", json={"budget": "1G"})
+    assert r.status_code in (404, 422)
+    # an instance moving devices
+    r = a.register(device="gpu-1")
+    assert r.status_code == 409 and "cannot move devices" in r.json()["detail"]
+    assert c.get("/instances/a").json()["policy"]["device_id"] == DEV
+    after = c.get(f"/devices/{DEV}").json()
+    assert (after["budget_bytes"], after["revision"]) == (before["budget_bytes"], before["revision"])
+    assert [(m["id"], m["pinned"], m["min_bytes"]) for m in after["instances"]] == \
+        [(m["id"], m["pinned"], m["min_bytes"]) for m in before["instances"]]
+    assert "gpu-1" not in [d["id"] for d in c.get("/devices").json()["devices"]]
+
+
+def test_device_limits_are_atomic_and_shrink_first(c: httpx.Client) -> None:
+    a, b = SimEngine(c, "a", DEV, mapped=6 * GiB), SimEngine(c, "b", DEV)
+    a.pinned = 6 * GiB
+    a.register(), b.register()
+    c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
+    _settle(c, a, b)  # A (busy) holds 6G under its policy limit
+    assert a.mapped == 6 * GiB
+    r = c.put(f"/devices/{DEV}/limits", json={"limits": {"a": "2G", "b": "6G"}})
+    assert r.status_code == 200, r.text
+    assert _desired(c, "a") == 2 * GiB
+    for _ in range(8):  # A holds 6G (its requests run): B stays where it fits
+        a.sync(apply=False)
+        b.sync()
+        time.sleep(0.05)
+        assert _lim(c, "b") <= 2 * GiB
+    a.pinned = 0
+    a.sync(apply=True)
+    wait_until(lambda: (b.sync(), _desired(c, "b") == 6 * GiB)[1])
+    view = c.get(f"/devices/{DEV}").json()
+    assert all(m["pinned"] and m["source"] == "operator" for m in view["instances"])
+
+
+def test_dry_run_shows_the_plan_and_writes_nothing(c: httpx.Client) -> None:
+    a, b = SimEngine(c, "a", DEV, mapped=6 * GiB), SimEngine(c, "b", DEV)
+    a.register(), b.register()
+    r = c.put(f"/devices/{DEV}/budget", json={"budget": "8G", "dry_run": True})
+    assert r.status_code == 200 and r.json()["dry_run"] is True
+    wait_until(lambda: c.get(f"/devices/{DEV}").json()["would"] != [])
+    would = {w["instance"]: w for w in c.get(f"/devices/{DEV}").json()["would"]}
+    assert would["a"]["old_bytes"] is None and would["a"]["new_bytes"] <= 8 * GiB
+    assert _desired(c, "a") is None and _desired(c, "b") is None
+    assert c.get("/instances/a").json()["policy"]["managed"] is False
+    r = c.put(f"/devices/{DEV}/budget", json={"budget": "8G", "dry_run": False})
+    assert r.json()["dry_run"] is False
+    wait_until(lambda: _desired(c, "a") is not None)
+
+
+def test_a_dead_engine_is_reassigned_and_fits_on_return(tmp_path: Path) -> None:
+    settings = _settings(tmp_path / "d.db", heartbeat_timeout_s=0.5)
+    with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+        a.register(), b.register()
+        c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
+        a.pinned, b.waiting = 4 * GiB, 8 * GiB  # both busy: 4G each
+        _settle(c, a, b)
+        kept = _desired(c, "a")
+        assert kept == 4 * GiB
+        deadline = time.monotonic() + 10
+        while _lim(c, "b") < 7 * GiB:  # A is silent: unreachable, then reassigned
+            assert time.monotonic() < deadline, c.get(f"/devices/{DEV}").json()
+            b.sync()
+            time.sleep(0.05)
+        assert c.get("/instances/a").json()["status"] == "unreachable"
+        assert _desired(c, "a") == kept  # kept for its return
+        a.mapped = 0
+        assert a.register().status_code == 200  # back: its kept limit no longer fits
+        room = 8 * GiB - max(b.mapped, _lim(c, "b"))
+        assert _lim(c, "a") <= room
+        assert c.get("/instances/a").json()["policy"]["reason"] == "returned_fit"
+
+
+def test_sidecar_restart_mid_change_keeps_the_budget(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    with ThreadedSidecar(_settings(db)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV, mapped=3 * GiB)
+        a.register(), b.register()
+        c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
+        _settle(c, a, b)
+        a.pinned, a.waiting = 4 * GiB, 3 * GiB
+        wait_until(lambda: (a.sync(), b.sync(apply=False), _lim(c, "b") < 3 * GiB)[2])
+    # the sidecar is gone mid-change: B was asked to shrink and still holds 3G
+    with ThreadedSidecar(_settings(db)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a.client = b.client = c
+        assert c.get(f"/devices/{DEV}").json()["budget_bytes"] == 8 * GiB
+        for _ in range(10):
+            a.sync()
+            b.sync(apply=False)
+            time.sleep(0.05)
+            assert _lim(c, "a") + b.mapped <= 8 * GiB
+        b.sync(apply=True)
+        wait_until(lambda: (a.sync(), b.sync(), _lim(c, "a") >= 7 * GiB)[2])
+        assert _lim(c, "a") + _lim(c, "b") <= 8 * GiB

@@ -1,0 +1,58 @@
+"""The autopilot on real ``vllm serve`` engines: ``kvsidecar demo --autopilot --quick``.
+
+Three CPU-harness engines on one budgeted host device, load moving A->B->C,
+against a static equal split. Asserts on ``demo-results.json`` (figures),
+never on printed text; the /proc sum of the engines' KV memory is sampled
+every 50 ms by the demo itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("demo-autopilot")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_TARGET_DEVICE": "cpu",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "demo", "--autopilot", "--quick", "--out", str(out)],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    path = out / "demo-results.json"
+    assert path.exists(), f"no demo-results.json:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return proc.returncode, json.loads(path.read_text())
+
+
+def test_every_check_passes(results: tuple[int, dict[str, Any]]) -> None:
+    code, body = results
+    assert "error" not in body, body.get("error")
+    failed = [c for c in body["autopilot"]["checks"] if not c["ok"]]
+    assert not failed and code == 0
+
+
+def test_budget_held_at_every_proc_sample(results: tuple[int, dict[str, Any]]) -> None:
+    a = results[1]["autopilot"]
+    budget = a["budget_mib"] * (1 << 20)
+    assert len(a["proc_samples"]) > 20
+    for sample in a["proc_samples"]:
+        assert sum(sample["proc_bytes"].values()) <= budget, sample
+
+
+def test_both_runs_report_completion_and_p99(results: tuple[int, dict[str, Any]]) -> None:
+    a = results[1]["autopilot"]
+    for run in ("static_split", "autopilot"):
+        assert a[run]["completion_s"] > 0 and a[run]["p99_latency_s"] > 0
+        assert a[run]["requests"] == 3 * a["per_engine_requests"]

@@ -1,0 +1,64 @@
+"""kvctl's autopilot commands (devices, budget, policy, device-limits) against a real sidecar."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from autopilot_sim import GiB, SimEngine
+from support import ThreadedSidecar, wait_until
+from typer.testing import CliRunner
+
+from sidecar import SidecarSettings
+from sidecar.kvctl import app
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ThreadedSidecar]:
+    with ThreadedSidecar(SidecarSettings(db_path=tmp_path / "s.db",
+                                         autopilot_interval_s=0.05)) as s:
+        yield s
+
+
+def kvctl(server: ThreadedSidecar, *args: str) -> tuple[int, str]:
+    result = runner.invoke(app, ["--url", server.url, *args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result.exit_code, result.output
+
+
+def test_devices_budget_policy_and_device_limits(server: ThreadedSidecar) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        a, b = SimEngine(c, "a", "gpu-0"), SimEngine(c, "b", "gpu-0")
+        a.register(), b.register()
+        code, out = kvctl(server, "devices")
+        assert code == 0 and "gpu-0: budget unlimited" in out and "  a: applied" in out
+        code, out = kvctl(server, "policy", "a", "--min", "1G", "--weight", "2")
+        assert code == 0 and "device gpu-0" in out
+        assert c.get("/instances/a").json()["policy"]["weight"] == 2
+        code, out = kvctl(server, "budget", "gpu-0", "6G")
+        assert code == 0 and "gpu-0: budget 6GiB" in out
+        wait_until(lambda: (a.sync(), b.sync(), 5 * GiB < (
+            c.get("/devices/gpu-0").json()["sum_limits_bytes"] or 1 << 62) <= 6 * GiB)[2])
+        code, out = kvctl(server, "devices", "gpu-0", "--json")
+        assert code == 0 and json.loads(out)["budget_bytes"] == 6 * GiB
+        code, out = kvctl(server, "status", "a")
+        assert "source policy" in out
+        code, out = kvctl(server, "device-limits", "gpu-0", "a=2G", "b=4G")
+        assert code == 0 and "pinned" in out
+        # usage errors and refusals: one line, non-zero, nothing changed
+        code, out = kvctl(server, "budget", "gpu-0", "1G")
+        assert code == 1 and "below what its instances are promised" in out
+        code, out = kvctl(server, "budget", "nope", "1G")
+        assert code == 1 and "not known" in out
+        code, out = kvctl(server, "policy", "a", "--weight", "-1")
+        assert code == 2 and "above 0" in out
+        code, out = kvctl(server, "device-limits", "gpu-0", "a2G")
+        assert code == 2 and "ID=SIZE" in out
+        assert c.get("/devices/gpu-0").json()["budget_bytes"] == 6 * GiB
+        code, out = kvctl(server, "budget", "gpu-0", "none")
+        assert code == 0 and "budget unlimited" in out
