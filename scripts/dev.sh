@@ -10,7 +10,7 @@
 # The virtualenv lives outside the repo, keyed by a hash of everything that
 # decides its contents (requirements/*.txt, pyproject.toml), so CI and later
 # runs reuse it: $KVSIDECAR_CACHE (default ~/.cache/kvsidecar)/venv-<hash>
-# (hash of requirements/*.txt, pyproject.toml and $env_version below).
+# (hash of requirements/*.txt, pyproject's dependency tables and $env_version below).
 # vLLM 0.33 and SGLang 0.5.23 pin CUDA builds of torch 2.14; on a CPU machine
 # we install them --no-deps next to the CPU build of torch 2.13 plus the
 # modules their core imports (requirements/*-cpu.txt). See docs/engines.md.
@@ -22,7 +22,24 @@ py="${PYTHON:-python3}"
 cache="${KVSIDECAR_CACHE:-$HOME/.cache/kvsidecar}"
 # Bump when the install steps in build_env change (edits elsewhere here need no rebuild).
 env_version=3
-key="$( (echo "$env_version"; cat requirements/*.txt pyproject.toml) | sha256sum | cut -c1-16)"
+# Only what decides the environment's contents goes into the key: the
+# requirement files and pyproject's dependency, entry-point and build tables
+# (an edit to the tools' settings in pyproject must not rebuild it).
+env_inputs() {
+    echo "$env_version"
+    cat requirements/*.txt
+    "$py" - <<'PY'
+import json, tomllib
+with open("pyproject.toml", "rb") as f:
+    data = tomllib.load(f)
+project = data.get("project", {})
+keep = {k: project.get(k) for k in ("dependencies", "optional-dependencies", "scripts", "entry-points",
+                                     "requires-python")}
+keep["build-system"] = data.get("build-system")
+print(json.dumps(keep, sort_keys=True))
+PY
+}
+key="$(env_inputs | sha256sum | cut -c1-16)"
 venv="$cache/venv-$key"
 
 # pip, quietly: hides the find-links noise and the resolver's complaints about
@@ -40,6 +57,15 @@ pipi() {
 
 build_env() {
     if [[ -f "$venv/.complete" ]]; then
+        return 0
+    fi
+    # One builder at a time: a second dev.sh started meanwhile waits here,
+    # then finds the environment complete.
+    mkdir -p "$cache"
+    exec 9>"$cache/.build-$key.lock"
+    flock 9
+    if [[ -f "$venv/.complete" ]]; then
+        exec 9>&-
         return 0
     fi
     echo "kvsidecar: building the environment in $venv (first run only, a few minutes)" >&2
@@ -63,6 +89,7 @@ prepare_cpu_imports()
 import sglang.srt.mem_cache.radix_cache, sglang.srt.mem_cache.unified_radix_cache" || {
         echo "kvsidecar: vLLM/SGLang do not import on CPU; see requirements/engines-cpu.txt" >&2; exit 1; }
     touch "$venv/.complete"
+    exec 9>&-
 }
 
 # Debian's docker-compose (1.29) validates compose/*.yml in the tests; no
