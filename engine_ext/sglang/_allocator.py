@@ -49,6 +49,8 @@ import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.utils.common import get_num_new_pages
 
+from .._hit_window import PrefixHitWindow
+
 if TYPE_CHECKING:
     from allocator import BlockAllocator
 
@@ -95,6 +97,8 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         self.num_decode_shortages = 0  # decode capacity checks that failed (SGLang retracts)
         # demand, refreshed by each admission round (see ElasticPrefillBudget.check_prefill)
         self.refused_tokens = 0  # tokens of the request admission just refused (0: none)
+        self.refused_input_tokens = 0  # ... its sequence length (to find it in the queue)
+        self.hits = PrefixHitWindow()  # prefix_hit_rate: accepted admissions' cache hits
         size = (blocks.num_blocks - 1) * page_size
         # need_sort (PD staging) is not used: freed pages go back to the block allocator at once.
         super().__init__(size, page_size, dtype, device, kvcache, need_sort=False)
@@ -188,6 +192,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         from ._budget import ElasticPrefillBudget
 
         self.refused_tokens = 0
+        self.refused_input_tokens = 0
         return ElasticPrefillBudget(self, tree_cache,
                                     num_mixed_decode_tokens=num_mixed_decode_tokens)
 

@@ -18,7 +18,10 @@ class ElasticPrefillBudget(PrefillBudget):  # type: ignore[misc]
     """SGLang's ``PrefillBudget`` over :meth:`ElasticTokenAllocator.admission_tokens`.
 
     Records the request admission refused (the demand probe reports it as
-    waiting for memory). Scheduler thread; one admission round.
+    waiting for memory) and, for an accepted one, its prefix-cache hit
+    (``prefix_hit_rate``: ``input_tokens - extend_input_len`` of its
+    ``input_tokens`` came from the tree cache). Scheduler thread; one
+    admission round.
     """
 
     def _available_and_evictable(self) -> int:
@@ -26,6 +29,11 @@ class ElasticPrefillBudget(PrefillBudget):  # type: ignore[misc]
 
     def check_prefill(self, **kwargs: Any) -> tuple[bool, int | None]:
         verdict: tuple[bool, int | None] = super().check_prefill(**kwargs)
+        allocator = self.allocator
+        input_tokens = int(kwargs["input_tokens"])
         if not verdict[0]:
-            self.allocator.refused_tokens = int(kwargs["total_tokens"])
+            allocator.refused_tokens = int(kwargs["total_tokens"])
+            allocator.refused_input_tokens = input_tokens
+        else:
+            allocator.hits.record(input_tokens - int(kwargs["extend_input_len"]), input_tokens)
         return verdict

@@ -119,20 +119,32 @@ class SglangRuntime:
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
 
     def demand(self) -> Demand:
-        """The demand probe (scheduler thread, O(1)): queue lengths and the allocator's
-        counters. ``waiting_for_memory``: the last admission round refused a request
-        for memory while a limit is set; ``waiting_blocks`` is what that request needs."""
+        """The demand probe (scheduler thread): queue lengths and the allocator's counters.
+
+        ``waiting_for_memory``: the last admission round refused a request for
+        memory while a limit is set. ``waiting_blocks`` then covers every waiting
+        request: the refused one's budget (its prompt less its prefix hit, plus
+        the decode headroom SGLang reserves) and every other one's whole sequence
+        (their hits are looked up only when they reach the budget: an upper bound).
+        O(1) unless a request was refused; then O(waiting).
+        """
         scheduler, allocator = self.scheduler, self.allocator
         waiting = _num_waiting(scheduler)
         refused = allocator.refused_tokens if waiting else 0
         pages = allocator.blocks.pages
         limited = pages.target_pages is not None and pages.target_pages < pages.num_pages
+        blocks = 0
+        if refused:
+            page = allocator.page_size
+            blocks = -(-refused // page) + _queued_pages(scheduler, page) \
+                - -(-allocator.refused_input_tokens // page)
         return Demand(
             num_running_requests=_num_running(scheduler),
             num_waiting_requests=waiting,
-            waiting_blocks=-(-refused // allocator.page_size),
+            waiting_blocks=max(0, blocks),
             waiting_for_memory=bool(refused and limited),
             num_preemptions=allocator.num_decode_shortages,
+            prefix_hit_rate=allocator.hits.rate,
         )
 
     def _step(self) -> EngineState:
@@ -179,6 +191,20 @@ def _num_waiting(scheduler: Any) -> int:
     if queue is None:
         queue = getattr(scheduler, "waiting", ())  # the CPU harness
     return len(queue)
+
+
+def _queued_pages(scheduler: Any, page_size: int) -> int:
+    """Pages the whole sequences of every waiting request span (O(waiting))."""
+    queue: Any = getattr(scheduler, "waiting_queue", None)
+    if queue is None:
+        queue = getattr(scheduler, "waiting", ())
+    total = 0
+    for req in queue:
+        tokens = getattr(req, "tokens", None)  # the CPU harness
+        n = len(tokens) if tokens is not None else \
+            len(req.origin_input_ids) + len(req.output_ids)  # SGLang's Req
+        total += -(-n // page_size)
+    return total
 
 
 def _num_running(scheduler: Any) -> int:

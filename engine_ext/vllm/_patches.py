@@ -101,6 +101,20 @@ def _allocate_slots(original: Callable[..., Any], _: object) -> Callable[..., An
     return allocate_slots
 
 
+def _preempt_request(original: Callable[..., Any], _: object) -> Callable[..., Any]:
+    def preempt_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from engine_ext.vllm._runtime import current_runtime
+
+        result = original(self, *args, **kwargs)
+        runtime = current_runtime()
+        if runtime is not None:
+            runtime.preempted()  # after the original: a refused preemption is not counted
+        return result
+
+    preempt_request.__wrapped__ = original  # type: ignore[attr-defined]
+    return preempt_request
+
+
 def _refuse_dp_busy_loop(original: Callable[..., Any], _: object) -> Callable[..., Any]:
     def run_busy_loop(self: Any) -> Any:
         from engine_ext.vllm._runtime import current_runtime
@@ -153,6 +167,10 @@ PATCHES: tuple[Patch, ...] = (
         "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", _V033, _allocate_slots,
         "liveness: a RUNNING request's blocks may go above the target (never preempted by a "
         "limit); admissions the limit keeps out are reported as waiting_for_memory",
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler:Scheduler._preempt_request", _V033, _preempt_request,
+        "num_preemptions: every preemption vLLM makes, counted exactly (the demand fields)",
     ),
     Patch(
         "vllm.v1.engine.core:DPEngineCoreProc.run_busy_loop", _V033, _refuse_dp_busy_loop,

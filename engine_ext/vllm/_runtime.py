@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_ext._coordinator import Demand
 from engine_ext._errors import EngineExtConfigError
+from engine_ext._hit_window import PrefixHitWindow
 from engine_ext.protocol import DeferReason, EngineState, Status
 from engine_ext.vllm._block_pool import PoolBacking
 from engine_ext.vllm._kv_memory import claim_kv_memory
@@ -81,8 +82,9 @@ class VllmRuntime:
         self._arm_lock = threading.Lock()
         self._last_mapped = -1
         self._scheduler: Any = None  # vLLM's Scheduler, seen at the first schedule()
-        self._refused_blocks = 0  # blocks the admission the limit kept out needed (this step)
-        self._num_preemptions = 0  # running requests vLLM could not extend (it preempts)
+        self._refused_blocks = 0  # blocks the waiting requests need (set when one is refused)
+        self._num_preemptions = 0  # Scheduler._preempt_request calls (exact, patched)
+        self._hits = PrefixHitWindow()  # prefix_hit_rate over the last admissions
 
     # -- construction (EngineCore main thread) -------------------------------------
     def build_backing(self, pool: ElasticBlockPool, num_gpu_blocks: int) -> PoolBacking:
@@ -210,16 +212,38 @@ class VllmRuntime:
             pool.overdraft = False
             pool.in_schedule = was_in_schedule
         if result is None:
-            if running:
-                self._num_preemptions += 1
-            elif pool.blocks_target() is not None:
-                self._refused_blocks = _blocks_needed(request, args, kwargs, pool.hash_block_size)
+            if not running and pool.blocks_target() is not None:
+                self._refused_blocks = self._waiting_blocks(request, args, kwargs,
+                                                            pool.hash_block_size)
+        elif not running:  # an admission: its prefix lookup feeds prefix_hit_rate
+            self._hits.record(_hit_tokens(args, kwargs), int(request.num_tokens))
         return result
+
+    def preempted(self) -> None:
+        """``Scheduler._preempt_request`` (patched): one running request went back to waiting."""
+        self._num_preemptions += 1
+
+    def _waiting_blocks(self, refused: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        block_tokens: int) -> int:
+        """Blocks every waiting request needs to start, at a refused admission.
+
+        The refused request: its whole sequence less its prefix hits (known from
+        the lookup just made). Every other waiting request: its whole sequence
+        (its hits are not looked up until it reaches the head: an upper bound).
+        O(waiting), once per scheduler step at most (vLLM stops admitting at the
+        first refusal).
+        """
+        total = _blocks_needed(refused, args, kwargs, block_tokens)
+        sched = self._scheduler
+        for request in getattr(sched, "waiting", ()) if sched is not None else ():
+            if request is not refused:
+                total += -(-int(request.num_tokens) // block_tokens)
+        return total
 
     def _demand(self) -> Demand:
         sched = self._scheduler
         if sched is None:
-            return Demand(num_preemptions=self._num_preemptions)
+            return Demand(num_preemptions=self._num_preemptions, prefix_hit_rate=self._hits.rate)
         waiting = len(sched.waiting) + len(getattr(sched, "kv_holding_waiting", ()))
         refused = self._refused_blocks if waiting else 0
         return Demand(
@@ -228,6 +252,7 @@ class VllmRuntime:
             waiting_blocks=refused,
             waiting_for_memory=refused > 0,
             num_preemptions=self._num_preemptions,
+            prefix_hit_rate=self._hits.rate,
         )
 
     # -- PoolHooks (busy-loop thread) ------------------------------------------------
@@ -294,6 +319,11 @@ def _running_status() -> Any:
 
         _RUNNING = RequestStatus.RUNNING
     return _RUNNING
+
+
+def _hit_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """``allocate_slots``' ``num_new_computed_tokens``: the local prefix-cache hit."""
+    return int(args[1]) if len(args) > 1 else int(kwargs.get("num_new_computed_tokens", 0))
 
 
 def _blocks_needed(request: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -1,0 +1,148 @@
+"""The demand fields the autopilot reads, on vLLM's real ``EngineCore`` (CPU stub executor).
+
+Each figure is checked against an oracle the adapter does not compute:
+``prefix_hit_rate`` against the hit tokens vLLM's own block hashing implies
+(whole cached blocks of a shared document), ``num_preemptions`` against
+vLLM's per-request ``Request.num_preemptions`` counters, ``waiting_bytes``
+against the blocks every waiting request's tokens span.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
+
+from test_engine_core_limits import (  # noqa: E402 -- after the importorskip
+    BLOCK_TOKENS,
+    build_core,
+    in_foreign_thread,
+    make_request,
+    plugin_env,
+)
+
+from engine_ext._hit_window import HIT_WINDOW_ADMISSIONS, PrefixHitWindow  # noqa: E402
+from engine_ext.vllm import _runtime  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+__all__ = ["plugin_env"]  # the fixture, re-exported for pytest
+
+
+def _runtime_parts() -> tuple[Any, Any]:
+    runtime = _runtime.current_runtime()
+    assert runtime is not None and runtime.instance is not None and runtime.pool is not None
+    return runtime, runtime.instance
+
+
+def _drain(core: Any, limit: int = 2000) -> dict[str, int]:
+    done: dict[str, int] = {}
+    for _ in range(limit):
+        outputs, _ = core.step()
+        for client_outputs in outputs.values():
+            for out in client_outputs.outputs:
+                done[out.request_id] = done.get(out.request_id, 0) + len(out.new_token_ids)
+        if not core.scheduler.has_requests():
+            return done
+    raise AssertionError(f"requests still running after {limit} steps")
+
+
+def test_prefix_hit_rate_is_hit_tokens_over_looked_up_tokens(plugin_env: Path) -> None:
+    core = build_core(plugin_env)
+    _runtime_parts()
+    rng = random.Random(11)
+    try:
+        assert core.scheduler is not None
+        _, instance = _runtime_parts()
+        assert instance.state().prefix_hit_rate is None  # no admission yet
+        doc = [rng.randrange(10, 3000) for _ in range(100)]  # 6 whole blocks + 4 tokens
+        core.add_request(*core.preprocess_add_request(make_request("cold", doc + [7], 2)))
+        _drain(core)
+        assert instance.state().prefix_hit_rate == 0.0  # the first lookup hits nothing
+        looked_up, hit = len(doc) + 1, 0
+        for i, tail in enumerate((5, 40, 1)):
+            prompt = doc + [rng.randrange(10, 3000) for _ in range(tail)]
+            core.add_request(*core.preprocess_add_request(make_request(f"warm{i}", prompt, 2)))
+            _drain(core)
+            looked_up += len(prompt)
+            hit += len(doc) // BLOCK_TOKENS * BLOCK_TOKENS  # the document's whole blocks
+            assert instance.state().prefix_hit_rate == pytest.approx(hit / looked_up)
+    finally:
+        core.shutdown()
+
+
+def test_prefix_hit_window_keeps_the_last_admissions_only() -> None:
+    window = PrefixHitWindow(4)
+    assert window.rate is None
+    for _ in range(10):
+        window.record(0, 100)  # cold admissions, then pushed out
+    for _ in range(4):
+        window.record(90, 100)
+    assert window.rate == pytest.approx(0.9) and len(window) == 4
+    window.record(500, 100)  # more hits than looked up: clamped
+    window.record(5, 0)  # nothing looked up: ignored
+    assert window.rate == pytest.approx((3 * 90 + 100) / 400)
+    with pytest.raises(ValueError, match="at least one admission"):
+        PrefixHitWindow(0)
+    assert HIT_WINDOW_ADMISSIONS >= 1
+
+
+def test_num_preemptions_equals_vllms_own_per_request_counts(plugin_env: Path) -> None:
+    """A reservation too small for the batch: vLLM preempts; every preemption is counted."""
+    # 8 pages of 4 blocks: 31 usable blocks of 16 tokens, for 5 requests of up to 13 blocks
+    core = build_core(plugin_env, 8, max_model_len=256)
+    rng = random.Random(5)
+    try:
+        _, instance = _runtime_parts()
+        requests: dict[str, Any] = {}
+        for i in range(5):
+            prompt = [rng.randrange(10, 3000) for _ in range(rng.randrange(40, 90))]
+            core.add_request(*core.preprocess_add_request(make_request(f"p{i}", prompt, 120)))
+            requests[f"p{i}"] = core.scheduler.requests[f"p{i}"]
+        done = _drain(core, 5000)
+        assert all(done[r] == 120 for r in requests)
+        vllm_count = sum(r.num_preemptions for r in requests.values())
+        assert vllm_count > 0  # the scenario really preempts
+        assert instance.state().num_preemptions == vllm_count
+    finally:
+        core.shutdown()
+
+
+def test_waiting_bytes_cover_every_waiting_request(
+    plugin_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 2-page limit, A running: B and C wait; waiting_bytes is what B and C need."""
+    page_bytes = 64 << 10  # 16 blocks per page
+    monkeypatch.setenv("KVSIDECAR_PAGE_BYTES", str(page_bytes))
+    core = build_core(plugin_env, 64, page_bytes=page_bytes, max_model_len=4096)
+    rng = random.Random(8)
+    try:
+        _, instance = _runtime_parts()
+        bundle = instance.state().page_bundle_bytes
+        block_bytes = bundle // 16
+        a = [rng.randrange(10, 3000) for _ in range(300)]
+        core.add_request(*core.preprocess_add_request(make_request("A", a, 400)))
+        core.step()
+        in_foreign_thread(lambda: instance.set_limit(2 * bundle))
+        b = [rng.randrange(10, 3000) for _ in range(700)]
+        c = [rng.randrange(10, 3000) for _ in range(333)]
+        core.add_request(*core.preprocess_add_request(make_request("B", b, 4)))
+        core.add_request(*core.preprocess_add_request(make_request("C", c, 4)))
+        for _ in range(3):
+            core.step()
+        state = instance.state()
+        assert state.num_running_requests == 1 and state.num_waiting_requests == 2
+        assert state.waiting_reason == "waiting_for_memory"
+        expected = (-(-len(b) // BLOCK_TOKENS) + -(-len(c) // BLOCK_TOKENS)) * block_bytes
+        assert state.waiting_bytes == expected
+        assert state.pinned_bytes >= bundle  # A's blocks are held by a running request
+        in_foreign_thread(lambda: instance.set_limit(None))
+        done = _drain(core, 3000)
+        assert done["B"] == 4 and done["C"] == 4
+        state = instance.state()
+        assert state.waiting_reason is None and state.waiting_bytes == 0
+    finally:
+        core.shutdown()
