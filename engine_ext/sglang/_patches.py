@@ -26,6 +26,8 @@ target                                                        what the wrapper a
                                                               pdmux, PD role switch, PP,
                                                               disaggregation loops)
 ``Scheduler.get_next_batch_to_run``                           coordinator pass before admission
+``Scheduler.process_batch_result``                            record the unmap fence (GPU unmaps
+                                                              wait on that event, not a sync)
 ``Scheduler.on_idle``                                         pass when a limit is pending; leak
                                                               check total synced
 ===========================================================  =================================
@@ -130,6 +132,19 @@ def _wrap_next_batch(original: Any, session: Session) -> Any:
     return get_next_batch_to_run
 
 
+def _wrap_process_batch_result(original: Any, session: Session) -> Any:
+    from ._runtime import pool_of
+
+    @functools.wraps(original)
+    def process_batch_result(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pool = pool_of(self)
+        if pool is not None:
+            pool.after_batch()  # first: processing the result frees blocks
+        return original(self, *args, **kwargs)
+
+    return process_batch_result
+
+
 def _wrap_on_idle(original: Any, session: Session) -> Any:
     from ._runtime import runtime_of
 
@@ -214,6 +229,9 @@ PATCHES: tuple[Patch, ...] = (
           "attach the SglangRuntime once the tree cache exists; refuse unsupported set-ups"),
     Patch(f"{_SCHED}:Scheduler.get_next_batch_to_run", V0_5_23, _wrap_next_batch,
           "a coordinator pass before admission"),
+    Patch(f"{_SCHED}:Scheduler.process_batch_result", V0_5_23, _wrap_process_batch_result,
+          "record the unmap fence after each batch: GPU unmaps wait on that event, not on a "
+          "device-wide sync (allocator.UnmapFence)"),
     Patch(f"{_SCHED}:Scheduler.on_idle", V0_5_23, _wrap_on_idle,
           "a pass when a limit is pending; leak-check total synced"),
 )

@@ -61,6 +61,9 @@ class SglangRuntime:
         self.reclaimer = reclaimer
         self.waker: PipeWaker | None = None  # wakes --sleep-on-idle polls on publish
         self._stepped = False
+        # GPU: the fence the KV backend's unmaps wait on (allocator.FencedBackend, placed by
+        # _kv_placement); recorded after each batch (after_batch). None: no ordering needed.
+        self.fence: Any = getattr(allocator.blocks.pages.backend, "fence", None)
 
     @classmethod
     def attach(cls, scheduler: Any, settings: EngineSettings, *, engine_version: str,
@@ -117,6 +120,26 @@ class SglangRuntime:
                 and self._drain_padding_page():
             self._step()  # page 0 unmapped: recompute the status
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
+
+    def after_batch(self) -> None:
+        """``Scheduler.process_batch_result`` (patched), before it frees anything: record
+        the unmap fence, so later unmaps wait on the work launched so far rather than on a
+        device-wide sync (allocator.UnmapFence).
+
+        SGLang's overlap loop launches forwards on ``forward_stream`` (the batch after
+        this one may be running there now): the event is recorded on that stream.
+        """
+        fence = self.fence
+        if fence is None:
+            return
+        stream = getattr(self.scheduler, "forward_stream", None)
+        if stream is None:
+            fence.record()
+            return
+        import torch
+
+        with torch.cuda.stream(stream):
+            fence.record()
 
     def demand(self) -> Demand:
         """The demand probe (scheduler thread): queue lengths and the allocator's counters.

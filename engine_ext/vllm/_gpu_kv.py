@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from allocator import CudaBackend, HostBackend, PageLayout
+    from allocator import CudaBackend, HostBackend, PageLayout, UnmapFence
 
     ReservedBackend = CudaBackend | HostBackend
 
@@ -325,11 +325,12 @@ def _prime_warmup(primed: PrimedBackend, pages: int, empty_cache: Callable[[], N
             "limits of the other engines on this GPU (docs/overcommit.md)") from exc
 
 
-def _cuda_synchronize(device: torch.device) -> Callable[[], None]:
-    """The unmap fence's wait (allocator.UnmapFence: device sync until the runner records)."""
+def _cuda_fence(device: torch.device) -> UnmapFence:
+    """The unmap fence (allocator.UnmapFence): a device sync until the runtime records
+    after a forward pass (``Scheduler.update_from_output``), an event wait from then on."""
     from allocator import torch_unmap_fence
 
-    return torch_unmap_fence(device).wait
+    return torch_unmap_fence(device)
 
 
 def warmup_pages(geometry: KvGeometry, warmup_blocks: int | None) -> int:
@@ -406,7 +407,10 @@ def allocate_on_reservation(
                       f"({plan})")  # fmt: skip
     backend = reserve(geometry.layout, device)
     try:
-        primed = PrimedBackend(backend, synchronize or _cuda_synchronize(device))
+        fence = None if synchronize is not None else _cuda_fence(device)
+        wait = synchronize if fence is None else fence.wait
+        assert wait is not None
+        primed = PrimedBackend(backend, wait)
         _prime_warmup(primed, warmup_pages(geometry, warmup_blocks), empty_cache)
         raw = backend.tensor().view(torch.int8)
         tensor = config.kv_cache_tensors[0]
@@ -417,7 +421,8 @@ def allocate_on_reservation(
     except BaseException:
         backend.release()
         raise
-    publish_kv_memory(KVMemory(primed, geometry.layout, geometry.block_bytes, config.num_blocks))
+    publish_kv_memory(KVMemory(primed, geometry.layout, geometry.block_bytes, config.num_blocks,
+                               fence=fence))
     _log.info("kvsidecar: KV cache of %d blocks x %d layers on a reservation of %d pages of %d "
               "bytes (%d blocks/page); %d pages mapped for the warm-up until the block pool "
               "takes over", config.num_blocks, len(geometry.layer_names), geometry.num_pages,

@@ -101,6 +101,19 @@ def _allocate_slots(original: Callable[..., Any], _: object) -> Callable[..., An
     return allocate_slots
 
 
+def _update_from_output(original: Callable[..., Any], _: object) -> Callable[..., Any]:
+    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from engine_ext.vllm._runtime import current_runtime
+
+        runtime = current_runtime()
+        if runtime is not None:
+            runtime.after_forward()  # first: the original frees blocks (unmaps may follow)
+        return original(self, *args, **kwargs)
+
+    update_from_output.__wrapped__ = original  # type: ignore[attr-defined]
+    return update_from_output
+
+
 def _preempt_request(original: Callable[..., Any], _: object) -> Callable[..., Any]:
     def preempt_request(self: Any, *args: Any, **kwargs: Any) -> Any:
         from engine_ext.vllm._runtime import current_runtime
@@ -167,6 +180,11 @@ PATCHES: tuple[Patch, ...] = (
         "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", _V033, _allocate_slots,
         "liveness: a RUNNING request's blocks may go above the target (never preempted by a "
         "limit); admissions the limit keeps out are reported as waiting_for_memory",
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output", _V033, _update_from_output,
+        "device ordering: record the unmap fence after each forward pass, so GPU unmaps wait "
+        "on that event, not on a device-wide sync (allocator.UnmapFence)",
     ),
     Patch(
         "vllm.v1.core.sched.scheduler:Scheduler._preempt_request", _V033, _preempt_request,

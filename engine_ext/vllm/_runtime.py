@@ -85,6 +85,7 @@ class VllmRuntime:
         self._refused_blocks = 0  # blocks the waiting requests need (set when one is refused)
         self._num_preemptions = 0  # Scheduler._preempt_request calls (exact, patched)
         self._hits = PrefixHitWindow()  # prefix_hit_rate over the last admissions
+        self._fence: Any = None  # allocator.UnmapFence of a GPU reservation (None on CPU)
 
     # -- construction (EngineCore main thread) -------------------------------------
     def build_backing(self, pool: ElasticBlockPool, num_gpu_blocks: int) -> PoolBacking:
@@ -121,6 +122,7 @@ class VllmRuntime:
                               guard=guard)  # fmt: skip
         blocks = BlockAllocator(pages, memory.blocks_per_page, guard=guard)
         self.pool = pool
+        self._fence = memory.fence
         binding = EngineBinding(
             engine="vllm", engine_version=vllm.__version__, blocks=blocks,
             reclaimers=(PoolReclaimer(pool),), wake=self.wake,
@@ -218,6 +220,14 @@ class VllmRuntime:
         elif not running:  # an admission: its prefix lookup feeds prefix_hit_rate
             self._hits.record(_hit_tokens(args, kwargs), int(request.num_tokens))
         return result
+
+    def after_forward(self) -> None:
+        """``Scheduler.update_from_output`` (patched), before it frees anything: the
+        forward pass whose output it holds was launched, so later unmaps wait on an
+        event recorded now instead of a device-wide sync (allocator.UnmapFence)."""
+        fence = self._fence
+        if fence is not None:
+            fence.record()
 
     def preempted(self) -> None:
         """``Scheduler._preempt_request`` (patched): one running request went back to waiting."""

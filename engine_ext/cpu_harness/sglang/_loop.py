@@ -236,8 +236,10 @@ class CpuHarness:
             if self.at_point is not None:
                 self.at_point("admitted")
             self._prefill(admitted)
+            self.pool.after_batch()  # Scheduler.process_batch_result (patched)
         elif self.running:
             self._decode()
+            self.pool.after_batch()
         else:
             self.on_idle()  # requests wait for memory: a batch-less iteration
 

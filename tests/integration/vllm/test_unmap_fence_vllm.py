@@ -1,0 +1,110 @@
+"""The unmap fence on vLLM's real ``EngineCore``: recorded after every forward pass, and
+every unmap waits on the recorded event, never on a device-wide sync.
+
+The CPU reservation is wrapped the way the GPU path wraps its CudaBackend
+(``FencedBackend`` over an ``UnmapFence``); the event is a stand-in that logs
+when it is recorded and waited on, and what the kernel reports mapped then.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
+
+from test_engine_core_limits import (  # noqa: E402 -- after the importorskip
+    build_core,
+    in_foreign_thread,
+    make_request,
+    plugin_env,
+)
+
+from allocator import FencedBackend, UnmapFence  # noqa: E402
+from engine_ext.vllm import _runtime  # noqa: E402
+from engine_ext.vllm._kv_memory import claim_kv_memory  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+__all__ = ["plugin_env"]
+
+
+class _Event:
+    """A device event stand-in: logs record/synchronize with the bytes mapped at that time."""
+
+    def __init__(self, backend: Any, log: list[tuple[str, int]]) -> None:
+        self._backend, self._log = backend, log
+
+    def record(self) -> None:
+        self._log.append(("record", self._backend.mapped_bytes()))
+
+    def synchronize(self) -> None:
+        self._log.append(("wait", self._backend.mapped_bytes()))
+
+
+def test_fence_recorded_every_step_and_unmaps_wait_on_it(
+    plugin_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log: list[tuple[str, int]] = []
+    unmapped: list[int] = []
+    made: list[UnmapFence] = []
+
+    def claim() -> Any:
+        memory = claim_kv_memory()
+        assert memory is not None
+        inner = memory.backend
+        fence = UnmapFence(lambda: _Event(inner, log), lambda: log.append(("device-sync", 0)))
+        memory.backend = FencedBackend(inner, fence)
+        memory.fence = fence
+        made.append(fence)
+        original = inner.unmap_many
+
+        def unmap_many(pages: Any) -> None:  # after the fence's wait, in the log's order
+            unmapped.extend(pages)
+            log.append(("unmap", inner.mapped_bytes()))
+            original(pages)
+
+        inner.unmap_many = unmap_many
+        return memory
+
+    monkeypatch.setattr(_runtime, "claim_kv_memory", claim)
+    core = build_core(plugin_env)
+    runtime = _runtime.current_runtime()
+    assert runtime is not None and runtime.instance is not None and made
+    fence, instance = made[0], runtime.instance
+    bundle = instance.state().page_bundle_bytes
+    rng = random.Random(4)
+    stepped = 0
+    try:
+        docs = [[rng.randrange(10, 3000) for _ in range(rng.randrange(40, 200))] for _ in range(6)]
+        for i in range(60):
+            if i % 3 == 0:
+                tokens = rng.choice(docs) + [rng.randrange(10, 3000) for _ in range(5)]
+                core.add_request(*core.preprocess_add_request(
+                    make_request(f"r{i}", tokens, rng.randrange(1, 20))))  # fmt: skip
+            if i % 7 == 3:  # shrink from the control thread: cached pages are unmapped
+                limit = max(0, instance.state().mapped_bytes - 2 * bundle)
+                in_foreign_thread(lambda limit=limit: instance.set_limit(limit))
+            if i % 7 == 6:
+                in_foreign_thread(lambda: instance.set_limit(None))
+            if core.scheduler.has_requests():
+                stepped += 1
+            core.step()
+        while core.scheduler.has_requests():
+            stepped += 1
+            core.step()
+        in_foreign_thread(lambda: instance.set_limit(0))
+        runtime.safe_point()  # idle: the cached pages go too
+    finally:
+        core.shutdown()
+    records = [entry for entry in log if entry[0] == "record"]
+    assert len(records) == stepped > 0  # once per step that ran the scheduler's output
+    assert unmapped  # the limits unmapped pages
+    assert ("device-sync", 0) not in log  # every unmap waited on the event, none synced
+    assert fence.device_syncs == 0 and fence.waits_on_event > 0
+    for index, (what, mapped) in enumerate(log):
+        if what == "unmap":  # the wait (or an earlier one with no record since) came first
+            before = [w for w, _ in log[:index] if w in ("record", "wait")]
+            assert before and before[-1] == "wait", log[max(0, index - 4): index + 1]
