@@ -39,6 +39,8 @@ class Demand:
     # the limit keeps at least one waiting request out (not the engine's own batch caps)
     waiting_for_memory: bool = False
     num_preemptions: int = 0  # since start
+    # the device (not the limit) refused the pages an admission needed
+    device_out_of_memory: bool = False
     prefix_hit_rate: float | None = None  # recent window, None = no lookups yet
 
 
@@ -224,7 +226,9 @@ class ShrinkCoordinator:
             "num_waiting_requests": demand.num_waiting_requests,
             "waiting_bytes": demand.waiting_blocks * self._block_bytes,
             "waiting_reason": (
-                WaitReason.WAITING_FOR_MEMORY.value if demand.waiting_for_memory else None
+                WaitReason.WAITING_FOR_MEMORY.value if demand.waiting_for_memory
+                else WaitReason.DEVICE_OUT_OF_MEMORY.value if demand.device_out_of_memory
+                else None
             ),
             "num_preemptions": demand.num_preemptions,
             "prefix_hit_rate": demand.prefix_hit_rate,

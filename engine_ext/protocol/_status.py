@@ -46,6 +46,9 @@ class WaitReason(str, Enum):
     """Why waiting requests do not start (``EngineState.waiting_reason``; docs/limits.md)."""
 
     WAITING_FOR_MEMORY = "waiting_for_memory"  # the limit keeps a waiting request out
+    # the device could not back the pages an admission needed (other engines hold the
+    # memory): the request waits, as under a limit, until memory is free again
+    DEVICE_OUT_OF_MEMORY = "device_out_of_memory"
 
 
 class InstanceReason(str, Enum):

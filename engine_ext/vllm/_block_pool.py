@@ -42,9 +42,14 @@ if TYPE_CHECKING:
     from allocator import BlockAllocator, ThreadGuard
     from engine_ext import LimitMailbox
 
-__all__ = ["ElasticBlockPool", "PoolBacking", "PoolHooks"]
+__all__ = ["DeviceFullError", "ElasticBlockPool", "PoolBacking", "PoolHooks"]
 
 _log = logging.getLogger("engine_ext.vllm.block_pool")
+
+
+class DeviceFullError(ValueError):
+    """``get_new_blocks``: the device could not back a page (a ``ValueError``, as vLLM's
+    own "cannot get free blocks"); the ``allocate_slots`` wrapper turns it into a refusal."""
 
 
 class PoolHooks(Protocol):
@@ -128,6 +133,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             fresh = self._fresh_free = self._blocks.num_free_blocks
         return fresh + int(self.free_block_queue.num_free_blocks)
 
+    def device_full(self) -> bool:
+        """A map found the device out of memory a moment ago (allocator's ``device_full``)."""
+        return bool(self._blocks.pages.device_full)
+
     def blocks_target(self) -> int | None:
         """The allocator's page target (None = unlimited)."""
         return self._blocks.pages.target_pages
@@ -180,8 +189,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             ids = self._blocks.alloc(num_fresh)
             if ids is None:  # the device had no memory for a new page (docs/overcommit.md)
                 if num_blocks - self._blocks.num_free_blocks > self.free_block_queue.num_free_blocks:
-                    raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: the "
-                                     "device is out of memory (lower another engine's limit)")
+                    raise DeviceFullError(f"Cannot get {num_blocks} free blocks from the pool: "
+                                          "the device is out of memory (lower another engine's "
+                                          "limit)")
                 return self.get_new_blocks(num_blocks)  # the headroom is what is mapped now
             all_blocks = self.blocks
             ret = [all_blocks[i] for i in ids]
@@ -189,7 +199,13 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             ret = []
         self._fresh_free = fresh_free - num_fresh  # alloc(k) lowers the free count by k
         if num_over:
-            ret.extend(self._alloc_over_target(num_over))
+            try:
+                ret.extend(self._alloc_over_target(num_over))
+            except DeviceFullError:  # give the fresh blocks back (no leak)
+                if ret:
+                    self._fresh_free = -1
+                    self._blocks.free([block.block_id for block in ret])
+                raise
         if num_reused:  # evictable blocks, least recently used first (vLLM's order)
             reused = self.free_block_queue.popleft_n(num_reused)
             for block in reused:
@@ -223,7 +239,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         finally:
             pages.set_target(saved)
         if ids is None:
-            raise ValueError(f"Cannot get {count} blocks: the KV memory is full")
+            raise DeviceFullError(f"Cannot get {count} blocks: the device is out of memory")
         self._cleanup_due = True  # pages were retired: evict cached blocks on them later
         all_blocks = self.blocks
         return [all_blocks[i] for i in ids]

@@ -38,7 +38,7 @@ from engine_ext._coordinator import Demand
 from engine_ext._errors import EngineExtConfigError
 from engine_ext._hit_window import PrefixHitWindow
 from engine_ext.protocol import DeferReason, EngineState, Status
-from engine_ext.vllm._block_pool import PoolBacking
+from engine_ext.vllm._block_pool import DeviceFullError, PoolBacking
 from engine_ext.vllm._kv_memory import claim_kv_memory
 
 if TYPE_CHECKING:
@@ -83,6 +83,7 @@ class VllmRuntime:
         self._last_mapped = -1
         self._scheduler: Any = None  # vLLM's Scheduler, seen at the first schedule()
         self._refused_blocks = 0  # blocks the waiting requests need (set when one is refused)
+        self._device_refused = False  # ... refused because the device (not the limit) is full
         self._num_preemptions = 0  # Scheduler._preempt_request calls (exact, patched)
         self._hits = PrefixHitWindow()  # prefix_hit_rate over the last admissions
         self._fence: Any = None  # allocator.UnmapFence of a GPU reservation (None on CPU)
@@ -182,6 +183,7 @@ class VllmRuntime:
         """Top of ``schedule()``: a safe point, then the pool defers its own evictions."""
         self.safe_point(scheduler)
         self._refused_blocks = 0
+        self._device_refused = False
         if self.pool is not None:
             self.pool.in_schedule = True
 
@@ -205,16 +207,27 @@ class VllmRuntime:
         if pool is None or manager.block_pool is not pool:
             return original(manager, request, *args, **kwargs)
         running = request.status == _running_status()
+        held = _holds_blocks(manager, request.request_id)
         was_in_schedule = pool.in_schedule
         pool.overdraft = running
         pool.in_schedule = True  # frees inside allocate_slots (sliding window) evict later
+        device = False
         try:
             result = original(manager, request, *args, **kwargs)
+        except DeviceFullError:
+            # The device filled between the free count and the map (another engine took
+            # the memory, nothing cached to reuse): a refusal, which vLLM handles (the
+            # admission waits; a running request is preempted as on a full cache).
+            if not held:
+                manager.free(request)  # the prefix hits it touched: as before the call
+            result, device = None, True
         finally:
             pool.overdraft = False
             pool.in_schedule = was_in_schedule
         if result is None:
-            if not running and pool.blocks_target() is not None:
+            device = device or pool.device_full()
+            if not running and (device or pool.blocks_target() is not None):
+                self._device_refused = device
                 self._refused_blocks = self._waiting_blocks(request, args, kwargs,
                                                             pool.hash_block_size)
         elif not running:  # an admission: its prefix lookup feeds prefix_hit_rate
@@ -260,7 +273,8 @@ class VllmRuntime:
             num_running_requests=len(sched.running),
             num_waiting_requests=waiting,
             waiting_blocks=refused,
-            waiting_for_memory=refused > 0,
+            waiting_for_memory=refused > 0 and not self._device_refused,
+            device_out_of_memory=refused > 0 and self._device_refused,
             num_preemptions=self._num_preemptions,
             prefix_hit_rate=self._hits.rate,
         )
@@ -329,6 +343,12 @@ def _running_status() -> Any:
 
         _RUNNING = RequestStatus.RUNNING
     return _RUNNING
+
+
+def _holds_blocks(manager: Any, request_id: str) -> bool:
+    """Whether ``request_id`` holds blocks in any of the manager's KV cache groups."""
+    return any(single.req_to_blocks.get(request_id)
+               for single in manager.coordinator.single_type_managers)
 
 
 def _hit_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -1,0 +1,152 @@
+"""The device fills between vLLM's free-block count and the map, with nothing cached to
+reuse: ``allocate_slots`` refuses (returns None) instead of raising.
+
+vLLM's real ``KVCacheManager`` over the ``ElasticBlockPool`` on a host
+reservation whose "device" (``_SmallDevice``) refuses maps beyond a page count
+that a foreign thread (the other engine) moves at random moments. Every block
+handed out is written through the KV views (an unbacked one is a SIGSEGV);
+the allocator's count must equal the blocks requests hold plus the cached ones.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
+
+import torch  # noqa: E402
+from test_gpu_kv import (  # noqa: E402
+    BLOCK_TOKENS,
+    HOST_GRANULARITY,
+    LAYERS,
+    _SmallDevice,
+    host_reserve,
+    planned,
+    reservations,
+)
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core import kv_cache_coordinator  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from allocator import HostBackend, PageLayout  # noqa: E402
+from engine_ext import EngineSettings  # noqa: E402
+from engine_ext.vllm import _patches, _runtime  # noqa: E402
+from engine_ext.vllm._block_pool import ElasticBlockPool  # noqa: E402
+from engine_ext.vllm._gpu_kv import allocate_on_reservation, kv_geometry  # noqa: E402
+from engine_ext.vllm._settings import VllmSettings  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+__all__ = ["reservations"]
+
+
+def test_device_filling_under_the_allocation_is_a_refusal_never_an_error(
+    reservations: list[HostBackend], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = planned(64)  # 16 pages of 4 blocks
+    layout = KVCacheLayout.LBNHC
+    devices: list[_SmallDevice] = []
+
+    def reserve(page_layout: PageLayout, device: torch.device) -> _SmallDevice:
+        small = _SmallDevice(host_reserve(reservations)(page_layout, device), total_pages=16)
+        devices.append(small)
+        return small
+
+    plan = kv_geometry(config, layout, HOST_GRANULARITY)
+    views = allocate_on_reservation(config, torch.device("cpu"), layout, None, plan=plan,
+                                    granularity=HOST_GRANULARITY, reserve=reserve,  # type: ignore[arg-type]
+                                    synchronize=lambda: None, warmup_blocks=4)  # fmt: skip
+    (device,) = devices
+    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
+    original = KVCacheManager.allocate_slots
+    monkeypatch.setattr(KVCacheManager, "allocate_slots",
+                        _patches._allocate_slots(original, None))  # the plugin's wrapper
+    monkeypatch.setattr(_runtime, "_configured", None)
+    monkeypatch.setattr(_runtime, "_runtime", None)
+    _runtime.configure(EngineSettings(enable=True, thread_guard=True, runtime_dir=tmp_path),
+                       VllmSettings(enable=True))  # fmt: skip
+    manager = KVCacheManager(config, max_model_len=1024, scheduler_block_size=BLOCK_TOKENS,
+                             hash_block_size=BLOCK_TOKENS, enable_caching=True)  # fmt: skip
+    runtime = _runtime.current_runtime()
+    assert runtime is not None and runtime.pool is not None
+    pool = runtime.pool
+    blocks = pool._blocks
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
+    rng = random.Random(21)
+    stop = threading.Event()
+
+    def other_engine() -> None:  # takes and gives back device memory at random moments
+        other = random.Random(22)
+        while not stop.is_set():
+            device.total_pages = other.choice((1, 2, 3, 4, 6, 9, 16))
+            time.sleep(other.uniform(0, 0.002))
+
+    live: dict[str, Request] = {}
+    refusals = {"admission": 0, "running": 0, "device": 0}
+    thread = threading.Thread(target=other_engine, name="other-engine")
+    thread.start()
+    try:
+        docs = [[rng.randrange(10, 3000) for _ in range(rng.randrange(2, 9) * BLOCK_TOKENS)]
+                for _ in range(5)]  # fmt: skip
+        for i in range(3000):
+            roll = rng.random()
+            if roll < 0.35 or not live:  # an admission (often sharing a cached document)
+                prompt = rng.choice(docs) + [rng.randrange(10, 3000) for _ in range(5)]
+                request = Request(f"r{i}", prompt, SamplingParams(max_tokens=8), None,
+                                  block_hasher=hasher)  # fmt: skip
+                hits, num_hit, _ = manager.get_computed_blocks(request)
+                got = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hits)
+                if got is None:
+                    refusals["admission"] += 1
+                    assert not any(s.req_to_blocks.get(request.request_id)
+                                   for s in manager.coordinator.single_type_managers)
+                    if runtime._device_refused:  # the device, not a limit (there is none)
+                        refusals["device"] += 1
+                        runtime._scheduler = SimpleNamespace(waiting=[request], running=[])
+                        demand = runtime._demand()
+                        assert demand.device_out_of_memory and not demand.waiting_for_memory
+                        assert demand.waiting_blocks > 0
+                    continue
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = request.num_tokens
+                live[request.request_id] = request
+                _touch(views, got.get_block_ids()[0])
+            elif roll < 0.75:  # a running request extends (lookahead slots: new blocks)
+                request = live[rng.choice(sorted(live))]
+                got = manager.allocate_slots(request, 1, num_lookahead_tokens=rng.randrange(1, 80))
+                if got is None:
+                    refusals["running"] += 1  # vLLM would preempt: here, finish it
+                    manager.free(live.pop(request.request_id))
+                    continue
+                _touch(views, got.get_block_ids()[0])
+            else:
+                manager.free(live.pop(rng.choice(sorted(live))))
+            held = {b.block_id for r in live.values()
+                    for b in manager.coordinator.single_type_managers[0].req_to_blocks[r.request_id]
+                    if not b.is_null}  # fmt: skip
+            cached = pool.num_evictable_blocks
+            assert blocks.num_allocated_blocks == 1 + len(held) + cached  # + the null block
+            assert len(reservations[0].mapped_pages()) <= 16
+    finally:
+        stop.set()
+        thread.join()
+        runtime.close()
+    assert refusals["device"] > 10 and refusals["running"] > 10, refusals
+    assert device.refusals > 10
+
+
+def _touch(views: dict[str, Any], block_ids: list[int]) -> None:
+    for name in LAYERS:  # every handed-out block is backed (else SIGSEGV)
+        for block_id in block_ids:
+            views[name][block_id].fill_(3)
