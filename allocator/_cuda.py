@@ -120,6 +120,11 @@ class CudaBackend:
         self._range_freed = False
         self._handles: list[list[Any | None] | None] = [None] * layout.num_pages
         self._mapped = bytearray(layout.num_pages)  # 1 where _handles[page] is set
+        # Pages whose map failed and whose rollback unmap failed too: some regions are still
+        # mapped (counted in _num_handles, as the driver holds them) but the page is *not*
+        # mapped for the caller (a failed map maps nothing). The next map of the page, or
+        # trim_spares()/release(), retries their unmap first.
+        self._stuck: set[int] = set()
         self._num_handles = 0
         self._spares: list[Any] = []
         self._stray: list[Any] = []
@@ -227,6 +232,8 @@ class CudaBackend:
         self._check_live()
         if not 0 <= page < self.layout.num_pages or self._mapped[page]:
             check_pages([page], self.layout.num_pages, self._mapped, False)  # raises why
+        if self._stuck:
+            self._finish_rollbacks([page])
         self._map_runs([(page, 1)], 1)
 
     def unmap(self, page: int) -> None:
@@ -244,6 +251,8 @@ class CudaBackend:
         """
         self._check_live()
         ordered = check_pages(pages, self.layout.num_pages, self._mapped, False)
+        if self._stuck:
+            self._finish_rollbacks(ordered)
         self._map_runs(runs(ordered), len(ordered))
 
     def _map_runs(self, page_runs: list[tuple[int, int]], total: int) -> None:
@@ -265,7 +274,7 @@ class CudaBackend:
                 try:
                     self._unmap_one(page)
                 except BackendError:
-                    pass  # stays in the books as mapped: unmap it again, or release()
+                    self._stuck_page(page)  # not mapped for the caller; unmapped later
             if isinstance(exc, DeviceOutOfMemory):
                 try:
                     self.trim_spares()  # memory is short: the rolled-back handles go back too
@@ -307,9 +316,17 @@ class CudaBackend:
         :class:`~allocator.PageAllocator` calls this after each unmap with the
         pages its cap still allows, so mapped + spare never exceeds a target.
         """
+        stuck_error: BackendError | None = None
+        if self._stuck:
+            try:
+                self._finish_rollbacks()
+            except BackendError as exc:
+                stuck_error = exc
         keep = min(self._spare_cap, max(0, keep_pages) * self.layout.num_regions)
         extra = self._spares[keep:] + self._stray
         if not extra:
+            if stuck_error is not None:
+                raise stuck_error
             return
         self._spares, self._stray = self._spares[:keep], []
         first: BackendError | None = None
@@ -319,6 +336,7 @@ class CudaBackend:
             except BackendError as exc:
                 self._stray.append(handle)
                 first = first or exc
+        first = stuck_error or first
         if first is not None:
             raise first
 
@@ -408,9 +426,9 @@ class CudaBackend:
                 self._unmap_regions(page, handles)
             except BackendError:
                 left = len(handles) - handles.count(None)
-                self._handles[page] = handles  # still mapped there: unmap or release retries
-                self._mapped[page] = 1
+                self._handles[page] = handles  # still mapped there: the next map retries
                 self._num_handles += left
+                self._stuck_page(page)
             raise
         return handles
 
@@ -427,6 +445,29 @@ class CudaBackend:
             if left == 0:
                 self._handles[page] = None
                 self._mapped[page] = 0
+                self._stuck.discard(page)
+
+    def _stuck_page(self, page: int) -> None:
+        """A failed map could not be rolled back: the page is not mapped for the caller
+        (so a PageAllocator's books, which saw the map fail, agree), its handles stay
+        counted until :meth:`_finish_rollbacks` unmaps them."""
+        self._mapped[page] = 0
+        self._stuck.add(page)
+
+    def _finish_rollbacks(self, pages: Sequence[int] | None = None) -> None:
+        """Unmap what failed rollbacks left behind (``pages`` among them; ``None``: all).
+
+        Raises the first :class:`BackendError`; the pages that still fail stay stuck.
+        """
+        todo = sorted(self._stuck if pages is None else self._stuck.intersection(pages))
+        first: BackendError | None = None
+        for page in todo:
+            try:
+                self._unmap_one(page)
+            except BackendError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def _unmap_regions(self, page: int, handles: list[Any | None]) -> None:
         """Unmap every region still in ``handles``; each success clears its slot.
