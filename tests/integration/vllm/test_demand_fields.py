@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
-from test_engine_core_limits import (  # noqa: E402 -- after the importorskip
+from test_engine_core_limits import (
     BLOCK_TOKENS,
     build_core,
     in_foreign_thread,
@@ -25,8 +25,8 @@ from test_engine_core_limits import (  # noqa: E402 -- after the importorskip
     plugin_env,
 )
 
-from engine_ext._hit_window import HIT_WINDOW_ADMISSIONS, PrefixHitWindow  # noqa: E402
-from engine_ext.vllm import _runtime  # noqa: E402
+from engine_ext._hit_window import HIT_WINDOW_ADMISSIONS, PrefixHitWindow
+from engine_ext.vllm import _runtime
 
 pytestmark = pytest.mark.vllm
 __all__ = ["plugin_env"]  # the fixture, re-exported for pytest

@@ -21,8 +21,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
-import torch  # noqa: E402
-from test_gpu_kv import (  # noqa: E402
+import torch
+from test_gpu_kv import (
     BLOCK_TOKENS,
     HOST_GRANULARITY,
     LAYERS,
@@ -31,20 +31,20 @@ from test_gpu_kv import (  # noqa: E402
     planned,
     reservations,
 )
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core import kv_cache_coordinator  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core import kv_cache_coordinator
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.request import Request, RequestStatus
 
-from allocator import HostBackend, PageLayout  # noqa: E402
-from engine_ext import EngineSettings  # noqa: E402
-from engine_ext.vllm import _patches, _runtime  # noqa: E402
-from engine_ext.vllm._block_pool import ElasticBlockPool  # noqa: E402
-from engine_ext.vllm._gpu_kv import allocate_on_reservation, kv_geometry  # noqa: E402
-from engine_ext.vllm._settings import VllmSettings  # noqa: E402
+from allocator import HostBackend, PageLayout
+from engine_ext import EngineSettings
+from engine_ext.vllm import _patches, _runtime
+from engine_ext.vllm._block_pool import ElasticBlockPool
+from engine_ext.vllm._gpu_kv import allocate_on_reservation, kv_geometry
+from engine_ext.vllm._settings import VllmSettings
 
 pytestmark = pytest.mark.vllm
 __all__ = ["reservations"]

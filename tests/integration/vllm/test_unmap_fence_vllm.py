@@ -16,16 +16,16 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
-from test_engine_core_limits import (  # noqa: E402 -- after the importorskip
+from test_engine_core_limits import (
     build_core,
     in_foreign_thread,
     make_request,
     plugin_env,
 )
 
-from allocator import FencedBackend, UnmapFence  # noqa: E402
-from engine_ext.vllm import _runtime  # noqa: E402
-from engine_ext.vllm._kv_memory import claim_kv_memory  # noqa: E402
+from allocator import FencedBackend, UnmapFence
+from engine_ext.vllm import _runtime
+from engine_ext.vllm._kv_memory import claim_kv_memory
 
 pytestmark = pytest.mark.vllm
 __all__ = ["plugin_env"]
