@@ -98,6 +98,12 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         # demand, refreshed by each admission round (see ElasticPrefillBudget.check_prefill)
         self.refused_tokens = 0  # tokens of the request admission just refused (0: none)
         self.refused_input_tokens = 0  # ... its sequence length (to find it in the queue)
+        self.refused_by_device = False  # ... because the device, not the limit, was full
+        self.num_device_refusals = 0  # admissions/decodes refused for device memory
+        # Blocks taken (pages mapped) when admission or the decode check said yes, so the
+        # allocation that follows cannot find the device full (another engine may take the
+        # memory in between); the allocations use them first, the next pass frees the rest.
+        self._promised: list[int] = []
         self.hits = PrefixHitWindow()  # prefix_hit_rate: accepted admissions' cache hits
         size = (blocks.num_blocks - 1) * page_size
         # need_sort (PD staging) is not used: freed pages go back to the block allocator at once.
@@ -193,6 +199,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
 
         self.refused_tokens = 0
         self.refused_input_tokens = 0
+        self.refused_by_device = False
         return ElasticPrefillBudget(self, tree_cache,
                                     num_mixed_decode_tokens=num_mixed_decode_tokens)
 
@@ -220,12 +227,48 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         """Room for the next decode step: under the limit after evicting, else above it
         (running requests finish above a limit rather than being retracted for it)."""
         self.evict_to_free_tokens(tree_cache, num_tokens)
+        pages = -(-num_tokens // self.page_size)
         if self.available_size() >= num_tokens:
-            return True
-        if self._padding_held and self._physical_free_blocks() * self.page_size >= num_tokens:
-            return True
+            if self.promise(pages):
+                return True
+        elif self._padding_held and self._physical_free_blocks() * self.page_size >= num_tokens:
+            over = self._take_over_target(pages)
+            if over is not None:
+                self._promised.extend(int(b) for b in over.tolist())
+                return True
+        if self.blocks.pages.device_full:
+            self.num_device_refusals += 1
         self.num_decode_shortages += 1  # SGLang retracts: the device is full, not the limit
         return False
+
+    def promise(self, num_pages: int) -> bool:
+        """Take ``num_pages`` blocks now for an allocation admission or the decode check
+        just allowed (mapping their pages): False if the device cannot back them.
+
+        The allocation that follows takes promised blocks first, so a device that fills
+        in between (another engine) cannot fail it; :meth:`release_promises` (the next
+        pass) frees what it did not use.
+        """
+        if num_pages <= 0:
+            return True
+        got = self.blocks.alloc(num_pages)
+        if got is None:
+            if self.blocks.pages.device_full:
+                self.num_device_refusals += 1
+            return False
+        self._promised.extend(got)
+        return True
+
+    @property
+    def promised_tokens(self) -> int:
+        """Token slots taken by :meth:`promise` and not allocated yet."""
+        return len(self._promised) * self.page_size
+
+    def release_promises(self) -> None:
+        """Top of a scheduler iteration / idle: free the promised blocks nothing used."""
+        if self._promised:
+            promised, self._promised = self._promised, []
+            self._free_blocks(promised)
 
     def get_all_free_pages(self) -> torch.Tensor:
         """Not enumerable (free pages are virtual until mapped); an empty census."""
@@ -347,6 +390,20 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
             self.num_frees += 1
 
     def _take(self, num_pages: int) -> torch.Tensor | None:
+        promised = self._promised
+        if promised:  # what admission / the decode check took for this allocation
+            have = min(num_pages, len(promised))
+            got = promised[:have]
+            del promised[:have]
+            if have < num_pages:
+                more = self.blocks.alloc(num_pages - have)
+                if more is None:
+                    promised[:0] = got
+                    self.num_failed_allocs += 1
+                    return None
+                got += more
+            self.num_allocs += 1
+            return torch.tensor(got, dtype=torch.int64, device=self.device)
         got = self.blocks.alloc(num_pages)
         if got is None:
             self.num_failed_allocs += 1

@@ -25,12 +25,25 @@ class ElasticPrefillBudget(PrefillBudget):  # type: ignore[misc]
     """
 
     def _available_and_evictable(self) -> int:
-        return int(self.allocator.admission_tokens(int(self.tree_cache.evictable_size())))
+        # promised blocks (taken for admissions of this round) are reserved by SGLang's own
+        # offsets already: count them as available so they are not subtracted twice
+        allocator = self.allocator
+        admission = allocator.admission_tokens(int(self.tree_cache.evictable_size()))
+        return int(admission + allocator.promised_tokens)
 
     def check_prefill(self, **kwargs: Any) -> tuple[bool, int | None]:
         verdict: tuple[bool, int | None] = super().check_prefill(**kwargs)
         allocator = self.allocator
         input_tokens = int(kwargs["input_tokens"])
+        if verdict[0]:
+            # Map the pages its prefill takes now: a device that fills before the
+            # allocation (another engine) refuses the admission here instead of failing
+            # the allocation ("Prefill out of memory" ends SGLang's scheduler).
+            extend = int(kwargs["extend_input_len"])
+            allocator.evict_to_free_tokens(self.tree_cache, extend)
+            if not allocator.promise(-(-extend // allocator.page_size)):
+                allocator.refused_by_device = True
+                verdict = (False, None)
         if not verdict[0]:
             allocator.refused_tokens = int(kwargs["total_tokens"])
             allocator.refused_input_tokens = input_tokens

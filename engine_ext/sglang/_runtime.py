@@ -104,6 +104,7 @@ class SglangRuntime:
     def before_schedule(self) -> EngineState:
         """Top of a scheduler iteration: one coordinator pass, then truthful totals."""
         self._stepped = True
+        self.allocator.release_promises()  # last iteration's unused promises, before the pass
         if not self.allocator.padding_held and not self.scheduler.is_fully_idle():
             self.allocator.claim_padding()  # work arrived: padded writes need page 0 again
         state = self._step()
@@ -114,6 +115,7 @@ class SglangRuntime:
         """Fully or partly idle iteration: a pass if a limit waits; totals synced."""
         if self.waker is not None and self.waker.attached:
             self.waker.drain()
+        self.allocator.release_promises()  # before SGLang's idle leak check
         pending = self.instance.coordinator.pending
         self._step()  # not pending: cheap, only refreshes the state if mapped memory moved
         if pending and self._over_target() and self.scheduler.is_fully_idle() \
@@ -165,7 +167,8 @@ class SglangRuntime:
             num_running_requests=_num_running(scheduler),
             num_waiting_requests=waiting,
             waiting_blocks=max(0, blocks),
-            waiting_for_memory=bool(refused and limited),
+            waiting_for_memory=bool(refused and limited and not allocator.refused_by_device),
+            device_out_of_memory=bool(refused and allocator.refused_by_device),
             num_preemptions=allocator.num_decode_shortages,
             prefix_hit_rate=allocator.hits.rate,
         )
