@@ -262,7 +262,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
     @property
     def promised_tokens(self) -> int:
         """Token slots taken by :meth:`promise` and not allocated yet."""
-        return len(self._promised) * self.page_size
+        return len(self._promised) * int(self.page_size)
 
     def release_promises(self) -> None:
         """Top of a scheduler iteration / idle: free the promised blocks nothing used."""
@@ -393,17 +393,17 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         promised = self._promised
         if promised:  # what admission / the decode check took for this allocation
             have = min(num_pages, len(promised))
-            got = promised[:have]
+            taken = promised[:have]
             del promised[:have]
             if have < num_pages:
                 more = self.blocks.alloc(num_pages - have)
                 if more is None:
-                    promised[:0] = got
+                    promised[:0] = taken
                     self.num_failed_allocs += 1
                     return None
-                got += more
+                taken += more
             self.num_allocs += 1
-            return torch.tensor(got, dtype=torch.int64, device=self.device)
+            return torch.tensor(taken, dtype=torch.int64, device=self.device)
         got = self.blocks.alloc(num_pages)
         if got is None:
             self.num_failed_allocs += 1

@@ -133,13 +133,13 @@ def _wrap_next_batch(original: Any, session: Session) -> Any:
 
 
 def _wrap_process_batch_result(original: Any, session: Session) -> Any:
-    from ._runtime import pool_of
+    from ._runtime import runtime_of
 
     @functools.wraps(original)
     def process_batch_result(self: Any, *args: Any, **kwargs: Any) -> Any:
-        pool = pool_of(self)
-        if pool is not None:
-            pool.after_batch()  # first: processing the result frees blocks
+        runtime = runtime_of(self)
+        if runtime is not None:
+            runtime.after_batch()  # first: processing the result frees blocks
         return original(self, *args, **kwargs)
 
     return process_batch_result

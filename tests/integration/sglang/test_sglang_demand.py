@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from sglang_support import prompt
 
+from engine_ext.cpu_harness import CpuHarness
 from engine_ext.protocol import Status
-from engine_ext.sglang.cpu_harness import CpuHarness
 
 Make = Callable[..., CpuHarness]
 

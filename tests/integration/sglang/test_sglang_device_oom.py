@@ -19,8 +19,8 @@ from sglang_support import prompt
 
 from allocator import DeviceOutOfMemory, PageAllocator
 from allocator import _pages as allocator_pages
-from engine_ext.sglang import cpu_harness
-from engine_ext.sglang.cpu_harness import CpuHarness
+from engine_ext.cpu_harness import CpuHarness
+from engine_ext.cpu_harness.sglang import _loop as cpu_harness
 
 Make = Callable[..., CpuHarness]
 

@@ -14,10 +14,10 @@ import pytest
 from sglang_support import prompt
 
 from allocator import FencedBackend, PageAllocator, UnmapFence
-from engine_ext.sglang import cpu_harness
+from engine_ext.cpu_harness import CpuHarness
+from engine_ext.cpu_harness.sglang import _loop as cpu_harness
 from engine_ext.sglang._patches import Session, _wrap_process_batch_result
 from engine_ext.sglang._runtime import ATTR
-from engine_ext.sglang.cpu_harness import CpuHarness
 
 Make = Callable[..., CpuHarness]
 
