@@ -340,6 +340,17 @@ class CudaBackend:
         if first is not None:
             raise first
 
+    def device_uuid(self) -> str:
+        """The device's UUID as ``nvidia-smi -L`` prints it (``GPU-8f3c…``); any thread.
+
+        ``cuDeviceGetUuid`` names the physical device whatever
+        ``CUDA_VISIBLE_DEVICES`` calls it, so every process on one GPU gets the
+        same answer (in MIG mode the MIG instance's UUID, still written ``GPU-…``).
+        """
+        raw = bytes(_call(self._drv.cuDeviceGetUuid(self._dev), "cuDeviceGetUuid").bytes)
+        h = raw[:16].hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
     def device_free_bytes(self) -> int:
         """Free memory on the whole device now (``cuMemGetInfo``); any thread may call it.
 

@@ -15,6 +15,7 @@ from allocator import BackendError
 
 from ._control import ControlServer
 from ._coordinator import CoordinatorConfig, ShrinkCoordinator
+from ._device_id import derive_device_id
 from ._mailbox import LimitMailbox, PublishResult
 from ._reclaim import Reclaimer
 from ._runtime_dir import SOCKET_FILE, RuntimeDir
@@ -41,7 +42,7 @@ class EngineBinding:
     wake: Callable[[], None] | None = None  # wakes the engine thread after a publish
     device_total_bytes: int | None = None  # device memory of one rank (limit-percent)
     floor_pages: int = 0  # pages the engine keeps mapped whatever the limit (vLLM: null block)
-    device_id: str | None = None  # the device of the ranks (a GPU UUID); the setting wins
+    device_id: str | None = None  # the device of the ranks; the setting wins, None: derived
 
 
 class ElasticInstance:
@@ -66,6 +67,9 @@ class ElasticInstance:
         self.settings = settings
         self.binding = binding
         self.instance_id = settings.resolved_instance_id(binding.engine)
+        #: sent at registration: the setting, else the adapter's, else the pool's backend's
+        self.device_id = (settings.device_id or binding.device_id
+                          or derive_device_id(binding.blocks.pages.backend))
         self.mailbox = LimitMailbox(binding.wake)
         config = CoordinatorConfig(
             reclaim=settings.reclaim, max_evict_pages_per_step=settings.max_evict_pages_per_step,
@@ -159,5 +163,5 @@ class ElasticInstance:
             socket_path=self.socket_path,
             device_total_bytes=self.binding.device_total_bytes,
             state=self.mailbox.latest_state,
-            device_id=self.settings.device_id or self.binding.device_id,
+            device_id=self.device_id,
         )

@@ -53,7 +53,8 @@ class EngineSettings(BaseSettings):
     virtual_kv_bytes: Annotated[int | None, BeforeValidator(_size)] = Field(default=None, gt=0)
     heartbeat_s: float = Field(default=5.0, gt=0, le=3600)
     #: The device this engine's ranks use, sent at registration (docs/autopilot.md): a GPU
-    #: UUID, ``node1-gpu0``, or a named host device on CPU. None: the adapter's own (if any).
+    #: UUID, ``node1-gpu0``, or a named host device on CPU. None: derived from the pool's
+    #: backend (the CUDA device UUID on a GPU, ``host-<hostname>`` on CPU; engine_ext._device_id).
     device_id: str | None = Field(default=None, pattern=DEVICE_ID_PATTERN)
     register_timeout_s: float = Field(default=10.0, ge=0, le=600)
 

@@ -181,6 +181,17 @@ CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
     NEED_INIT(); if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
     snprintf(name, (size_t)len, "fakecuda device %d", d); return 0;
 }
+/* A fixed UUID per device ordinal: fa4ec0da-0000-4000-8000-0000000000<dd>; nvidia-smi -L
+ * would print it as GPU-fa4ec0da-0000-4000-8000-0000000000<dd>. */
+typedef struct { char bytes[16]; } CUuuid;
+CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice d) {
+    NEED_INIT(); if (!uuid) return CUDA_ERROR_INVALID_VALUE;
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    static const unsigned char base[16] = {0xfa, 0x4e, 0xc0, 0xda, 0, 0, 0x40, 0, 0x80, 0,
+                                           0, 0, 0, 0, 0, 0};
+    memcpy(uuid->bytes, base, 16); uuid->bytes[15] = (char)d;
+    lg("cuDeviceGetUuid(%d)", d); return 0;
+}
 CUresult cuDeviceTotalMem(size_t *b, CUdevice d) {
     NEED_INIT(); if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE; *b = total_bytes; return 0;
 }
@@ -440,7 +451,8 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuGetProcAddress", (void *)cuGetProcAddress_v2}, /* cuda-python 12.x asks for it by this name */
     {"cuInit", (void *)cuInit}, {"cuDriverGetVersion", (void *)cuDriverGetVersion},
     {"cuDeviceGetCount", (void *)cuDeviceGetCount}, {"cuDeviceGet", (void *)cuDeviceGet},
-    {"cuDeviceGetName", (void *)cuDeviceGetName}, {"cuDeviceTotalMem", (void *)cuDeviceTotalMem},
+    {"cuDeviceGetName", (void *)cuDeviceGetName},
+    {"cuDeviceGetUuid", (void *)cuDeviceGetUuid}, {"cuDeviceGetUuid_v2", (void *)cuDeviceGetUuid}, {"cuDeviceTotalMem", (void *)cuDeviceTotalMem},
     {"cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain},
     {"cuDevicePrimaryCtxRelease", (void *)cuDevicePrimaryCtxRelease},
     {"cuCtxSetCurrent", (void *)cuCtxSetCurrent}, {"cuCtxGetCurrent", (void *)cuCtxGetCurrent},
@@ -469,3 +481,4 @@ CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, unsigned long lo
 CUresult cuMemGetInfo_v2(size_t *f, size_t *t) { return cuMemGetInfo(f, t); }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return cuDevicePrimaryCtxRelease(d); }
 CUresult cuDeviceTotalMem_v2(size_t *b, CUdevice d) { return cuDeviceTotalMem(b, d); }
+CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice d) { return cuDeviceGetUuid(uuid, d); }
