@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from prometheus_client import Counter, Histogram
 
-from engine_ext.protocol import RegisterBody, Status, format_size
+from engine_ext.protocol import EngineState, RegisterBody, Status, format_size
 
 from ._autopilot_store import AutopilotStore, DeviceRow, PolicyRow
 from ._errors import (
@@ -80,6 +80,7 @@ class Autopilot:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
             registry=metrics.registry)
         service.decorate = self._decorate
+        service.on_observed = self._on_observed
 
     # --- life ----------------------------------------------------------------------------
 
@@ -97,6 +98,18 @@ class Autopilot:
     def wake(self) -> None:
         """Run a pass now (after a report or a change), not at the next interval."""
         self._wake.set()
+
+    def _on_observed(self, instance_id: str, before: EngineState | None,
+                     after: EngineState) -> None:
+        """An engine's report (or push answer): run a pass now if it frees memory on a
+        budgeted device (a grow may be waiting for it) or changes the demand there, so the
+        timer is only the fallback (time-based inputs: the busy hold, heartbeats)."""
+        dev = self._devices.get(self.policy(instance_id).device_id or "")
+        if dev is None or dev.budget_bytes is None:
+            return
+        if before is None or _may_hold(after) < _may_hold(before) \
+                or _demand(after) != _demand(before):
+            self.wake()
 
     # --- reads ---------------------------------------------------------------------------
 
@@ -495,3 +508,17 @@ class Autopilot:
         rec = self._service.records().get(p.id)
         limit = None if rec is None else rec.row.limit_bytes
         return UNBOUNDED if limit is None else limit
+
+
+def _may_hold(state: EngineState) -> int:
+    """What an engine reported it may hold: the larger of its limit (unlimited: unbounded)
+    and its mapped bytes. A drop is memory given back (a lower limit ``applied``)."""
+    held = state.effective_limit_bytes if state.effective_limit_bytes is not None \
+        else state.limit_bytes
+    return max(UNBOUNDED if held is None else held, state.mapped_bytes)
+
+
+def _demand(state: EngineState) -> tuple[int, int, int]:
+    """The demand the policy reads from a report (pinned bytes change with every step of a
+    running request: their scan is not compared, the request counts are)."""
+    return (state.num_running_requests, state.num_waiting_requests, state.waiting_bytes)

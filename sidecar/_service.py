@@ -61,6 +61,10 @@ class InstanceService:
         self._pusher = PushManager(client, settings, metrics, self._records.get, self._on_reply)
         # adds the autopilot's part to every view (set by the Autopilot; docs/autopilot.md)
         self.decorate: Callable[[InstanceView], InstanceView] = lambda view: view
+        # told of every observed engine state, before and after (the Autopilot: a report
+        # that frees memory or changes demand runs its pass at once; docs/autopilot.md)
+        self.on_observed: Callable[[str, EngineState | None, EngineState], None] = \
+            lambda instance_id, before, after: None
         metrics.add_instances(self.list)
 
     @property
@@ -183,6 +187,7 @@ class InstanceService:
             await self._reissue_desired(rec)
         rec.notify()
         self._metrics.observed(rec.view(self._now, self._settings.heartbeat_timeout_s))
+        self.on_observed(instance_id, None, body.state)
         return RegisterReply(limit=rec.row.limit_bytes, revision=rec.row.revision)
 
     async def report(self, instance_id: str, state: EngineState,
@@ -315,15 +320,16 @@ class InstanceService:
             await self._reissue_desired(rec)
         # A push reply can arrive after a newer report for the same revision (the engine
         # made more passes meanwhile): order by (revision, passes), never by arrival.
-        if rec.observed is None or (state.revision, state.passes) >= (
-            rec.observed.revision, rec.observed.passes
-        ):
+        before = rec.observed
+        if before is None or (state.revision, state.passes) >= (before.revision, before.passes):
             rec.observed = state
         rec.last_seen = self._now
         rec.notify()
         self._metrics.observed(rec.view(self._now, self._settings.heartbeat_timeout_s))
         if rec.needs_push():
             self._pusher.wake(rec.row.id)
+        if rec.observed is not None and rec.observed is not before:
+            self.on_observed(rec.row.id, before, rec.observed)
 
     async def _on_reply(self, instance_id: str, state: EngineState, rejected: bool) -> bool:
         """A push answer. Returns whether the engine now holds the pushed (or a newer) revision."""

@@ -50,7 +50,7 @@ class SidecarSettings(BaseSettings):
     shutdown_grace_s: int = Field(default=5, ge=0, le=300)  # seconds (uvicorn takes an int)
     log_format: Literal["text", "json"] = "text"  # json: one object per line (ours and uvicorn's)
     # -- the autopilot (docs/autopilot.md): devices with a budget get their limits from it --
-    autopilot_interval_s: float = Field(default=0.2, gt=0, le=60)  # one policy pass per device
+    autopilot_interval_s: float = Field(default=0.2, gt=0, le=60)  # most seconds between passes
     # a policy change smaller than this fraction of the budget (and a page) is not written
     autopilot_hysteresis: float = Field(default=0.05, ge=0, le=0.5)
     # an instance stays "busy" (in the share of the spare memory) this long after its last

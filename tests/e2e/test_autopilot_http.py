@@ -22,8 +22,8 @@ DEV = "gpu-0"
 
 
 def _settings(db: Path, **kw: Any) -> SidecarSettings:
-    return SidecarSettings(db_path=db, autopilot_interval_s=0.05, autopilot_busy_hold_s=0.5,
-                           **kw)
+    kw = {"autopilot_interval_s": 0.05, "autopilot_busy_hold_s": 0.5, **kw}
+    return SidecarSettings(db_path=db, **kw)
 
 
 @pytest.fixture
@@ -93,6 +93,29 @@ def test_budget_shares_the_device_and_grows_only_after_the_shrink_is_applied(
     metrics = c.get("/metrics").text
     assert 'kvsidecar_limit_changes_total{source="policy"}' in metrics
     assert "kvsidecar_autopilot_apply_seconds_count" in metrics
+
+
+def test_reports_run_the_pass_the_timer_is_only_a_fallback(tmp_path: Path) -> None:
+    """With a 60 s timer (longer than the test waits), the reports alone move memory: A's new
+    demand makes B shrink, and B's ``applied`` report makes A grow, with no report from A
+    in between."""
+    with ThreadedSidecar(_settings(tmp_path / "s.db", autopilot_interval_s=60)) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as c:
+        a = SimEngine(c, "a", DEV)
+        b = SimEngine(c, "b", DEV, mapped=3 * GiB)
+        assert a.register().status_code == 200 and b.register().status_code == 200
+        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+        _settle(c, a, b)  # each report (taking the split) runs a pass: no tick needed
+        assert _desired(c, "a") == _desired(c, "b") == 4 * GiB
+        a.pinned, a.waiting = 1 * GiB, 6 * GiB
+        a.sync()  # A's demand changes: B is asked to shrink at once
+        wait_until(lambda: _lim(c, "b") <= 1 * GiB, what="B asked to shrink")
+        for _ in range(5):
+            b.sync(apply=False)  # B still holds its pages (deferred): A may not grow
+            assert _lim(c, "a") + b.mapped <= 8 * GiB, "A grew before B applied"
+        b.sync(apply=True)  # B's applied report: A grows now, without a report of A's
+        wait_until(lambda: _lim(c, "a") >= 7 * GiB, what="A grown after B's applied")
+        assert _lim(c, "a") + _lim(c, "b") <= 8 * GiB
 
 
 def test_operator_pin_wins_until_delete(c: httpx.Client) -> None:
@@ -225,6 +248,9 @@ def test_a_dead_engine_is_reassigned_and_fits_on_return(tmp_path: Path) -> None:
         a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
         a.register(), b.register()
         c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
+        # the budget's first limits before the load: an unlimited sim would map B's whole
+        # waiting need at once (its request then runs, and its demand follows its limit)
+        _settle(c, a, b)
         a.pinned, b.waiting = 4 * GiB, 8 * GiB  # both busy: 4G each
         _settle(c, a, b)
         kept = _desired(c, "a")
