@@ -14,6 +14,9 @@ Public API (everything else in this package is private):
 * :func:`launch_vllm_server` -> :class:`VllmServer` -- the real ``vllm serve``
   with the stub executor (:data:`STUB_EXECUTOR`) on a free loopback port;
 * :func:`free_port` -- a free loopback TCP port;
+* :func:`launch_sglang_server` -> :class:`SglangServer` -- SGLang's real HTTP
+  server (``python -m engine_ext.cpu_harness.sglang.serve``: kvsidecar's
+  launcher with a stub model forward) on a free loopback port;
 * :class:`ToyPrefixCache` -- a minimal engine prefix cache over the core's
   ``BlockAllocator`` (a ``Reclaimer``), for driving the core without an engine;
 * :class:`StubExecutor` -- the vLLM ``Executor`` behind :data:`STUB_EXECUTOR`
@@ -33,6 +36,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from engine_ext.cpu_harness._tiny_model import TinyModelSpec, make_document, make_tiny_model_dir
+from engine_ext.cpu_harness.sglang._launcher import SglangServer, launch_sglang_server
 from engine_ext.cpu_harness._toy_cache import ToyPrefixCache
 from engine_ext.cpu_harness.vllm._launcher import (
     STUB_EXECUTOR,
@@ -55,11 +59,13 @@ __all__ = [
     "CpuHarness",
     "HarnessConfig",
     "HarnessRequest",
+    "SglangServer",
     "StubExecutor",
     "TinyModelSpec",
     "ToyPrefixCache",
     "VllmServer",
     "free_port",
+    "launch_sglang_server",
     "launch_vllm_server",
     "make_document",
     "make_tiny_model_dir",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import EngineExtConfigError
@@ -40,8 +40,14 @@ def prepare(argv: Sequence[str]) -> tuple[Any, Any]:
     return server_args, run_scheduler_process
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run SGLang's HTTP server (the default mode of ``sglang.launch_server``) with kvsidecar."""
+def main(argv: Sequence[str] | None = None, *,
+         scheduler_entry: Callable[..., Any] | None = None) -> int:
+    """Run SGLang's HTTP server (the default mode of ``sglang.launch_server``) with kvsidecar.
+
+    ``scheduler_entry`` replaces the scheduler processes' entry (the CPU
+    harness wraps kvsidecar's to install its stub model runner first); it
+    must itself end in :func:`engine_ext.sglang._install.run_scheduler_process`.
+    """
     try:
         server_args, entry = prepare(sys.argv[1:] if argv is None else argv)
     except EngineExtConfigError as exc:
@@ -58,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "--grpc-mode or --use-ray)", file=sys.stderr)
         return 2
     try:
-        launch_server(server_args, run_scheduler_process_func=entry)
+        launch_server(server_args, run_scheduler_process_func=scheduler_entry or entry)
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
     return 0

@@ -1,0 +1,127 @@
+"""Helpers shared by the tests that run SGLang's real server on CPU (``test_sglang_serve*.py``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engine_ext.cpu_harness import SglangServer, launch_sglang_server
+
+#: KV capacity of the test servers, in tokens (virtual: pages are mapped on demand).
+MAX_TOTAL_TOKENS = 32768
+
+
+@dataclass
+class Engine:
+    """One SGLang server and its kvsidecar control socket."""
+
+    server: SglangServer
+    runtime_dir: Path
+    name: str
+
+    @property
+    def instance_dir(self) -> Path:
+        return self.runtime_dir / self.name
+
+    @property
+    def socket_path(self) -> Path:
+        return self.instance_dir / "control.sock"
+
+    def control(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        transport = httpx.HTTPTransport(uds=str(self.socket_path))
+        with httpx.Client(transport=transport, base_url="http://engine", timeout=10) as client:
+            response = client.request(method, path, json=body)
+        assert response.status_code in (200, 409), response.text
+        return response.json()
+
+    def state(self) -> dict[str, Any]:
+        return self.control("GET", "/state")  # type: ignore[no-any-return]
+
+    def set_limit(self, limit: int | None) -> int:
+        """Publish ``limit``; returns the revision."""
+        return int(self.control("PUT", "/limit", {"limit": limit})["revision"])
+
+    def wait_state(self, revision: int, *, status: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        state = self.state()
+        while time.monotonic() < deadline:
+            if state["revision"] >= revision and state["status"] == status:
+                return state
+            time.sleep(0.02)
+            state = self.state()
+        raise AssertionError(f"no {status!r} state for revision {revision}: {state}")
+
+    def quiet_state(self) -> dict[str, Any]:
+        """The state once the scheduler has settled (no pass for a while): a baseline."""
+        state = self.state()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            again = self.state()
+            if again["passes"] == state["passes"] and again["mapped_bytes"] == state["mapped_bytes"]:
+                return again
+            state = again
+        raise AssertionError(f"the scheduler never settled: {state}")
+
+    def generate(self, text: str, max_new_tokens: int = 8, timeout_s: float = 120) -> Any:
+        """SGLang's native ``/generate``; returns ``(output_ids, meta_info)``."""
+        response = httpx.post(
+            self.server.base_url + "/generate",
+            json={"text": text, "sampling_params": {"max_new_tokens": max_new_tokens,
+                                                     "ignore_eos": True}},
+            timeout=timeout_s,
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        return body["output_ids"], body["meta_info"]
+
+    def complete(self, prompt: str, max_tokens: int = 8, timeout_s: float = 120) -> Any:
+        """The OpenAI ``/v1/completions``."""
+        response = httpx.post(
+            self.server.base_url + "/v1/completions",
+            json={"model": self.name, "prompt": prompt, "max_tokens": max_tokens},
+            timeout=timeout_s,
+        )
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def flush(self) -> None:
+        """Unlimited again and an empty prefix cache (SGLang's ``/flush_cache``)."""
+        revision = self.set_limit(None)
+        self.wait_state(revision, status="applied")
+        deadline = time.monotonic() + 30
+        while True:  # refused while requests are still finishing
+            response = httpx.post(self.server.base_url + "/flush_cache", timeout=30)
+            if response.status_code == 200:
+                break
+            assert time.monotonic() < deadline, response.text
+            time.sleep(0.2)
+
+    def healthy(self) -> bool:
+        return httpx.get(self.server.base_url + "/health", timeout=10).status_code == 200
+
+
+def start_engine(tmp: Path, model_dir: Path, name: str, env: dict[str, str],
+                 extra_args: list[str]) -> Engine:
+    runtime_dir = tmp / "run"
+    server = launch_sglang_server(
+        model_dir,
+        env={"KVSIDECAR_THREAD_GUARD": "1", "KVSIDECAR_INSTANCE_ID": name,
+             "KVSIDECAR_RUNTIME_DIR": str(runtime_dir), **env},
+        extra_args=["--served-model-name", name, *extra_args],
+        log_path=tmp / f"{name}.log",
+        max_total_tokens=MAX_TOTAL_TOKENS,
+        timeout_s=900,
+    )
+    return Engine(server, runtime_dir, name)
+
+
+def log_problems(log: str) -> list[str]:
+    """Lines of a server log that mean the extension broke SGLang."""
+    needles = ("Prefill out of memory", "Traceback", "ForeignThreadError", "memory leak",
+               "Scheduler hit an exception")
+    return [line for line in log.splitlines() if any(n in line for n in needles)]
