@@ -1,0 +1,101 @@
+"""SGLang's real server with its default ``event_loop_overlap`` and ``--sleep-on-idle``, on CPU.
+
+One server for the module (the same harness as ``test_sglang_serve.py``, which
+runs ``event_loop_normal``). With ``--sleep-on-idle`` the scheduler parks in
+SGLang's ``IdleSleeper`` between requests; a limit published over the control
+socket wakes it. The module ends with SIGINT to the whole process group (a
+Ctrl-C in the terminal), which must leave no control socket and no owner
+file behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from sglang_serve_support import Engine, log_problems, start_engine
+from support import wait_until
+
+pytest.importorskip("sglang", reason="sglang 0.5.23 is installed by scripts/dev.sh")
+
+from engine_ext.cpu_harness.sglang import make_document, make_tiny_model_dir
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+NAME = "sgl-overlap"
+DOC = make_document(500, seed=5)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    tmp = tmp_path_factory.mktemp("sglang-overlap")
+    model_dir = make_tiny_model_dir(tmp / "model")
+    started = time.monotonic()
+    eng = start_engine(tmp, model_dir, NAME, {}, ["--sleep-on-idle"])
+    print(f"\nSGLang server (overlap loop) healthy after {time.monotonic() - started:.0f} s")
+    try:
+        yield eng
+    finally:
+        eng.server.stop()
+
+
+def test_the_overlap_loop_serves_with_the_extension(engine: Engine) -> None:
+    info = httpx.get(engine.server.base_url + "/server_info", timeout=30).json()
+    assert info["disable_overlap_schedule"] is False and info["sleep_on_idle"] is True
+    first, meta = engine.generate(f"{DOC} overlap", max_new_tokens=16)
+    again, meta_again = engine.generate(f"{DOC} overlap", max_new_tokens=16)
+    assert first == again and len(first) == 16
+    assert meta["cached_tokens"] == 0 and meta_again["cached_tokens"] > 0
+    assert engine.state()["mapped_bytes"] == engine.server.kv_memfd_bytes() > 0
+
+
+def test_limit_published_while_sleeping_applies_then_holds_under_traffic(engine: Engine) -> None:
+    engine.flush()
+    prompts = [f"{DOC} {i}" for i in range(6)] + [make_document(120, seed=50 + i)
+                                                   for i in range(6)]
+    reference = [engine.generate(p, max_new_tokens=12)[0] for p in prompts]
+    full = engine.quiet_state()  # the scheduler sleeps in IdleSleeper now
+    limit = full["mapped_bytes"] // 2
+    revision = engine.set_limit(limit)
+    applied = engine.wait_state(revision, status="applied")
+    assert applied["mapped_bytes"] == engine.server.kv_memfd_bytes() <= limit
+    with ThreadPoolExecutor(8) as pool:
+        outputs = list(pool.map(lambda p: engine.generate(p, max_new_tokens=12)[0], prompts))
+    assert outputs == reference  # the overlap loop under a limit: same tokens
+    after = engine.quiet_state()
+    assert after["status"] == "applied" and after["mapped_bytes"] == engine.server.kv_memfd_bytes()
+    assert after["mapped_bytes"] <= limit
+
+
+def test_limit_lowered_under_traffic_defers_then_applies(engine: Engine) -> None:
+    engine.flush()
+    prompts = [f"{DOC} running {i}" for i in range(10)]
+    reference = [engine.generate(p, max_new_tokens=48)[0] for p in prompts]
+    warm = engine.quiet_state()
+    bundle = warm["page_bundle_bytes"]
+    with ThreadPoolExecutor(10) as pool:
+        futures = [pool.submit(engine.generate, p, 48) for p in prompts]
+        wait_until(lambda: engine.state()["num_running_requests"] >= 4, timeout_s=60,
+                   what="requests running in the overlap loop")
+        revision = engine.set_limit(warm["mapped_bytes"] - 2 * bundle)
+        outputs = [f.result()[0] for f in futures]
+    assert outputs == reference
+    applied = engine.wait_state(revision, status="applied")
+    assert applied["mapped_bytes"] == engine.server.kv_memfd_bytes() <= warm["mapped_bytes"] - 2 * bundle
+
+
+def test_zz_sigint_to_the_process_group_removes_socket_and_owner_file(engine: Engine) -> None:
+    """Last in the module: Ctrl-C (SIGINT to every process of the group)."""
+    assert engine.socket_path.exists() and (engine.instance_dir / ".owner").exists()
+    pids = engine.server.pids()
+    os.killpg(engine.server.proc.pid, signal.SIGINT)
+    engine.server.proc.wait(timeout=120)
+    wait_until(lambda: not any(os.path.exists(f"/proc/{p}/fd") for p in pids), timeout_s=60,
+               what="every SGLang process exited")
+    assert not engine.instance_dir.exists(), sorted(p.name for p in engine.instance_dir.iterdir())
+    assert [p for p in log_problems(engine.server.log_text()) if "Traceback" not in p] == []
