@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None, *,
 
     ``scheduler_entry`` replaces the scheduler processes' entry (the CPU
     harness wraps kvsidecar's to install its stub model runner first); it
-    must itself end in :func:`engine_ext.sglang._install.run_scheduler_process`.
+    must itself end in :func:`engine_ext.sglang.run_scheduler_process`.
     """
     try:
         server_args, entry = prepare(sys.argv[1:] if argv is None else argv)

@@ -23,7 +23,7 @@ from support import wait_until
 
 pytest.importorskip("sglang", reason="sglang 0.5.23 is installed by scripts/dev.sh")
 
-from engine_ext.cpu_harness.sglang import make_document, make_tiny_model_dir
+from engine_ext.cpu_harness import make_document, make_tiny_model_dir
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,8 +23,6 @@ from typing import Self
 
 import httpx
 
-from engine_ext.cpu_harness.vllm._launcher import free_port
-
 __all__ = ["CPU_ENV", "KV_MEMFD", "SglangServer", "launch_sglang_server"]
 
 _REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -31,6 +30,13 @@ _REPO_ROOT = Path(__file__).resolve().parents[3]
 CPU_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"}
 #: Name of the memfd the adapter reserves SGLang's KV cache on (``reserve_kv``).
 KV_MEMFD = "kvsidecar-sglang"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 class SglangServer:

@@ -10,7 +10,7 @@ module) are listed in docs/cpu-harness.md:
 
 * ``torchvision``: ``sglang.srt.configs`` imports ``torchvision.transforms``
   for two vision configs; PyPI's wheels need CUDA torch (the adapter's
-  :func:`engine_ext.sglang._cpu_imports.prepare_cpu_imports` registers it).
+  :func:`engine_ext.sglang.prepare_cpu_imports` registers it).
 
 (``soundfile``, which the HTTP server's audio modules import at start, is
 installed for real: ``mistral_common`` calls it at import when it is found,
@@ -27,6 +27,6 @@ def install_standins() -> list[str]:
 
     Idempotent; a module that is installed is left alone.
     """
-    from engine_ext.sglang._cpu_imports import prepare_cpu_imports
+    from engine_ext.sglang import prepare_cpu_imports
 
     return ["torchvision"] if prepare_cpu_imports() else []

@@ -109,6 +109,6 @@ def uninstall_stub_runner() -> None:
 def run_scheduler_process(*args: Any, **kwargs: Any) -> Any:
     """SGLang's scheduler process with the stub forward, entered through kvsidecar's entry."""
     install_stub_runner()
-    from engine_ext.sglang._install import run_scheduler_process as entry
+    from engine_ext.sglang import run_scheduler_process as entry
 
     return entry(*args, **kwargs)
