@@ -68,14 +68,14 @@ def test_retained_limit_applies_before_the_first_request(engine: Engine,
         ids, meta = engine.generate(make_document(100, seed=seed), max_new_tokens=8)
         assert len(ids) == 8 and meta["finish_reason"]["type"] == "length"
     assert engine.server.kv_memfd_bytes() <= RETAINED_LIMIT
-    api = httpx.Client(base_url=module_sidecar_url, timeout=30)
-    lower = RETAINED_LIMIT // 2
-    reply = api.put(f"/instances/{NAME}/limit", params={"wait": "20"}, json={"limit": lower})
-    assert reply.status_code == 200 and reply.json()["status"] == "applied", reply.text
-    assert engine.server.kv_memfd_bytes() <= lower
-    body = api.get(f"/instances/{NAME}").json()
-    assert body["engine"]["engine"] == "sglang" and body["observed"]["mapped_bytes"] <= lower
-    assert api.delete(f"/instances/{NAME}/limit").status_code in (200, 202)
+    with httpx.Client(base_url=module_sidecar_url, timeout=30) as api:
+        lower = RETAINED_LIMIT // 2
+        reply = api.put(f"/instances/{NAME}/limit", params={"wait": "20"}, json={"limit": lower})
+        assert reply.status_code == 200 and reply.json()["status"] == "applied", reply.text
+        assert engine.server.kv_memfd_bytes() <= lower
+        body = api.get(f"/instances/{NAME}").json()
+        assert body["engine"]["engine"] == "sglang" and body["observed"]["mapped_bytes"] <= lower
+        assert api.delete(f"/instances/{NAME}/limit").status_code in (200, 202)
     engine.wait_state(3, status="applied")
 
 
