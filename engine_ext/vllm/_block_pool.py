@@ -114,6 +114,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         for block in self.blocks:
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = FreeKVCacheBlockQueue([])
+        self._blocks.track_evictable()  # evictable/pinned figures kept per block event
         null = self._blocks.alloc(1)
         if null != [0]:
             raise EngineExtConfigError(
@@ -208,6 +209,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
                 raise
         if num_reused:  # evictable blocks, least recently used first (vLLM's order)
             reused = self.free_block_queue.popleft_n(num_reused)
+            self._blocks.unmark_evictable([block.block_id for block in reused])
             for block in reused:
                 self._maybe_evict_cached_block(block)  # drops the hash, emits BlockRemoved
             ret.extend(reused)
@@ -245,8 +247,21 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         return [all_blocks[i] for i in ids]
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self._guard.check()
-        super().touch(blocks)
+        """A prefix hit takes a reference; an evictable block leaves the LRU queue."""
+        queue = self.free_block_queue
+        collector = self.metrics_collector
+        hit: list[int] = []
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:  # evictable: held by the cache alone until now
+                queue.remove(block)
+                hit.append(block.block_id)
+            block.ref_cnt += 1
+            if collector:
+                collector.on_block_accessed(block)
+        if hit:
+            self._blocks.unmark_evictable(hit)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         self._guard.check()
@@ -276,7 +291,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
                 to_free.append(block.block_id)
             else:
                 to_cache.append(block)
-        self.free_block_queue.append_n(to_cache)
+        if to_cache:
+            self.free_block_queue.append_n(to_cache)
+            self._blocks.mark_evictable([block.block_id for block in to_cache])
         if to_free:
             self._fresh_free = -1
             self._blocks.free(to_free)

@@ -81,6 +81,7 @@ class VllmRuntime:
         self._armed = False
         self._arm_lock = threading.Lock()
         self._last_mapped = -1
+        self._last_reclaimable = -1  # allocator's reclaimable pages at the last safe point
         self._scheduler: Any = None  # vLLM's Scheduler, seen at the first schedule()
         self._refused_blocks = 0  # blocks the waiting requests need (set when one is refused)
         self._device_refused = False  # ... refused because the device (not the limit) is full
@@ -176,7 +177,9 @@ class VllmRuntime:
         if instance.coordinator.pending:
             return self._pass()
         state = instance.step()  # O(1) unless pages moved: demand + mapped stay fresh
-        self._last_mapped = instance.binding.blocks.pages.num_mapped
+        blocks = instance.binding.blocks
+        self._last_mapped = blocks.pages.num_mapped
+        self._last_reclaimable = blocks.num_reclaimable_pages
         return state
 
     def begin_schedule(self, scheduler: Any) -> None:
@@ -286,9 +289,10 @@ class VllmRuntime:
             return  # inside schedule(): the end-of-schedule safe point refreshes
         # Frees outside schedule() (finished requests, aborts, resets) happen with no
         # prefix lookup pending: a safe point, so the state follows /proc at once.
-        mapped = instance.binding.blocks.pages.num_mapped
-        if mapped != self._last_mapped:
-            self.safe_point()
+        blocks = instance.binding.blocks
+        if (blocks.pages.num_mapped != self._last_mapped
+                or blocks.num_reclaimable_pages != self._last_reclaimable):
+            self.safe_point()  # pages or evictable/pinned figures moved: report them now
         if self._armed or self._engine_core is None:
             return  # an idle pass is already due, or not serving yet
         if instance.coordinator.pending:
@@ -328,7 +332,9 @@ class VllmRuntime:
         if self.pool.evict_on_retired_pages():
             state = instance.step()
             self.pool.invalidate_capacity()
-        self._last_mapped = instance.binding.blocks.pages.num_mapped
+        blocks = instance.binding.blocks
+        self._last_mapped = blocks.pages.num_mapped
+        self._last_reclaimable = blocks.num_reclaimable_pages
         return state
 
 

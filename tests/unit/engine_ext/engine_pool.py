@@ -82,3 +82,59 @@ class Pool:
         req = self.cache.start([next(self._hashes) for _ in range(num_blocks)])
         assert req is not None, "the pool is full"
         return req
+
+
+class TrackingPrefixCache(PrefixCache):
+    """The same cache, reporting its evictable blocks to the allocator (as vLLM's pool does).
+
+    Counts its listings: a shrink pass lists the cache (O(evictable)); the
+    coordinator's throttle and figures must not.
+    """
+
+    def __init__(self, blocks: BlockAllocator) -> None:
+        super().__init__(blocks)
+        blocks.track_evictable()
+        self.num_listings = 0
+
+    def start(self, hashes: Sequence[int]) -> Request | None:
+        hits = [self.by_hash.get(h) for h in hashes]
+        revived = [b for b in hits if b is not None and b not in self.refs]
+        req = super().start(hashes)
+        if req is not None and revived:
+            self.blocks.unmark_evictable(sorted(set(revived)))
+        return req
+
+    def touch(self, block: int) -> None:
+        if block not in self.refs and block in self.hash_of:
+            self.blocks.unmark_evictable([block])
+        super().touch(block)
+
+    def finish(self, req: Request) -> None:
+        super().finish(req)
+        now = sorted({b for b in req.blocks if b not in self.refs and b in self.hash_of})
+        if now:
+            self.blocks.mark_evictable(now)
+
+    def evictable_blocks(self) -> Iterable[int]:
+        self.num_listings += 1
+        return super().evictable_blocks()
+
+
+class ChangeKeyedPrefixCache(PrefixCache):
+    """The same cache with a change counter (as SGLang's reclaimers have), not tracking."""
+
+    def __init__(self, blocks: BlockAllocator) -> None:
+        super().__init__(blocks)
+        self.version = 0
+        self.num_listings = 0
+
+    def finish(self, req: Request) -> None:
+        super().finish(req)
+        self.version += 1
+
+    def change_key(self) -> int:
+        return self.version
+
+    def evictable_blocks(self) -> Iterable[int]:
+        self.num_listings += 1
+        return super().evictable_blocks()
