@@ -175,19 +175,21 @@ class BlockAllocator:
         if ev is None:
             raise AllocatorContractError("mark_evictable(): call track_evictable() first")
         allocated, occupancy, bpp = self._allocated, self._occupancy, self.blocks_per_page
+        gained = 0
         count = 0
         for block in blocks:
-            if not allocated[block] or ev[block]:
+            if ev[block] or not allocated[block]:
                 raise AllocatorContractError(
                     f"mark_evictable(): block {block} is "
-                    f"{'already marked' if allocated[block] else 'not allocated'}")
+                    f"{'already marked' if ev[block] else 'not allocated'}")
             ev[block] = 1
+            count += 1
             page = block // bpp
             on = ev_on[page] + 1
             ev_on[page] = on
             if on == occupancy[page]:
-                self.num_reclaimable_pages += 1
-            count += 1
+                gained += 1
+        self.num_reclaimable_pages += gained
         self.num_evictable_blocks += count
         self.changes += 1
 
@@ -198,17 +200,19 @@ class BlockAllocator:
         if ev is None:
             raise AllocatorContractError("unmark_evictable(): call track_evictable() first")
         occupancy, bpp = self._occupancy, self.blocks_per_page
+        lost = 0
         count = 0
         for block in blocks:
             if not ev[block]:
                 raise AllocatorContractError(f"unmark_evictable(): block {block} is not marked")
             ev[block] = 0
+            count += 1
             page = block // bpp
             on = ev_on[page]
             if on == occupancy[page]:
-                self.num_reclaimable_pages -= 1
+                lost += 1
             ev_on[page] = on - 1
-            count += 1
+        self.num_reclaimable_pages -= lost
         self.num_evictable_blocks -= count
         self.changes += 1
 

@@ -27,6 +27,7 @@ Threads: every method runs on the EngineCore busy-loop thread; the
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["DeviceFullError", "ElasticBlockPool", "PoolBacking", "PoolHooks"]
 
 _log = logging.getLogger("engine_ext.vllm.block_pool")
+_block_id = operator.attrgetter("block_id")
 
 
 class DeviceFullError(ValueError):
@@ -209,7 +211,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
                 raise
         if num_reused:  # evictable blocks, least recently used first (vLLM's order)
             reused = self.free_block_queue.popleft_n(num_reused)
-            self._blocks.unmark_evictable([block.block_id for block in reused])
+            self._blocks.unmark_evictable(map(_block_id, reused))
             for block in reused:
                 self._maybe_evict_cached_block(block)  # drops the hash, emits BlockRemoved
             ret.extend(reused)
@@ -293,7 +295,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
                 to_cache.append(block)
         if to_cache:
             self.free_block_queue.append_n(to_cache)
-            self._blocks.mark_evictable([block.block_id for block in to_cache])
+            self._blocks.mark_evictable(map(_block_id, to_cache))
         if to_free:
             self._fresh_free = -1
             self._blocks.free(to_free)
