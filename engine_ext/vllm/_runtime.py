@@ -31,42 +31,23 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine_ext._coordinator import Demand
 from engine_ext._errors import EngineExtConfigError
 from engine_ext._hit_window import PrefixHitWindow
 from engine_ext.protocol import DeferReason, EngineState, Status
-from engine_ext.vllm._block_pool import DeviceFullError, PoolBacking
 from engine_ext.vllm._kv_memory import claim_kv_memory
+from engine_ext.vllm._pool_backing import DeviceFullError, PoolBacking
 
 if TYPE_CHECKING:
     from engine_ext import ElasticInstance, EngineSettings
     from engine_ext.vllm._block_pool import ElasticBlockPool
     from engine_ext.vllm._settings import VllmSettings
 
-__all__ = ["PoolReclaimer", "VllmRuntime", "backing_for_pool", "configure", "current_runtime"]
+__all__ = ["VllmRuntime", "backing_for_pool", "configure", "current_runtime"]
 
 _log = logging.getLogger("engine_ext.vllm.runtime")
-
-
-class PoolReclaimer:
-    """The core's ``Reclaimer`` view of the pool's evictable blocks (busy-loop thread)."""
-
-    name = "vllm-prefix-cache"
-
-    def __init__(self, pool: ElasticBlockPool) -> None:
-        self._pool = pool
-
-    def evictable_blocks(self) -> Iterable[int]:
-        return self._pool.evictable_block_ids()
-
-    def is_evictable(self, block: int) -> bool:
-        return self._pool.is_evictable(block)
-
-    def evict(self, blocks: Sequence[int]) -> int:
-        return self._pool.evict(blocks)
 
 
 class VllmRuntime:
@@ -127,7 +108,7 @@ class VllmRuntime:
         self._fence = memory.fence
         binding = EngineBinding(
             engine="vllm", engine_version=vllm.__version__, blocks=blocks,
-            reclaimers=(PoolReclaimer(pool),), wake=self.wake,
+            reclaimers=(pool,), wake=self.wake,
             floor_pages=1,  # vLLM's null block 0 keeps page 0 mapped for the engine's life
         )  # fmt: skip
         self.instance = ElasticInstance(self.engine_settings, binding)
