@@ -75,6 +75,8 @@ class BlockAllocator:
         self._partial_free = 0
         self.changes = 0  # block events so far (see the class doc)
         self._ev: bytearray | None = None  # 1 per block marked evictable (when tracking)
+        #: Whether the cache above reports evictable blocks (:meth:`track_evictable`).
+        self.tracks_evictable = False
         self._ev_on: list[int] = []  # marked blocks per page (when tracking)
         self.num_evictable_blocks = 0
         self.num_reclaimable_pages = 0
@@ -107,10 +109,6 @@ class BlockAllocator:
         self._check_block(block)
         return bool(self._allocated[block])
 
-    @property
-    def tracks_evictable(self) -> bool:
-        """Whether the cache above reports evictable blocks (:meth:`track_evictable`)."""
-        return self._ev is not None
 
     def is_marked_evictable(self, block: int) -> bool:
         """Whether ``block`` is marked evictable now (False when not tracking)."""
@@ -163,6 +161,7 @@ class BlockAllocator:
         if self._ev is None:
             self._ev = bytearray(self.num_blocks)
             self._ev_on = [0] * self.pages.num_pages
+            self.tracks_evictable = True
 
     def note_change(self) -> None:
         """Something a shrink pass looks at moved outside this allocator's calls."""

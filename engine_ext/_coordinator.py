@@ -177,7 +177,9 @@ class ShrinkCoordinator:
             if self._settled and not rank_died:
                 # nothing waits; the common case returns here without a syscall
                 if not moved:
-                    if self._figures_stale():
+                    blocks = self._blocks
+                    if (blocks.num_reclaimable_pages != self._figures_key
+                            if blocks.tracks_evictable else self._figures_stale()):
                         return self._refresh_figures()
                     return self._refresh_demand() if demand_moved else self._state
                 # pages moved (traffic): with ranks, settle acked unmaps and keep the

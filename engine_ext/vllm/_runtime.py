@@ -63,6 +63,7 @@ class VllmRuntime:
         self._arm_lock = threading.Lock()
         self._last_mapped = -1
         self._last_reclaimable = -1  # allocator's reclaimable pages at the last safe point
+        self._blocks: Any = None  # the pool's BlockAllocator, set by build_backing
         self._scheduler: Any = None  # vLLM's Scheduler, seen at the first schedule()
         self._refused_blocks = 0  # blocks the waiting requests need (set when one is refused)
         self._device_refused = False  # ... refused because the device (not the limit) is full
@@ -106,6 +107,7 @@ class VllmRuntime:
         blocks = BlockAllocator(pages, memory.blocks_per_page, guard=guard)
         self.pool = pool
         self._fence = memory.fence
+        self._blocks = blocks
         binding = EngineBinding(
             engine="vllm", engine_version=vllm.__version__, blocks=blocks,
             reclaimers=(pool,), wake=self.wake,
@@ -158,7 +160,7 @@ class VllmRuntime:
         if instance.coordinator.pending:
             return self._pass()
         state = instance.step()  # O(1) unless pages moved: demand + mapped stay fresh
-        blocks = instance.binding.blocks
+        blocks = self._blocks
         self._last_mapped = blocks.pages.num_mapped
         self._last_reclaimable = blocks.num_reclaimable_pages
         return state
@@ -270,7 +272,7 @@ class VllmRuntime:
             return  # inside schedule(): the end-of-schedule safe point refreshes
         # Frees outside schedule() (finished requests, aborts, resets) happen with no
         # prefix lookup pending: a safe point, so the state follows /proc at once.
-        blocks = instance.binding.blocks
+        blocks = self._blocks
         if (blocks.pages.num_mapped != self._last_mapped
                 or blocks.num_reclaimable_pages != self._last_reclaimable):
             self.safe_point()  # pages or evictable/pinned figures moved: report them now
@@ -313,7 +315,7 @@ class VllmRuntime:
         if self.pool.evict_on_retired_pages():
             state = instance.step()
             self.pool.invalidate_capacity()
-        blocks = instance.binding.blocks
+        blocks = self._blocks
         self._last_mapped = blocks.pages.num_mapped
         self._last_reclaimable = blocks.num_reclaimable_pages
         return state
