@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from allocator import BlockAllocator, HostBackend, PageAllocator
@@ -96,22 +96,23 @@ class TrackingPrefixCache(PrefixCache):
         blocks.track_evictable()
         self.num_listings = 0
 
-    def start(self, hashes: Sequence[int]) -> Request | None:
-        hits = [self.by_hash.get(h) for h in hashes]
-        revived = [b for b in hits if b is not None and b not in self.refs]
-        req = super().start(hashes)
-        if req is not None and revived:
-            self.blocks.unmark_evictable(sorted(set(revived)))
-        return req
-
-    def touch(self, block: int) -> None:
-        if block not in self.refs and block in self.hash_of:
+    def acquire(self, block: int) -> None:
+        was = self.is_evictable(block)
+        super().acquire(block)
+        if was:
             self.blocks.unmark_evictable([block])
-        super().touch(block)
 
-    def finish(self, req: Request) -> None:
-        super().finish(req)
-        now = sorted({b for b in req.blocks if b not in self.refs and b in self.hash_of})
+    def insert(self, block: int, key: Hashable) -> bool:
+        added = super().insert(block, key)
+        if added and self.is_evictable(block):
+            self.blocks.mark_evictable([block])
+        return added
+
+    def release(self, blocks: Iterable[int]) -> None:
+        batch = list(blocks)
+        before = {b for b in batch if self.is_evictable(b)}
+        super().release(batch)
+        now = sorted({b for b in batch if b not in before and self.is_evictable(b)})
         if now:
             self.blocks.mark_evictable(now)
 
@@ -128,8 +129,8 @@ class ChangeKeyedPrefixCache(PrefixCache):
         self.version = 0
         self.num_listings = 0
 
-    def finish(self, req: Request) -> None:
-        super().finish(req)
+    def release(self, blocks: Iterable[int]) -> None:
+        super().release(blocks)
         self.version += 1
 
     def change_key(self) -> int:

@@ -96,7 +96,7 @@ def test_a_pass_lists_the_cache_only_when_a_page_is_all_evictable(tracked: Pool)
 
 
 def _brute_force(pool: Pool) -> tuple[int, int]:
-    evictable = [b for b in pool.cache.hash_of if b not in pool.cache.refs]
+    evictable = [b for b in pool.cache.key_of if b not in pool.cache.refs]
     reclaimable = count_reclaimable_pages(evictable, pool.blocks)
     return reclaimable * BUNDLE, (pool.pages.num_in_use - reclaimable) * BUNDLE
 
@@ -106,7 +106,7 @@ def _traffic(pool: Pool, rng: random.Random, steps: int) -> list[Request]:
     for _ in range(steps):
         roll = rng.random()
         if roll < 0.45:
-            cached = list(pool.cache.by_hash)
+            cached = list(pool.cache.by_key)
             hashes = rng.sample(cached, min(len(cached), rng.randint(0, 2))) + [
                 rng.randint(10**6, 10**9) for _ in range(rng.randint(1, 3))]
             req = pool.cache.start(hashes)
@@ -117,7 +117,7 @@ def _traffic(pool: Pool, rng: random.Random, steps: int) -> list[Request]:
         elif roll < 0.9 and pool.cache.refs:
             pool.cache.touch(rng.choice(sorted(pool.cache.refs)))
         else:
-            evictable = [b for b in pool.cache.hash_of if b not in pool.cache.refs]
+            evictable = [b for b in pool.cache.key_of if b not in pool.cache.refs]
             if evictable:
                 pool.cache.evict(rng.sample(evictable, min(len(evictable), 3)))
     return live
