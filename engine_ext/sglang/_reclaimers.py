@@ -70,11 +70,6 @@ class _TreeReclaimer:
         self.num_evicted_blocks += before - self.blocks.num_allocated_blocks
         return sum(1 for b in wanted if not self.blocks.is_allocated(b))
 
-    def change_key(self) -> tuple[int, ...]:
-        """Counters that move whenever the evictable set may have (the coordinator's
-        retry and figure refresh compare them; O(1))."""
-        return self._state_key()
-
     # admission truth ---------------------------------------------------------------
     def unlocked_blocks(self) -> frozenset[int]:
         """Every block of an unlocked node (what SGLang's eviction could free), read-only:
