@@ -26,9 +26,21 @@ class BlockAllocator:
     used ones, so they never receive new blocks and the fullest one is found
     in O(blocks_per_page) when the PageAllocator takes one back.
 
+    Evictable tracking (opt-in, :meth:`track_evictable`): the prefix cache
+    above marks the allocated blocks it alone holds (:meth:`mark_evictable`,
+    :meth:`unmark_evictable`; :meth:`free` unmarks). The allocator then keeps
+    per page how many of its blocks are evictable, and
+    ``num_reclaimable_pages`` (pages whose every allocated block is evictable)
+    in O(1) per block event, so nobody rescans the cache for these figures.
+    ``changes`` counts every block event (alloc, free, mark, unmark,
+    :meth:`note_change`): equal counts mean nothing a shrink pass looks at moved.
+
     Invariants: ``num_allocated_blocks == sum(occupancy)``; every in-use page
     has occupancy >= 1; ``_partial_free`` == free slots on in-use,
-    non-retired pages; every retired page is in ``_rbuckets[occupancy]``.
+    non-retired pages; every retired page is in ``_rbuckets[occupancy]``;
+    when tracking, ``_ev_on[page]`` == marked blocks on ``page`` <= its
+    occupancy, and ``num_reclaimable_pages`` == pages with
+    ``0 < occupancy == _ev_on``.
     """
 
     def __init__(
@@ -61,6 +73,13 @@ class BlockAllocator:
         self._rbuckets: list[list[int]] = [[] for _ in range(bpp + 1)]
         self._rtop = 0  # no retired bucket above this index is non-empty
         self._partial_free = 0
+        self.changes = 0  # block events so far (see the class doc)
+        self._ev: bytearray | None = None  # 1 per block marked evictable (when tracking)
+        #: Whether the cache above reports evictable blocks (:meth:`track_evictable`).
+        self.tracks_evictable = False
+        self._ev_on: list[int] = []  # marked blocks per page (when tracking)
+        self.num_evictable_blocks = 0
+        self.num_reclaimable_pages = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -89,6 +108,12 @@ class BlockAllocator:
         """Whether ``block`` is allocated now."""
         self._check_block(block)
         return bool(self._allocated[block])
+
+
+    def is_marked_evictable(self, block: int) -> bool:
+        """Whether ``block`` is marked evictable now (False when not tracking)."""
+        self._check_block(block)
+        return self._ev is not None and bool(self._ev[block])
 
     # PageObserver ---------------------------------------------------------
     def live_blocks(self, page: int) -> int:
@@ -126,6 +151,70 @@ class BlockAllocator:
         return buckets[top][-1]
 
     # ------------------------------------------------------------------ mutations
+    def track_evictable(self) -> None:
+        """From now on the cache above marks its evictable blocks (nothing marked yet).
+
+        Every cache above this allocator must then mark through it: the counts
+        are the whole truth for the coordinator (no rescan). Idempotent.
+        """
+        self.guard.check()
+        if self._ev is None:
+            self._ev = bytearray(self.num_blocks)
+            self._ev_on = [0] * self.pages.num_pages
+            self.tracks_evictable = True
+
+    def note_change(self) -> None:
+        """Something a shrink pass looks at moved outside this allocator's calls."""
+        self.changes += 1
+
+    def mark_evictable(self, blocks: Iterable[int]) -> None:
+        """These allocated blocks are now held by the cache alone (O(1) each)."""
+        self.guard.check()
+        ev, ev_on = self._ev, self._ev_on
+        if ev is None:
+            raise AllocatorContractError("mark_evictable(): call track_evictable() first")
+        allocated, occupancy, bpp = self._allocated, self._occupancy, self.blocks_per_page
+        gained = 0
+        count = 0
+        for block in blocks:
+            if ev[block] or not allocated[block]:
+                raise AllocatorContractError(
+                    f"mark_evictable(): block {block} is "
+                    f"{'already marked' if ev[block] else 'not allocated'}")
+            ev[block] = 1
+            count += 1
+            page = block // bpp
+            on = ev_on[page] + 1
+            ev_on[page] = on
+            if on == occupancy[page]:
+                gained += 1
+        self.num_reclaimable_pages += gained
+        self.num_evictable_blocks += count
+        self.changes += 1
+
+    def unmark_evictable(self, blocks: Iterable[int]) -> None:
+        """These blocks are referenced again (or about to be reused in place)."""
+        self.guard.check()
+        ev, ev_on = self._ev, self._ev_on
+        if ev is None:
+            raise AllocatorContractError("unmark_evictable(): call track_evictable() first")
+        occupancy, bpp = self._occupancy, self.blocks_per_page
+        lost = 0
+        count = 0
+        for block in blocks:
+            if not ev[block]:
+                raise AllocatorContractError(f"unmark_evictable(): block {block} is not marked")
+            ev[block] = 0
+            count += 1
+            page = block // bpp
+            on = ev_on[page]
+            if on == occupancy[page]:
+                lost += 1
+            ev_on[page] = on - 1
+        self.num_reclaimable_pages -= lost
+        self.num_evictable_blocks -= count
+        self.changes += 1
+
     def alloc(self, n: int) -> list[int] | None:
         """``n`` blocks, all or nothing; ``None`` when they cannot all be had now.
 
@@ -161,6 +250,7 @@ class BlockAllocator:
             self._free_checked(out)
             raise
         self.num_allocated_blocks += n
+        self.changes += 1
         return out
 
     def free(self, blocks: Iterable[int]) -> None:
@@ -182,6 +272,9 @@ class BlockAllocator:
         if len(batch) > 1 and len(set(batch)) != len(batch):
             raise AllocatorContractError("free(): the same block appears twice in one call")
         self.num_allocated_blocks -= len(batch)
+        self.changes += 1
+        if self._ev is not None:
+            self._untrack_freed(batch)
         if len(batch) == 1:
             self._free_one(batch[0])
         else:
@@ -211,6 +304,8 @@ class BlockAllocator:
         new = old + count
         self._occupancy[page] = new
         self._partial_free -= count
+        if old and self._ev is not None and self._ev_on[page] == old:
+            self.num_reclaimable_pages -= 1  # a fresh block on it is not evictable
         buckets, pos = self._buckets, self._pos
         if old:  # leave bucket[old] (swap-remove)
             bucket = buckets[old]
@@ -224,6 +319,28 @@ class BlockAllocator:
             bucket.append(page)
             self._top = max(self._top, new)
         return count
+
+    def _untrack_freed(self, batch: list[int]) -> None:
+        """Evictable accounting for ``batch`` (checked), before the occupancy drops."""
+        ev, ev_on, bpp = self._ev, self._ev_on, self.blocks_per_page
+        assert ev is not None
+        occupancy = self._occupancy
+        gone: dict[int, int] = {}  # page -> blocks of this batch already accounted
+        delta = 0
+        for block in batch:
+            page = block // bpp
+            done = gone.get(page, 0)
+            gone[page] = done + 1
+            occ = occupancy[page] - done  # occupancy as sequential frees would see it
+            on = ev_on[page]
+            was = on == occ
+            if ev[block]:
+                ev[block] = 0
+                on -= 1
+                ev_on[page] = on
+                self.num_evictable_blocks -= 1
+            delta += (occ > 1 and on == occ - 1) - was
+        self.num_reclaimable_pages += delta
 
     def _free_checked(self, batch: list[int]) -> None:
         """Free blocks already known to be allocated and distinct.

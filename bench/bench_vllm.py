@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -216,12 +217,60 @@ def _run_scheduler(elastic: bool, model_dir: Path, num_requests: int) -> float:
 _idle_safe_point: list[float] = []
 
 
+# -- 3. bytecodes executed (load-independent) ------------------------------------------
+def count_pool_bytecodes(elastic: bool, prompts: list[list[int]]) -> Counter[str]:
+    """Python bytecodes executed per function during one pool trace (``sys.settrace``).
+
+    Deterministic: on a shared machine wall and CPU times move with other people's
+    load, opcode counts do not. C work (hashing, syscalls of map/unmap) is not counted.
+    """
+    counts: Counter[str] = Counter()
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes = True
+            frame.f_trace_lines = False
+        elif event == "opcode":
+            code = frame.f_code
+            counts[code.co_name] += 1  # by name: the pool's overrides meet vLLM's methods
+        return tracer
+
+    real_clock = time.thread_time
+    calls = 0
+
+    def clock() -> float:  # run_pool_trace reads the clock right before and after the trace
+        nonlocal calls
+        calls += 1
+        sys.settrace(tracer if calls == 1 else None)
+        return real_clock()
+
+    run_pool_trace(elastic, prompts)  # warm-up (imports, caches)
+    time.thread_time = clock  # type: ignore[assignment]
+    try:
+        run_pool_trace(elastic, prompts)
+    finally:
+        time.thread_time = real_clock  # type: ignore[assignment]
+        sys.settrace(None)
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="only count the bytecodes of one pool trace per side (300 requests)")
     args = parser.parse_args()
+    if args.bytecodes:
+        prompts = _trace(300)
+        native, elastic = count_pool_bytecodes(False, prompts), count_pool_bytecodes(True, prompts)
+        n, e = sum(native.values()), sum(elastic.values())
+        print(f"pool trace bytecodes  native {n}  elastic {e}  ratio native/elastic {n / e:.3f}")
+        extra = {k: elastic[k] - native.get(k, 0) for k in elastic}  # extra per function
+        for name, diff in sorted(extra.items(), key=lambda kv: -kv[1])[:15]:
+            print(f"  {diff:>9}  {name}")
+        return
     prompts = _trace(args.requests)
     native_ops, elastic_ops = [], []
     for _ in range(args.rounds):

@@ -54,12 +54,13 @@ class CoordinatorConfig:
 
     reclaim: bool = True  # False: record targets, never evict (the "without reclaim" baseline)
     max_evict_pages_per_step: int | None = None  # cap per pass; None = the whole overage
-    # how often a pass may rescan evictable/pinned figures (an O(evictable) scan; the design
-    # asks for figures at most 100 ms old while busy)
+    # how often a pass may rescan evictable/pinned figures when the allocator does not
+    # track evictable blocks itself (an O(evictable) scan; the design asks for figures at
+    # most 100 ms old while busy). With tracking the figures are O(1) and always current.
     stats_interval_s: float = 0.1
     # While deferred for a reason eviction cannot fix now (running requests, reclaim off, a
-    # rank), retry at most this often unless the mapped page count moved: a retry scans
-    # every evictable block, and step() runs at the top of every allocation.
+    # rank), retry at most this often (counted from the end of the last pass) unless the
+    # mapped page count moved; with change keys a retry waits for a block event instead.
     deferred_retry_s: float = 0.005
     # Pages the engine itself keeps mapped whatever the limit (vLLM's null block 0 lives on
     # page 0): the status compares mapped bytes with max(limit, floor), so a limit of 0 can
@@ -122,7 +123,9 @@ class ShrinkCoordinator:
         self._scanned_at = float("-inf")
         self._reported: tuple[Status, int, int, str | None] | None = None
         self._settled = True  # status is not deferred: an idle pass has nothing to do
-        self._tried_at = float("-inf")  # when the last shrink pass ran
+        self._tried_at = float("-inf")  # when the last shrink pass ended
+        self._tried_key: object = None  # _change_key() at the end of the last pass
+        self._figures_key: object = None  # _change_key() when the figures were computed
         self._state = self._compute(_Pass(), None)
         mailbox.set_state(self._state)
 
@@ -174,16 +177,19 @@ class ShrinkCoordinator:
             if self._settled and not rank_died:
                 # nothing waits; the common case returns here without a syscall
                 if not moved:
+                    blocks = self._blocks
+                    if (blocks.num_reclaimable_pages != self._figures_key
+                            if blocks.tracks_evictable else self._figures_stale()):
+                        return self._refresh_figures()
                     return self._refresh_demand() if demand_moved else self._state
                 # pages moved (traffic): with ranks, settle acked unmaps and keep the
                 # per-rank figures (sync waits only while unmaps are in flight)
                 barrier = self._barrier.sync() if self._barrier is not None else None
                 return self._update(_Pass(), barrier)
-            if not (moved or rank_died) and self._state.reason != DeferReason.EVICTING.value:
-                now = time.monotonic()
-                if now - self._tried_at < self._config.deferred_retry_s:
-                    return self._refresh_demand() if demand_moved else self._state
-        self._tried_at = time.monotonic()
+            if not (moved or rank_died) and self._retry_can_wait():
+                if self._figures_stale():
+                    return self._refresh_figures()
+                return self._refresh_demand() if demand_moved else self._state
         self._passes += 1
         try:
             if target is not None:
@@ -201,7 +207,63 @@ class ShrinkCoordinator:
         if self._barrier is not None:
             self._barrier_epoch = self._barrier.epoch
             barrier = self._barrier.sync()
-        return self._update(done, barrier)
+        state = self._update(done, barrier)
+        self._tried_at = time.monotonic()  # the end: a long pass does not retry at once
+        self._tried_key = self._change_key()
+        return state
+
+    def _change_key(self) -> object:
+        """What a pass looks at, as cheap counters: equal keys mean nothing moved.
+
+        With evictable tracking: the allocator's reclaimable-page count (exact).
+        Else the allocator's block events plus each reclaimer's ``change_key()``;
+        ``None`` (unknown) if a reclaimer has none.
+        """
+        blocks = self._blocks
+        if blocks.tracks_evictable:
+            return blocks.num_reclaimable_pages
+        keys: list[object] = [blocks.changes]
+        for reclaimer in self._reclaimers:
+            key = getattr(reclaimer, "change_key", None)
+            if key is None:
+                return None
+            keys.append(key())
+        return tuple(keys)
+
+    def _retry_can_wait(self) -> bool:
+        """Deferred, no page moved, no new target: whether a new pass can wait (O(1))."""
+        reason = self._state.reason
+        if reason == DeferReason.EVICTING.value:
+            return False  # a capped pass: continue at once
+        if reason == DeferReason.RECLAIM_DISABLED.value:
+            return True  # a pass evicts nothing: only pages moving changes the status
+        if reason == DeferReason.RUNNING_REQUESTS.value:
+            key = self._change_key()
+            if self._blocks.tracks_evictable:
+                return key == 0  # no page is all evictable: a pass would free nothing
+            if key is not None:
+                return key == self._tried_key  # no block event since the last pass
+        return time.monotonic() - self._tried_at < self._config.deferred_retry_s
+
+    def _figures_stale(self) -> bool:
+        """Whether evictable/pinned moved since the state was computed (O(1))."""
+        key = self._change_key()
+        if key is None or key == self._figures_key:
+            return False
+        if self._blocks.tracks_evictable:
+            return True
+        return time.monotonic() - self._scanned_at >= self._config.stats_interval_s
+
+    def _refresh_figures(self) -> EngineState:
+        """Only evictable/pinned moved (no page): the same state with fresh figures."""
+        reclaimable = self._scan_reclaimable(force=True)
+        bundle = self._bundle_bytes
+        state = self._state.model_copy(update={
+            "evictable_bytes": reclaimable * bundle,
+            "pinned_bytes": max(0, self._pages.num_in_use - reclaimable) * bundle,
+            **self._demand_fields(),
+        })
+        return self._publish(state)
 
     def _probe_demand(self) -> bool:
         """Read the adapter's demand; whether it changed since the last state."""
@@ -249,6 +311,8 @@ class ShrinkCoordinator:
         over = self._overage_pages()
         if over == 0 or not self._config.reclaim or not self._reclaimers:
             return _Pass(over, 0)
+        if self._blocks.tracks_evictable and not self._blocks.num_reclaimable_pages:
+            return _Pass(over, 0)  # no page is all evictable: listing the cache frees nothing
         cap = self._config.max_evict_pages_per_step
         max_pages = over if cap is None else min(over, cap)
         owners: dict[int, Reclaimer] = {}
@@ -294,8 +358,12 @@ class ShrinkCoordinator:
             _log.exception("reporting the limit state failed; the next change is reported again")
 
     def _scan_reclaimable(self, force: bool) -> int:
+        if self._blocks.tracks_evictable:
+            self._figures_key = self._reclaimable_pages = self._blocks.num_reclaimable_pages
+            return self._reclaimable_pages
         now = time.monotonic()
         if force or now - self._scanned_at >= self._config.stats_interval_s:
+            self._figures_key = self._change_key()
             evictable: list[int] = []
             for reclaimer in self._reclaimers:
                 evictable.extend(reclaimer.evictable_blocks())

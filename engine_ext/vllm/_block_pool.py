@@ -27,9 +27,8 @@ Threads: every method runs on the EngineCore busy-loop thread; the
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
@@ -37,42 +36,24 @@ from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from engine_ext._errors import EngineExtConfigError
+from engine_ext.vllm._pool_backing import DeviceFullError, PoolBacking
 
-if TYPE_CHECKING:
-    from allocator import BlockAllocator, ThreadGuard
-    from engine_ext import LimitMailbox
-
-__all__ = ["DeviceFullError", "ElasticBlockPool", "PoolBacking", "PoolHooks"]
+__all__ = ["DeviceFullError", "ElasticBlockPool"]
 
 _log = logging.getLogger("engine_ext.vllm.block_pool")
-
-
-class DeviceFullError(ValueError):
-    """``get_new_blocks``: the device could not back a page (a ``ValueError``, as vLLM's
-    own "cannot get free blocks"); the ``allocate_slots`` wrapper turns it into a refusal."""
-
-
-class PoolHooks(Protocol):
-    """What the pool tells the adapter runtime (busy-loop thread)."""
-
-    def after_change(self) -> None:
-        """Blocks were freed or evicted: the runtime may need an idle pass."""
-
-
-@dataclass(frozen=True, slots=True)
-class PoolBacking:
-    """Everything the pool needs besides vLLM's constructor arguments."""
-
-    blocks: BlockAllocator  # block ids <-> pages (its PageAllocator maps the KV memory)
-    guard: ThreadGuard  # bound to the busy-loop thread
-    hooks: PoolHooks
-    mailbox: LimitMailbox  # kept for the adapter; allocation never takes a target from it
-    reclaim: bool  # False: never evict on our own (the "without reclaim" baseline)
-    max_cached_tokens: int  # -1 unlimited, 0 evict on free, N keep at most N tokens
+_block_id = operator.attrgetter("block_id")
 
 
 class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here (pyproject)
-    """A ``BlockPool`` whose blocks are backed by pages mapped on demand. Busy-loop thread only."""
+    """A ``BlockPool`` whose blocks are backed by pages mapped on demand. Busy-loop thread only.
+
+    It is also the core's :class:`engine_ext.Reclaimer` for its prefix cache
+    (``name``, :meth:`evictable_blocks`, :meth:`is_evictable`, :meth:`evict`),
+    and it marks its evictable blocks in the ``BlockAllocator`` as they come
+    and go, so the coordinator's evictable/pinned figures never rescan it.
+    """
+
+    name = "vllm-prefix-cache"  # Reclaimer
 
     def __init__(
         self,
@@ -90,7 +71,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         )  # fmt: skip
         from engine_ext.vllm._runtime import backing_for_pool
 
-        backing = backing_for_pool(self, num_gpu_blocks)
+        backing: PoolBacking = backing_for_pool(self, num_gpu_blocks)
         self._backing = backing
         self._blocks = backing.blocks
         self._guard = backing.guard
@@ -114,6 +95,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         for block in self.blocks:
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = FreeKVCacheBlockQueue([])
+        self._blocks.track_evictable()  # evictable/pinned figures kept per block event
         null = self._blocks.alloc(1)
         if null != [0]:
             raise EngineExtConfigError(
@@ -173,6 +155,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
     def evictable_block_ids(self) -> list[int]:
         return [block.block_id for block in self.free_block_queue.get_all_free_blocks()]
 
+    def evictable_blocks(self) -> list[int]:
+        """Reclaimer: the evictable blocks, least recently used first (O(evictable))."""
+        return self.evictable_block_ids()
+
     # -- allocation -----------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         self._guard.check()
@@ -208,6 +194,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
                 raise
         if num_reused:  # evictable blocks, least recently used first (vLLM's order)
             reused = self.free_block_queue.popleft_n(num_reused)
+            self._blocks.unmark_evictable(map(_block_id, reused))
             for block in reused:
                 self._maybe_evict_cached_block(block)  # drops the hash, emits BlockRemoved
             ret.extend(reused)
@@ -245,8 +232,21 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         return [all_blocks[i] for i in ids]
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self._guard.check()
-        super().touch(blocks)
+        """A prefix hit takes a reference; an evictable block leaves the LRU queue."""
+        queue = self.free_block_queue
+        collector = self.metrics_collector
+        hit: list[int] = []
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:  # evictable: held by the cache alone until now
+                queue.remove(block)
+                hit.append(block.block_id)
+            block.ref_cnt += 1
+            if collector:
+                collector.on_block_accessed(block)
+        if hit:
+            self._blocks.unmark_evictable(hit)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         self._guard.check()
@@ -276,7 +276,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
                 to_free.append(block.block_id)
             else:
                 to_cache.append(block)
-        self.free_block_queue.append_n(to_cache)
+        if to_cache:
+            self.free_block_queue.append_n(to_cache)
+            self._blocks.mark_evictable(map(_block_id, to_cache))
         if to_free:
             self._fresh_free = -1
             self._blocks.free(to_free)

@@ -31,42 +31,23 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine_ext._coordinator import Demand
 from engine_ext._errors import EngineExtConfigError
 from engine_ext._hit_window import PrefixHitWindow
 from engine_ext.protocol import DeferReason, EngineState, Status
-from engine_ext.vllm._block_pool import DeviceFullError, PoolBacking
 from engine_ext.vllm._kv_memory import claim_kv_memory
+from engine_ext.vllm._pool_backing import DeviceFullError, PoolBacking
 
 if TYPE_CHECKING:
     from engine_ext import ElasticInstance, EngineSettings
     from engine_ext.vllm._block_pool import ElasticBlockPool
     from engine_ext.vllm._settings import VllmSettings
 
-__all__ = ["PoolReclaimer", "VllmRuntime", "backing_for_pool", "configure", "current_runtime"]
+__all__ = ["VllmRuntime", "backing_for_pool", "configure", "current_runtime"]
 
 _log = logging.getLogger("engine_ext.vllm.runtime")
-
-
-class PoolReclaimer:
-    """The core's ``Reclaimer`` view of the pool's evictable blocks (busy-loop thread)."""
-
-    name = "vllm-prefix-cache"
-
-    def __init__(self, pool: ElasticBlockPool) -> None:
-        self._pool = pool
-
-    def evictable_blocks(self) -> Iterable[int]:
-        return self._pool.evictable_block_ids()
-
-    def is_evictable(self, block: int) -> bool:
-        return self._pool.is_evictable(block)
-
-    def evict(self, blocks: Sequence[int]) -> int:
-        return self._pool.evict(blocks)
 
 
 class VllmRuntime:
@@ -81,6 +62,8 @@ class VllmRuntime:
         self._armed = False
         self._arm_lock = threading.Lock()
         self._last_mapped = -1
+        self._last_reclaimable = -1  # allocator's reclaimable pages at the last safe point
+        self._blocks: Any = None  # the pool's BlockAllocator, set by build_backing
         self._scheduler: Any = None  # vLLM's Scheduler, seen at the first schedule()
         self._refused_blocks = 0  # blocks the waiting requests need (set when one is refused)
         self._device_refused = False  # ... refused because the device (not the limit) is full
@@ -124,9 +107,10 @@ class VllmRuntime:
         blocks = BlockAllocator(pages, memory.blocks_per_page, guard=guard)
         self.pool = pool
         self._fence = memory.fence
+        self._blocks = blocks
         binding = EngineBinding(
             engine="vllm", engine_version=vllm.__version__, blocks=blocks,
-            reclaimers=(PoolReclaimer(pool),), wake=self.wake,
+            reclaimers=(pool,), wake=self.wake,
             floor_pages=1,  # vLLM's null block 0 keeps page 0 mapped for the engine's life
         )  # fmt: skip
         self.instance = ElasticInstance(self.engine_settings, binding)
@@ -176,7 +160,9 @@ class VllmRuntime:
         if instance.coordinator.pending:
             return self._pass()
         state = instance.step()  # O(1) unless pages moved: demand + mapped stay fresh
-        self._last_mapped = instance.binding.blocks.pages.num_mapped
+        blocks = self._blocks
+        self._last_mapped = blocks.pages.num_mapped
+        self._last_reclaimable = blocks.num_reclaimable_pages
         return state
 
     def begin_schedule(self, scheduler: Any) -> None:
@@ -286,9 +272,10 @@ class VllmRuntime:
             return  # inside schedule(): the end-of-schedule safe point refreshes
         # Frees outside schedule() (finished requests, aborts, resets) happen with no
         # prefix lookup pending: a safe point, so the state follows /proc at once.
-        mapped = instance.binding.blocks.pages.num_mapped
-        if mapped != self._last_mapped:
-            self.safe_point()
+        blocks = self._blocks
+        if (blocks.pages.num_mapped != self._last_mapped
+                or blocks.num_reclaimable_pages != self._last_reclaimable):
+            self.safe_point()  # pages or evictable/pinned figures moved: report them now
         if self._armed or self._engine_core is None:
             return  # an idle pass is already due, or not serving yet
         if instance.coordinator.pending:
@@ -328,7 +315,9 @@ class VllmRuntime:
         if self.pool.evict_on_retired_pages():
             state = instance.step()
             self.pool.invalidate_capacity()
-        self._last_mapped = instance.binding.blocks.pages.num_mapped
+        blocks = self._blocks
+        self._last_mapped = blocks.pages.num_mapped
+        self._last_reclaimable = blocks.num_reclaimable_pages
         return state
 
 

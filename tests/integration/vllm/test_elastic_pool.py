@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from allocator import ForeignThreadError, HostBackend, PageLayout
-from engine_ext import EngineSettings
+from engine_ext import EngineSettings, Reclaimer, count_reclaimable_pages
 from engine_ext.protocol import Status
 from engine_ext.vllm import _runtime
 from engine_ext.vllm._block_pool import ElasticBlockPool
@@ -172,6 +172,39 @@ def test_a_premapped_reserve_still_gives_vllm_block_0_first(
     assert e.mapped_pages() <= 3 + reserve  # 8 blocks + null on 3 pages, plus the reserve
     e.finish(doc)
     assert e.pool.num_evictable_blocks == 2 * BLOCKS_PER_PAGE
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_figures_after_traffic_match_a_recount_once_idle(
+    make_elastic: Callable[..., Elastic], seed: int,
+) -> None:
+    """Evictable/pinned are kept per block event: right after the last free, no rescan."""
+    import random
+
+    rng = random.Random(seed)
+    e = make_elastic()
+    assert isinstance(e.pool, Reclaimer)  # the pool is the core's reclaimer itself
+    live: list[Request] = []
+    for i in range(40):
+        if live and rng.random() < 0.45:
+            e.finish(live.pop(rng.randrange(len(live))))
+            continue
+        shared = tokens(rng.randrange(3), rng.randint(1, 2) * BLOCK_TOKENS)
+        request = e.make_request(f"r{i}", shared + tokens(100 + i, rng.randint(1, 30)))
+        if e.admit(request):
+            live.append(request)
+        if rng.random() < 0.2:
+            e.runtime.safe_point()
+    for request in live:  # the engine goes idle: no scheduler step follows
+        e.finish(request)
+    blocks = e.runtime.instance.binding.blocks  # type: ignore[union-attr]
+    reclaimable = count_reclaimable_pages(e.pool.evictable_block_ids(), blocks)
+    state = e.runtime.instance.state()  # type: ignore[union-attr]
+    bundle = e.bundle_bytes
+    assert state.evictable_bytes == reclaimable * bundle
+    assert state.pinned_bytes == (blocks.pages.num_in_use - reclaimable) * bundle
+    assert state.mapped_bytes == e.backend.mapped_bytes()
+    assert blocks.num_evictable_blocks == e.pool.num_evictable_blocks
 
 
 def test_lower_limit_evicts_whole_pages(

@@ -30,6 +30,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.backend: HostBackend | None = None
         self.live: set[int] = set()
+        self.marked: set[int] = set()  # blocks the "cache" marked evictable (naive model)
 
     @initialize(
         num_pages=st.integers(1, 8),
@@ -42,6 +43,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.backend = HostBackend.reserve(layout, name="kvsidecar-prop")
         self.pages = PageAllocator(self.backend, reserve_pages=min(reserve, num_pages))
         self.blocks = BlockAllocator(self.pages, bpp)
+        self.blocks.track_evictable()
         self.bpp = bpp
 
     def teardown(self) -> None:
@@ -72,12 +74,40 @@ class AllocatorMachine(RuleBasedStateMachine):
                                     unique=True))
         self.blocks.free(chosen)
         self.live -= set(chosen)
+        self.marked -= set(chosen)  # a freed block is no longer evictable
+
+    @precondition(lambda self: bool(self.live - self.marked))
+    @rule(data=st.data())
+    def mark(self, data: st.DataObject) -> None:
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.live - self.marked)),
+                                    min_size=1, unique=True))
+        before = self.blocks.changes
+        self.blocks.mark_evictable(chosen)
+        assert self.blocks.changes > before
+        self.marked |= set(chosen)
+
+    @precondition(lambda self: bool(self.marked))
+    @rule(data=st.data())
+    def unmark(self, data: st.DataObject) -> None:
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.marked)), min_size=1,
+                                    unique=True))
+        self.blocks.unmark_evictable(chosen)
+        self.marked -= set(chosen)
 
     @rule(pages=targets)
     def set_target(self, pages: int | None) -> None:
         self.pages.set_target(pages)
 
     # ------------------------------------------------------------------ invariants
+    @invariant()
+    def evictable_counts_match_a_recount(self) -> None:
+        blocks, bpp = self.blocks, self.bpp
+        assert blocks.num_evictable_blocks == len(self.marked)
+        reclaimable = sum(1 for p in self._live_pages()
+                          if all(b in self.marked for b in self.live if b // bpp == p))
+        assert blocks.num_reclaimable_pages == reclaimable
+        assert all(blocks.is_marked_evictable(b) == (b in self.marked) for b in self.live)
+
     def _live_pages(self) -> set[int]:
         return {b // self.bpp for b in self.live}
 

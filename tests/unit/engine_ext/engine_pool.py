@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from allocator import BlockAllocator, HostBackend, PageAllocator
@@ -82,3 +82,60 @@ class Pool:
         req = self.cache.start([next(self._hashes) for _ in range(num_blocks)])
         assert req is not None, "the pool is full"
         return req
+
+
+class TrackingPrefixCache(PrefixCache):
+    """The same cache, reporting its evictable blocks to the allocator (as vLLM's pool does).
+
+    Counts its listings: a shrink pass lists the cache (O(evictable)); the
+    coordinator's throttle and figures must not.
+    """
+
+    def __init__(self, blocks: BlockAllocator) -> None:
+        super().__init__(blocks)
+        blocks.track_evictable()
+        self.num_listings = 0
+
+    def acquire(self, block: int) -> None:
+        was = self.is_evictable(block)
+        super().acquire(block)
+        if was:
+            self.blocks.unmark_evictable([block])
+
+    def insert(self, block: int, key: Hashable) -> bool:
+        added = super().insert(block, key)
+        if added and self.is_evictable(block):
+            self.blocks.mark_evictable([block])
+        return added
+
+    def release(self, blocks: Iterable[int]) -> None:
+        batch = list(blocks)
+        before = {b for b in batch if self.is_evictable(b)}
+        super().release(batch)
+        now = sorted({b for b in batch if b not in before and self.is_evictable(b)})
+        if now:
+            self.blocks.mark_evictable(now)
+
+    def evictable_blocks(self) -> Iterable[int]:
+        self.num_listings += 1
+        return super().evictable_blocks()
+
+
+class ChangeKeyedPrefixCache(PrefixCache):
+    """The same cache with a change counter (as SGLang's reclaimers have), not tracking."""
+
+    def __init__(self, blocks: BlockAllocator) -> None:
+        super().__init__(blocks)
+        self.version = 0
+        self.num_listings = 0
+
+    def release(self, blocks: Iterable[int]) -> None:
+        super().release(blocks)
+        self.version += 1
+
+    def change_key(self) -> int:
+        return self.version
+
+    def evictable_blocks(self) -> Iterable[int]:
+        self.num_listings += 1
+        return super().evictable_blocks()
