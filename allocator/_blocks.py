@@ -46,11 +46,15 @@ class BlockAllocator:
     def __init__(
         self, pages: PageAllocator, blocks_per_page: int, *, guard: ThreadGuard | None = None
     ) -> None:
-        if isinstance(blocks_per_page, bool) or not isinstance(blocks_per_page, int) \
-                or blocks_per_page <= 0:
+        if (
+            isinstance(blocks_per_page, bool)
+            or not isinstance(blocks_per_page, int)
+            or blocks_per_page <= 0
+        ):
             raise AllocatorConfigError(
                 f"blocks_per_page must be an int >= 1; got {blocks_per_page!r} (use "
-                "PageLayout.blocks_per_page(block_bytes) to compute it)")
+                "PageLayout.blocks_per_page(block_bytes) to compute it)"
+            )
         pages.set_observer(self)
         bpp = blocks_per_page
         self.pages = pages
@@ -108,7 +112,6 @@ class BlockAllocator:
         """Whether ``block`` is allocated now."""
         self._check_block(block)
         return bool(self._allocated[block])
-
 
     def is_marked_evictable(self, block: int) -> bool:
         """Whether ``block`` is marked evictable now (False when not tracking)."""
@@ -180,7 +183,8 @@ class BlockAllocator:
             if ev[block] or not allocated[block]:
                 raise AllocatorContractError(
                     f"mark_evictable(): block {block} is "
-                    f"{'already marked' if ev[block] else 'not allocated'}")
+                    f"{'already marked' if ev[block] else 'not allocated'}"
+                )
             ev[block] = 1
             count += 1
             page = block // bpp
@@ -265,10 +269,12 @@ class BlockAllocator:
         for block in batch:
             if type(block) is not int or not 0 <= block < limit:
                 raise AllocatorContractError(
-                    f"free(): {block!r} is not a block id in 0..{limit - 1}")
+                    f"free(): {block!r} is not a block id in 0..{limit - 1}"
+                )
             if not allocated[block]:
-                raise AllocatorContractError(f"free(): block {block} is not allocated "
-                                             "(double free?)")
+                raise AllocatorContractError(
+                    f"free(): block {block} is not allocated (double free?)"
+                )
         if len(batch) > 1 and len(set(batch)) != len(batch):
             raise AllocatorContractError("free(): the same block appears twice in one call")
         self.num_allocated_blocks -= len(batch)

@@ -36,7 +36,8 @@ def load_driver() -> Any:
     except ImportError as exc:
         raise BackendError(
             "CudaBackend needs cuda-python (cuda.bindings.driver); install it with "
-            "`pip install 'kvsidecar[cuda]'` on a machine with an NVIDIA driver") from exc
+            "`pip install 'kvsidecar[cuda]'` on a machine with an NVIDIA driver"
+        ) from exc
 
 
 def init_driver(driver: Any) -> None:
@@ -73,7 +74,10 @@ class _CudaArray:
     def __init__(self, address: int, length: int, owner: object) -> None:
         self.owner = owner  # torch holds this object, so the backend outlives its tensors
         self.__cuda_array_interface__ = {
-            "shape": (length,), "typestr": "|u1", "data": (address, False), "version": 3,
+            "shape": (length,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
         }
 
 
@@ -107,8 +111,9 @@ class CudaBackend:
     layout: PageLayout
     base_address: int
 
-    def __init__(self, layout: PageLayout, device: int, driver: Any,
-                 spare_handles: int | None = None) -> None:
+    def __init__(
+        self, layout: PageLayout, device: int, driver: Any, spare_handles: int | None = None
+    ) -> None:
         """Use :meth:`reserve`."""
         if spare_handles is not None and spare_handles < 0:
             raise AllocatorContractError(f"spare_handles must be >= 0, not {spare_handles}")
@@ -143,16 +148,28 @@ class CudaBackend:
             self._access.location.id = device
             self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
             self._access_list = [self._access]
-            self.granularity = int(_call(driver.cuMemGetAllocationGranularity(
-                self._prop,
-                driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-            ), "cuMemGetAllocationGranularity"))
-            check_granularity(layout, self.granularity, f"CUDA allocation granularity of device "
-                                                        f"{device}")
-            self.base_address = int(_call(driver.cuMemAddressReserve(
-                layout.total_bytes, self.granularity, 0, 0), "cuMemAddressReserve"))
-            self._bases = [self.base_address + region * layout.region_bytes
-                           for region in range(layout.num_regions)]
+            self.granularity = int(
+                _call(
+                    driver.cuMemGetAllocationGranularity(
+                        self._prop,
+                        driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                    ),
+                    "cuMemGetAllocationGranularity",
+                )
+            )
+            check_granularity(
+                layout, self.granularity, f"CUDA allocation granularity of device {device}"
+            )
+            self.base_address = int(
+                _call(
+                    driver.cuMemAddressReserve(layout.total_bytes, self.granularity, 0, 0),
+                    "cuMemAddressReserve",
+                )
+            )
+            self._bases = [
+                self.base_address + region * layout.region_bytes
+                for region in range(layout.num_regions)
+            ]
         except BaseException:
             driver.cuDevicePrimaryCtxRelease(self._dev)
             raise
@@ -174,8 +191,9 @@ class CudaBackend:
         return None
 
     @classmethod
-    def reserve(cls, layout: PageLayout, *, device: int = 0,
-                spare_handles: int | None = None) -> CudaBackend:
+    def reserve(
+        cls, layout: PageLayout, *, device: int = 0, spare_handles: int | None = None
+    ) -> CudaBackend:
         """Reserve ``layout.total_bytes`` of virtual address space on ``device``.
 
         ``spare_handles``: unmapped handles kept for the next map (default one
@@ -207,8 +225,10 @@ class CudaBackend:
             errors.append(exc)
         if not self._range_freed and self._num_handles == 0:
             try:
-                _call(self._drv.cuMemAddressFree(self.base_address, self.layout.total_bytes),
-                      "cuMemAddressFree")
+                _call(
+                    self._drv.cuMemAddressFree(self.base_address, self.layout.total_bytes),
+                    "cuMemAddressFree",
+                )
                 self._range_freed = True
             except BackendError as exc:
                 errors.append(exc)
@@ -216,7 +236,8 @@ class CudaBackend:
             raise BackendError(
                 f"CudaBackend.release() did not finish ({len(errors)} failure(s), first: "
                 f"{errors[0]}); {self._num_handles} handle(s) still mapped, "
-                f"{len(self._stray)} unreleased; call release() again") from errors[0]
+                f"{len(self._stray)} unreleased; call release() again"
+            ) from errors[0]
         self._released = True
         _call(self._drv.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
 
@@ -267,8 +288,10 @@ class CudaBackend:
                     done.append(page)
                 length, offset = count * size, first * size
                 for base in self._bases:
-                    _call(drv.cuMemSetAccess(base + offset, length, self._access_list, 1),
-                          "cuMemSetAccess")
+                    _call(
+                        drv.cuMemSetAccess(base + offset, length, self._access_list, 1),
+                        "cuMemSetAccess",
+                    )
         except BackendError as exc:
             for page in done:
                 try:
@@ -298,8 +321,7 @@ class CudaBackend:
     def is_mapped(self, page: int) -> bool:
         """Whether ``page`` has allocations mapped (in any region)."""
         if not 0 <= page < self.layout.num_pages:
-            raise AllocatorContractError(
-                f"page {page} is outside 0..{self.layout.num_pages - 1}")
+            raise AllocatorContractError(f"page {page} is outside 0..{self.layout.num_pages - 1}")
         return bool(self._mapped[page])
 
     def mapped_bytes(self) -> int:
@@ -388,8 +410,9 @@ class CudaBackend:
         if self._released:
             raise AllocatorContractError("this CudaBackend was released; reserve a new one")
         if self._closing:
-            raise AllocatorContractError("this CudaBackend's release() failed part-way; call "
-                                         "release() again (nothing else)")
+            raise AllocatorContractError(
+                "this CudaBackend's release() failed part-way; call release() again (nothing else)"
+            )
 
     def _out_of_memory(self, pages: int, exc: BackendError) -> DeviceOutOfMemory:
         try:
@@ -401,7 +424,8 @@ class CudaBackend:
             f"CUDA device {self.device} is out of memory: mapping {pages} page(s) needs "
             f"{need / 2**20:.0f} MiB and the device has {free} free ({exc}); nothing was "
             "mapped. Lower this engine's limit, or free memory elsewhere on the device "
-            "(another engine's limit, torch.cuda.empty_cache()) and retry")
+            "(another engine's limit, torch.cuda.empty_cache()) and retry"
+        )
 
     def _take_handle(self) -> Any:
         if self._spares:
@@ -521,8 +545,7 @@ def _call(result: Any, what: str) -> Any:
         except (ImportError, AttributeError, UnicodeDecodeError):  # only decorates a message
             name = f"CUresult {int(err)}"
         error = DeviceOutOfMemory if int(err) == _CUDA_ERROR_OUT_OF_MEMORY else BackendError
-        raise error(f"{what} failed: {name}; check the device, the driver and free "
-                    "device memory")
+        raise error(f"{what} failed: {name}; check the device, the driver and free device memory")
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)

@@ -48,8 +48,9 @@ class UnmapFence:
     tests and benchmarks.
     """
 
-    def __init__(self, make_event: Callable[[], DeviceEvent],
-                 synchronize_device: Callable[[], None]) -> None:
+    def __init__(
+        self, make_event: Callable[[], DeviceEvent], synchronize_device: Callable[[], None]
+    ) -> None:
         self._make_event = make_event
         self._synchronize_device = synchronize_device
         self._event: DeviceEvent | None = None

@@ -72,7 +72,8 @@ class HostBackend:
         # release(); tensors from tensor() keep the backend alive, so this never pulls
         # memory from under a live view.
         self._finalizer = weakref.finalize(
-            self, _free_resources, self.base_address, layout.total_bytes, fd, owner)
+            self, _free_resources, self.base_address, layout.total_bytes, fd, owner
+        )
         self._finalizer.atexit = False
 
     # ------------------------------------------------------------------ life cycle
@@ -104,13 +105,16 @@ class HostBackend:
         except OSError as exc:
             raise BackendError(
                 f"cannot open {fd_path}: {exc.strerror}; is the owning process alive "
-                "and run by the same user?", errno=exc.errno) from exc
+                "and run by the same user?",
+                errno=exc.errno,
+            ) from exc
         try:
             size = os.fstat(fd).st_size
             if size != layout.total_bytes:
                 raise AllocatorConfigError(
                     f"{fd_path} holds {size} bytes but the layout needs {layout.total_bytes}; "
-                    "attach with the owner's exact PageLayout")
+                    "attach with the owner's exact PageLayout"
+                )
             return cls(layout, fd, owner=False)
         except BaseException:
             os.close(fd)
@@ -184,8 +188,7 @@ class HostBackend:
     def is_mapped(self, page: int) -> bool:
         """Whether this process maps ``page``."""
         if not 0 <= page < self.layout.num_pages:
-            raise AllocatorContractError(
-                f"page {page} is outside 0..{self.layout.num_pages - 1}")
+            raise AllocatorContractError(f"page {page} is outside 0..{self.layout.num_pages - 1}")
         return bool(self._mapped[page])
 
     @property

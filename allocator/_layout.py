@@ -30,8 +30,11 @@ class PageLayout:
             if value <= 0:
                 raise AllocatorConfigError(
                     f"PageLayout.{name} must be at least 1; got {value}"
-                    + (" (a capacity of zero pages cannot hold a KV cache)"
-                       if name == "num_pages" else "")
+                    + (
+                        " (a capacity of zero pages cannot hold a KV cache)"
+                        if name == "num_pages"
+                        else ""
+                    )
                 )
 
     @property

@@ -85,10 +85,12 @@ class PageAllocator:
         if not 0 <= reserve_pages <= num_pages:
             raise AllocatorConfigError(
                 f"reserve_pages={reserve_pages} must be between 0 and the capacity ({num_pages} "
-                "pages); a few pages are enough to keep acquire() off the map path")
+                "pages); a few pages are enough to keep acquire() off the map path"
+            )
         if any(backend.is_mapped(page) for page in range(num_pages)):
-            raise AllocatorConfigError("the backend already maps pages; give PageAllocator a "
-                                       "fresh backend")
+            raise AllocatorConfigError(
+                "the backend already maps pages; give PageAllocator a fresh backend"
+            )
         self.backend = backend
         self.guard = guard if guard is not None else ThreadGuard("PageAllocator")
         self.num_pages = num_pages
@@ -182,8 +184,9 @@ class PageAllocator:
         target takes retired pages back (fullest first) and refills the reserve.
         """
         self.guard.check()
-        if pages is not None and (isinstance(pages, bool) or not isinstance(pages, int)
-                                  or pages < 0):
+        if pages is not None and (
+            isinstance(pages, bool) or not isinstance(pages, int) or pages < 0
+        ):
             raise AllocatorContractError(f"target must be None or an int >= 0; got {pages!r}")
         self.target_pages = pages
         self._device_full_at = None  # limits moved: memory may be free again, try the device
@@ -217,9 +220,15 @@ class PageAllocator:
             except DeviceOutOfMemory as exc:
                 self._device_full_at = time.monotonic()
                 self._device_cap = self.num_mapped
-                _log.warning("no device memory for page %d (%d pages mapped): %s; holding at "
-                             "%d pages for %.1f s", page, self.num_mapped, exc, self.num_mapped,
-                             DEVICE_RETRY_S)  # fmt: skip
+                _log.warning(
+                    "no device memory for page %d (%d pages mapped): %s; holding at "
+                    "%d pages for %.1f s",
+                    page,
+                    self.num_mapped,
+                    exc,
+                    self.num_mapped,
+                    DEVICE_RETRY_S,
+                )
                 return None
             self._unmapped.pop()
         else:
@@ -249,11 +258,13 @@ class PageAllocator:
         for page in pages:
             if type(page) is not int or not 0 <= page < num_pages:
                 raise AllocatorContractError(
-                    f"release({page!r}): no such page (0..{num_pages - 1})")
+                    f"release({page!r}): no such page (0..{num_pages - 1})"
+                )
             if state[page] not in (PageState.IN_USE, PageState.RETIRED):
                 raise AllocatorContractError(
                     f"release({page}): the page is {PageState(state[page]).name}, not in use; "
-                    "release each acquired page exactly once")
+                    "release each acquired page exactly once"
+                )
         if len(pages) > 1 and len(set(pages)) != len(pages):
             raise AllocatorContractError("release_many(): the same page appears twice")
         # Plan as sequential release() calls would go, then unmap once, then apply.
@@ -369,7 +380,8 @@ class PageAllocator:
             if self._state[page] != PageState.RETIRED:
                 raise AllocatorContractError(
                     f"the observer named page {page} as retired but it is "
-                    f"{PageState(self._state[page]).name}")
+                    f"{PageState(self._state[page]).name}"
+                )
             self._back_in_service(page)
             observer.on_retired(page, False)
 

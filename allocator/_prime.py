@@ -13,8 +13,9 @@ if TYPE_CHECKING:
 __all__ = ["map_or_free_cache", "torch_empty_cache"]
 
 
-def map_or_free_cache(backend: Backend, pages: Sequence[int],
-                      free_cache: Callable[[], None]) -> None:
+def map_or_free_cache(
+    backend: Backend, pages: Sequence[int], free_cache: Callable[[], None]
+) -> None:
     """``backend.map_many(pages)``; out of device memory: ``free_cache()`` and try once more.
 
     ``free_cache`` gives back memory a framework holds without using it
@@ -32,8 +33,8 @@ def map_or_free_cache(backend: Backend, pages: Sequence[int],
         backend.map_many(pages)
     except DeviceOutOfMemory as exc:
         raise DeviceOutOfMemory(
-            f"mapping {len(pages)} KV page(s) failed even after freeing cached device memory: "
-            f"{exc}") from exc
+            f"mapping {len(pages)} KV page(s) failed even after freeing cached device memory: {exc}"
+        ) from exc
 
 
 def torch_empty_cache() -> None:

@@ -39,8 +39,14 @@ from allocator import BlockAllocator, HostBackend, PageAllocator, PageLayout
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_int64)
+_libc.mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int64,
+)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.fallocate64.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
@@ -63,6 +69,7 @@ def host_per_page(backend: HostBackend, pages: int) -> Callable[[], None]:
             backend.map(page)
         for page in range(pages):
             backend.unmap(page)
+
     return run
 
 
@@ -72,6 +79,7 @@ def host_batched(backend: HostBackend, pages: int) -> Callable[[], None]:
     def run() -> None:
         backend.map_many(everything)
         backend.unmap_many(everything)
+
     return run
 
 
@@ -91,6 +99,7 @@ def raw_libc(fd: int, page_bytes: int, pages: int) -> Callable[[], None]:
         for page, addr in enumerate(addrs):
             munmap(addr, page_bytes)
             fallocate(fd, PUNCH, page * page_bytes, page_bytes)
+
     return run
 
 
@@ -105,6 +114,7 @@ def python_mmap(fd: int, page_bytes: int, pages: int) -> Callable[[], None]:
         for page, region in enumerate(maps):
             region.close()
             fallocate(fd, PUNCH, page * page_bytes, page_bytes)
+
     return run
 
 
@@ -123,10 +133,12 @@ def bench_mapping(page_bytes: int, pages: int, repeats: int) -> None:
         backend.release()
         os.close(fd)
     us = 1e6 / pages
-    print(f"page {page_bytes // 1024:>5} KiB x {pages}: map+unmap per page "
-          f"HostBackend {ours * us:7.1f} us | raw libc {raw * us:7.1f} us "
-          f"-> {raw / ours:4.2f}x | python mmap {pym * us:7.1f} us -> {pym / ours:4.2f}x | "
-          f"map_many+unmap_many {batched * us:6.1f} us/page -> {raw / batched:5.2f}x raw")
+    print(
+        f"page {page_bytes // 1024:>5} KiB x {pages}: map+unmap per page "
+        f"HostBackend {ours * us:7.1f} us | raw libc {raw * us:7.1f} us "
+        f"-> {raw / ours:4.2f}x | python mmap {pym * us:7.1f} us -> {pym / ours:4.2f}x | "
+        f"map_many+unmap_many {batched * us:6.1f} us/page -> {raw / batched:5.2f}x raw"
+    )
 
 
 def bench_blocks(batch: int, rounds: int, repeats: int) -> None:
@@ -156,11 +168,16 @@ def bench_blocks(batch: int, rounds: int, repeats: int) -> None:
     finally:
         backend.release()
     ops = 2 * rounds
-    vllm = "vLLM queue n/a" if t_vllm is None else (
-        f"vLLM queue {ops / t_vllm / 1e3:7.1f} k calls/s -> {t_vllm / t_ours:4.2f}x")
-    print(f"blocks x{batch:<3}: BlockAllocator {ops / t_ours / 1e3:7.1f} k calls/s "
-          f"({ops * batch / t_ours / 1e6:5.2f} M blocks/s) | {vllm} | bare list "
-          f"{ops / t_bare / 1e3:7.1f} k calls/s -> {t_bare / t_ours:4.2f}x")
+    vllm = (
+        "vLLM queue n/a"
+        if t_vllm is None
+        else (f"vLLM queue {ops / t_vllm / 1e3:7.1f} k calls/s -> {t_vllm / t_ours:4.2f}x")
+    )
+    print(
+        f"blocks x{batch:<3}: BlockAllocator {ops / t_ours / 1e3:7.1f} k calls/s "
+        f"({ops * batch / t_ours / 1e6:5.2f} M blocks/s) | {vllm} | bare list "
+        f"{ops / t_bare / 1e3:7.1f} k calls/s -> {t_bare / t_ours:4.2f}x"
+    )
 
 
 def vllm_queue_s(num_blocks: int, batch: int, rounds: int, repeats: int) -> float | None:
@@ -188,8 +205,7 @@ def main() -> None:
     repeats = 2 if args.quick else args.repeats
     print(f"host page size {mmap.PAGESIZE} B; best of {repeats}; ratios > 1 mean ours is faster")
     for page_bytes in (4 << 10, 64 << 10, 2 << 20):
-        bench_mapping(page_bytes, pages if page_bytes < (2 << 20) else max(8, pages // 8),
-                      repeats)
+        bench_mapping(page_bytes, pages if page_bytes < (2 << 20) else max(8, pages // 8), repeats)
     rounds = 200 if args.quick else 5000
     for batch in (1, 16):
         bench_blocks(batch, rounds, repeats)

@@ -55,7 +55,11 @@ def _load(engines: list[ToyEngine], jobs: int, c: httpx.Client | None) -> dict[s
             now = time.monotonic()
             for m in view["instances"]:
                 iid = m["id"]
-                if iid in starts and iid not in reached and (m["limit_bytes"] or 0) >= MOST * BUDGET:
+                if (
+                    iid in starts
+                    and iid not in reached
+                    and (m["limit_bytes"] or 0) >= MOST * BUDGET
+                ):
                     reached[iid] = now - starts[iid]
 
     poller = threading.Thread(target=poll, daemon=True)
@@ -75,17 +79,27 @@ def _load(engines: list[ToyEngine], jobs: int, c: httpx.Client | None) -> dict[s
     poller.join(5)
     shares = [reached[e.iid] for e in engines if e.iid in reached]
     lat = sorted(j.latency_s for j in all_jobs)
-    return {"completion_s": total, "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
-            "share_s": shares, "share_missed": len(engines) - len(shares)}
+    return {
+        "completion_s": total,
+        "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        "share_s": shares,
+        "share_missed": len(engines) - len(shares),
+    }
 
 
 def _round(jobs: int, autopilot: bool) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
-        settings = SidecarSettings(db_path=Path(tmp) / "s.db", push_backoff_initial_s=0.02,
-                                   push_backoff_max_s=0.2, autopilot_interval_s=0.05,
-                                   autopilot_busy_hold_s=0.3)
-        with ThreadedSidecar(settings) as server, \
-                httpx.Client(base_url=server.url, timeout=30) as c:
+        settings = SidecarSettings(
+            db_path=Path(tmp) / "s.db",
+            push_backoff_initial_s=0.02,
+            push_backoff_max_s=0.2,
+            autopilot_interval_s=0.05,
+            autopilot_busy_hold_s=0.3,
+        )
+        with (
+            ThreadedSidecar(settings) as server,
+            httpx.Client(base_url=server.url, timeout=30) as c,
+        ):
             engines = [ToyEngine(i, server.url, Path(tmp) / "rt", DEVICE) for i in "abc"]
             try:
                 for e in engines:
@@ -96,8 +110,11 @@ def _round(jobs: int, autopilot: bool) -> dict[str, object]:
                     c.put(f"/devices/{DEVICE}/budget", json={"budget": BUDGET}).raise_for_status()
                 else:
                     for e in engines:
-                        c.put(f"/instances/{e.iid}/limit", params={"wait": 10},
-                              json={"limit": BUDGET // 3}).raise_for_status()
+                        c.put(
+                            f"/instances/{e.iid}/limit",
+                            params={"wait": 10},
+                            json={"limit": BUDGET // 3},
+                        ).raise_for_status()
                 time.sleep(0.5)
                 return _load(engines, jobs, c if autopilot else None)
             finally:
@@ -117,11 +134,16 @@ def main() -> None:
     for _ in range(args.rounds):  # interleaved
         runs["static"].append(_round(args.jobs, autopilot=False))
         runs["autopilot"].append(_round(args.jobs, autopilot=True))
-    out: dict[str, object] = {"rounds": args.rounds, "jobs_per_engine": args.jobs,
-                              "budget_pages": BUDGET // BUNDLE}
+    out: dict[str, object] = {
+        "rounds": args.rounds,
+        "jobs_per_engine": args.jobs,
+        "budget_pages": BUDGET // BUNDLE,
+    }
     for name, rs in runs.items():
         out[name] = {
-            "completion_s_median": round(statistics.median(float(r["completion_s"]) for r in rs), 3),
+            "completion_s_median": round(
+                statistics.median(float(r["completion_s"]) for r in rs), 3
+            ),
             "p99_s_median": round(statistics.median(float(r["p99_s"]) for r in rs), 3),
         }
     shares = [s for r in runs["autopilot"] for s in r["share_s"]]  # type: ignore[attr-defined]

@@ -48,8 +48,10 @@ def main() -> None:
     print("| pool | bytes/block built | bytes/block all allocated | × native (built / full) |")
     print("|---|---|---|---|")
     for name, built, full in rows:
-        print(f"| {name} | {built:.1f} | {full:.1f} | {built / native_built:.3f} / "
-              f"{full / native_full:.3f} |")
+        print(
+            f"| {name} | {built:.1f} | {full:.1f} | {built / native_built:.3f} / "
+            f"{full / native_full:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -108,9 +108,11 @@ def bench_eviction() -> None:
     pinned_pages = mapped - len(occ)
     want = len(occ) // 2
     minimum = sum(occ[:want])
-    print(f"fragmented cache: {mapped} pages mapped, {aware.blocks.num_allocated_blocks} blocks, "
-          f"{sum(len(r) for r in aware.running)} running blocks pinning {pinned_pages} pages, "
-          f"{len(occ)} reclaimable pages; target: free {want} pages")
+    print(
+        f"fragmented cache: {mapped} pages mapped, {aware.blocks.num_allocated_blocks} blocks, "
+        f"{sum(len(r) for r in aware.running)} running blocks pinning {pinned_pages} pages, "
+        f"{len(occ)} reclaimable pages; target: free {want} pages"
+    )
 
     aware.cache.num_evicted = native.cache.num_evicted = 0  # count the shrink only, not the trace
     mailbox = LimitMailbox()
@@ -130,15 +132,21 @@ def bench_eviction() -> None:
         ("LRU order (native)", lru_evicted, lru_freed),
         ("minimum", minimum, want),
     ]
-    print(f"\n{'eviction':<20}{'blocks':>8}{'pages':>7}{'blocks/page':>13}{'x minimum':>11}"
-          f"{'x blocks/page':>15}")
+    print(
+        f"\n{'eviction':<20}{'blocks':>8}{'pages':>7}{'blocks/page':>13}{'x minimum':>11}"
+        f"{'x blocks/page':>15}"
+    )
     for name, blocks, pages in rows:
         bpp = blocks / max(pages, 1)
-        print(f"{name:<20}{blocks:>8}{pages:>7}{bpp:>13.2f}{bpp / (minimum / want):>11.2f}"
-              f"{bpp / per:>15.2f}")
-    print(f"page-aware shrink pass: {step_ms:.2f} ms, 1 pass to applied "
-          f"(goal: <= 1.1 x {per} blocks per page: "
-          f"{'met' if aware.cache.num_evicted / freed <= 1.1 * per else 'NOT met'})")
+        print(
+            f"{name:<20}{blocks:>8}{pages:>7}{bpp:>13.2f}{bpp / (minimum / want):>11.2f}"
+            f"{bpp / per:>15.2f}"
+        )
+    print(
+        f"page-aware shrink pass: {step_ms:.2f} ms, 1 pass to applied "
+        f"(goal: <= 1.1 x {per} blocks per page: "
+        f"{'met' if aware.cache.num_evicted / freed <= 1.1 * per else 'NOT met'})"
+    )
     for pool in (aware, native):
         pool.backend.release()
 
@@ -187,16 +195,22 @@ def vllm_idle_schedule() -> Callable[[], object] | str:
         return f"vLLM not importable ({exc})"
     model_dir = make_tiny_model_dir(tempfile.mkdtemp(prefix="bench-core-"))
     config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=512,
-                                 skip_tokenizer_init=True),
+        model_config=ModelConfig(
+            model=str(model_dir), dtype="float32", max_model_len=512, skip_tokenizer_init=True
+        ),
         cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64,
-                                         max_model_len=512, is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=2048,
+            max_num_seqs=64,
+            max_model_len=512,
+            is_encoder_decoder=False,
+        ),
     )
     config.cache_config.num_gpu_blocks = 1024
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks=1024, kv_cache_tensors=[],
-                       kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)])
+    kv = KVCacheConfig(
+        num_blocks=1024, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)]
+    )
     scheduler = Scheduler(config, kv, StructuredOutputManager(config), block_size=16)
     return scheduler.schedule
 
@@ -213,17 +227,21 @@ def bench_idle_step() -> None:
     step_ns = min(timeit.repeat(coord.step, number=n, repeat=5)) / n * 1e9
     sched_ns = min(timeit.repeat(sched.schedule, number=n, repeat=5)) / n * 1e9
     noop_ns = min(timeit.repeat(lambda: None, number=n, repeat=5)) / n * 1e9
-    rows = [("ShrinkCoordinator.step() idle", step_ns),
-            ("empty scheduler-like pass", sched_ns),
-            ("no-op call", noop_ns)]
+    rows = [
+        ("ShrinkCoordinator.step() idle", step_ns),
+        ("empty scheduler-like pass", sched_ns),
+        ("no-op call", noop_ns),
+    ]
     vllm = vllm_idle_schedule()
     if isinstance(vllm, str):
         print(f"\n(no vLLM reference: {vllm})")
         ref_name, ref_ns = rows[1]
     else:
         m = 20_000
-        ref_name, ref_ns = "vLLM Scheduler.schedule() idle", min(
-            timeit.repeat(vllm, number=m, repeat=3)) / m * 1e9
+        ref_name, ref_ns = (
+            "vLLM Scheduler.schedule() idle",
+            min(timeit.repeat(vllm, number=m, repeat=3)) / m * 1e9,
+        )
         rows.insert(1, (ref_name, ref_ns))
     print(f"\n{'idle pass':<34}{'ns/call':>9}{'x ' + ref_name.split()[0] + ' ref':>14}")
     for name, ns in rows:

@@ -134,15 +134,19 @@ def main() -> None:
     with CudaBackend.reserve(layout, spare_handles=0) as cold:
         t_backend = best_s(per_page(cold, pages), k)
     t_direct = best_s(direct.cold, k)
-    print(f"| cold (cuMemCreate each map) | {t_backend / pages * 1e6:.1f} | "
-          f"{t_direct / pages * 1e6:.1f} | **{t_direct / t_backend:.2f}x** |")
+    print(
+        f"| cold (cuMemCreate each map) | {t_backend / pages * 1e6:.1f} | "
+        f"{t_direct / pages * 1e6:.1f} | **{t_direct / t_backend:.2f}x** |"
+    )
     with CudaBackend.reserve(layout) as warm:
         warm.map(0)
         warm.unmap(0)  # the spares exist from now on
         t_backend = best_s(per_page(warm, pages), k)
     t_direct = best_s(direct.warm(handles), k)
-    print(f"| spares (handle reused) | {t_backend / pages * 1e6:.1f} | "
-          f"{t_direct / pages * 1e6:.1f} | **{t_direct / t_backend:.2f}x** |")
+    print(
+        f"| spares (handle reused) | {t_backend / pages * 1e6:.1f} | "
+        f"{t_direct / pages * 1e6:.1f} | **{t_direct / t_backend:.2f}x** |"
+    )
     for handle in handles:
         drv.cuMemRelease(handle)
     direct.close()
@@ -165,8 +169,7 @@ def main() -> None:
         def show(counts: dict[str, int]) -> str:
             return ", ".join(f"{n} {c}" for n, c in counts.items() if c) or "none"
 
-        print(f"| CudaBackend {label} ({regions} region(s)) | {show(mapped)} | "
-              f"{show(unmapped)} |")
+        print(f"| CudaBackend {label} ({regions} region(s)) | {show(mapped)} | {show(unmapped)} |")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def shrink_pass(num_blocks: int, seed: int) -> dict[str, float]:
         rng = random.Random(seed)
         rng.shuffle(got)
         blocks.free(got[: len(got) // 4])
-        live = got[len(got) // 4:]
+        live = got[len(got) // 4 :]
         in_use = pages.num_in_use
         h0 = time.process_time()
         for block in live:  # the harness alone: the same shuffled ids, the same calls
@@ -79,9 +79,14 @@ def shrink_pass(num_blocks: int, seed: int) -> dict[str, float]:
     finally:
         backend.release()
     raw = raw_unmap_ns(in_use)
-    return {"pages": in_use, "target_ms": (t1 - t0) * 1e3, "drain_ms": (t2 - t1) * 1e3,
-            "per_page_us": (t2 - t0) * 1e6 / in_use, "raw_per_page_us": raw / 1e3,
-            "net_per_page_us": (t2 - t0 - harness) * 1e6 / in_use}
+    return {
+        "pages": in_use,
+        "target_ms": (t1 - t0) * 1e3,
+        "drain_ms": (t2 - t1) * 1e3,
+        "per_page_us": (t2 - t0) * 1e6 / in_use,
+        "raw_per_page_us": raw / 1e3,
+        "net_per_page_us": (t2 - t0 - harness) * 1e6 / in_use,
+    }
 
 
 def _noop(blocks: list[int]) -> None:
@@ -161,25 +166,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="shrink passes per size (median)")
     args = parser.parse_args()
     sizes = [n for n in SIZES if n <= args.max_blocks]
-    print(f"{BPP} blocks per 4 KiB page; shrink pass = halve the target, drain to 0 "
-          f"(median of {args.rounds})\n")
-    print("| blocks | pages freed | set_target ms | drain ms | µs / freed page | × 1k "
-          "| net of harness µs/page | × 1k | raw unmap µs/page | idle step() ns "
-          "| deferred retry ns |")
+    print(
+        f"{BPP} blocks per 4 KiB page; shrink pass = halve the target, drain to 0 "
+        f"(median of {args.rounds})\n"
+    )
+    print(
+        "| blocks | pages freed | set_target ms | drain ms | µs / freed page | × 1k "
+        "| net of harness µs/page | × 1k | raw unmap µs/page | idle step() ns "
+        "| deferred retry ns |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     base = net_base = 0.0
     for size in sizes:
-        runs = sorted((shrink_pass(size, seed) for seed in range(args.rounds)),
-                      key=lambda r: r["per_page_us"])
+        runs = sorted(
+            (shrink_pass(size, seed) for seed in range(args.rounds)), key=lambda r: r["per_page_us"]
+        )
         mid = runs[len(runs) // 2]
         base = base or mid["per_page_us"]
         net_base = net_base or mid["net_per_page_us"]
         idle = idle_step_ns(size)
         retry = deferred_retry_ns(size)
-        print(f"| {size:,} | {int(mid['pages']):,} | {mid['target_ms']:.1f} | "
-              f"{mid['drain_ms']:.1f} | {mid['per_page_us']:.1f} | {mid['per_page_us'] / base:.2f} "
-              f"| {mid['net_per_page_us']:.1f} | {mid['net_per_page_us'] / net_base:.2f} "
-              f"| {mid['raw_per_page_us']:.1f} | {idle:.0f} | {retry:.0f} |", flush=True)
+        print(
+            f"| {size:,} | {int(mid['pages']):,} | {mid['target_ms']:.1f} | "
+            f"{mid['drain_ms']:.1f} | {mid['per_page_us']:.1f} | {mid['per_page_us'] / base:.2f} "
+            f"| {mid['net_per_page_us']:.1f} | {mid['net_per_page_us'] / net_base:.2f} "
+            f"| {mid['raw_per_page_us']:.1f} | {idle:.0f} | {retry:.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,10 @@ LIMIT_PAGES = 10
 
 
 def build(kind: str, shared: bool, tmp: str, name: str) -> CpuHarness:
-    h = CpuHarness(EngineSettings(enable=True, runtime_dir=Path(tmp), instance_id=name),
-                   HarnessConfig(cache=kind))
+    h = CpuHarness(
+        EngineSettings(enable=True, runtime_dir=Path(tmp), instance_id=name),
+        HarnessConfig(cache=kind),
+    )
     for i in range(30):
         body = [(i * 37 + j * 11 + 1) % 2000 for j in range(12 if shared else 40)]
         h.submit(([5] * 32 if shared else []) + body, max_new_tokens=5)
@@ -63,8 +65,10 @@ def native(h: CpuHarness) -> tuple[int, int, float]:
 
 
 def main() -> None:
-    print(f"{'cache':8} {'workload':9} {'method':10} {'pages freed':>11} {'blocks/page':>11} "
-          f"{'kept tokens':>11} {'time ×native':>12}")
+    print(
+        f"{'cache':8} {'workload':9} {'method':10} {'pages freed':>11} {'blocks/page':>11} "
+        f"{'kept tokens':>11} {'time ×native':>12}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("unified", "radix"):
             for shared in (False, True):
@@ -77,8 +81,10 @@ def main() -> None:
                 base = rows["native"][3]
                 for method, (freed, evicted, kept, dt) in rows.items():
                     per = f"{evicted / freed:.2f}" if freed else "inf"
-                    print(f"{kind:8} {'shared' if shared else 'distinct':9} {method:10} "
-                          f"{freed:>11} {per:>11} {kept:>11} {dt / base:>12.1f}")
+                    print(
+                        f"{kind:8} {'shared' if shared else 'distinct':9} {method:10} "
+                        f"{freed:>11} {per:>11} {kept:>11} {dt / base:>12.1f}"
+                    )
     print("minimum blocks/page = SGLang pages per mapping page = 4")
 
 

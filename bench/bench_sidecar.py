@@ -54,8 +54,13 @@ def _bare_app() -> object:
 def _serve_bare(port: int) -> None:
     import uvicorn
 
-    uvicorn.run(_bare_app(), host="127.0.0.1", port=port, log_level="warning",  # type: ignore[arg-type]
-                access_log=False)
+    uvicorn.run(
+        _bare_app(),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",  # type: ignore[arg-type]
+        access_log=False,
+    )
 
 
 async def _load(url: str, num_requests: int, concurrency: int) -> dict[str, float]:
@@ -81,9 +86,11 @@ async def _load(url: str, num_requests: int, concurrency: int) -> dict[str, floa
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
     latencies.sort()
-    return {"rps": num_requests / elapsed,
-            "p50_ms": 1e3 * latencies[len(latencies) // 2],
-            "p99_ms": 1e3 * latencies[int(len(latencies) * 0.99) - 1]}
+    return {
+        "rps": num_requests / elapsed,
+        "p50_ms": 1e3 * latencies[len(latencies) // 2],
+        "p99_ms": 1e3 * latencies[int(len(latencies) * 0.99) - 1],
+    }
 
 
 def _wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
@@ -103,9 +110,20 @@ def _wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
 
 def _run_load(url: str, args: argparse.Namespace) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, __file__, "--load", url, "--requests", str(args.requests),
-         "--concurrency", str(args.concurrency)],
-        check=True, capture_output=True, text=True)
+        [
+            sys.executable,
+            __file__,
+            "--load",
+            url,
+            "--requests",
+            str(args.requests),
+            "--concurrency",
+            str(args.concurrency),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     result: dict[str, float] = json.loads(out.stdout)
     return result
 
@@ -128,12 +146,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ports = {"sidecar": free_port(), "bare": free_port()}
         cmds = {
-            "sidecar": [sys.executable, "-m", "sidecar.cli", "serve", "--port",
-                        str(ports["sidecar"]), "--db", f"{tmp}/bench.db"],
+            "sidecar": [
+                sys.executable,
+                "-m",
+                "sidecar.cli",
+                "serve",
+                "--port",
+                str(ports["sidecar"]),
+                "--db",
+                f"{tmp}/bench.db",
+            ],
             "bare": [sys.executable, __file__, "--serve-bare", str(ports["bare"])],
         }
-        procs = {name: subprocess.Popen(cmd, env={**env, "KVSIDECAR_LOG_LEVEL": "warning"},
-                                        cwd=ROOT) for name, cmd in cmds.items()}
+        procs = {
+            name: subprocess.Popen(cmd, env={**env, "KVSIDECAR_LOG_LEVEL": "warning"}, cwd=ROOT)
+            for name, cmd in cmds.items()
+        }
         try:
             for name, proc in procs.items():
                 _wait_up(f"http://127.0.0.1:{ports[name]}", proc)
@@ -147,11 +175,15 @@ def main() -> None:
             for proc in procs.values():
                 proc.terminate()
                 proc.wait(timeout=10)
-    print(f"PUT /instances/{{id}}/limit, {args.requests} requests, "
-          f"{args.concurrency} connections, load from a separate process")
+    print(
+        f"PUT /instances/{{id}}/limit, {args.requests} requests, "
+        f"{args.concurrency} connections, load from a separate process"
+    )
     for name, res in best.items():
-        print(f"  {name:8s} {res['rps']:8.0f} req/s   p50 {res['p50_ms']:6.2f} ms   "
-              f"p99 {res['p99_ms']:6.2f} ms")
+        print(
+            f"  {name:8s} {res['rps']:8.0f} req/s   p50 {res['p50_ms']:6.2f} ms   "
+            f"p99 {res['p99_ms']:6.2f} ms"
+        )
     rps = best["sidecar"]["rps"] / best["bare"]["rps"]
     p99 = best["sidecar"]["p99_ms"] / best["bare"]["p99_ms"]
     print(f"  ratio    throughput {rps:.2f}x (goal >= 0.7)   p99 {p99:.2f}x (goal <= 2)")

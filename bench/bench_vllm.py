@@ -95,15 +95,22 @@ def _manager(elastic: bool) -> tuple[KVCacheManager, HostBackend | None]:
     backend = None
     if elastic:
         block_bytes = 4096
-        layout = PageLayout(page_bytes=block_bytes * BLOCKS_PER_PAGE, num_pages=NUM_PAGES,
-                            num_regions=2)  # fmt: skip
+        layout = PageLayout(
+            page_bytes=block_bytes * BLOCKS_PER_PAGE, num_pages=NUM_PAGES, num_regions=2
+        )
         backend = HostBackend.reserve(layout, name="kvs-bench-vllm")
         publish_kv_memory(KVMemory(backend, layout, block_bytes, num_blocks))
-    spec = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=64,
-                             dtype=torch.float16)  # fmt: skip
+    spec = FullAttentionSpec(
+        block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=64, dtype=torch.float16
+    )
     config = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer.0"], spec)])
-    manager = KVCacheManager(config, max_model_len=8192, scheduler_block_size=BLOCK_TOKENS,
-                             hash_block_size=BLOCK_TOKENS, enable_caching=True)  # fmt: skip
+    manager = KVCacheManager(
+        config,
+        max_model_len=8192,
+        scheduler_block_size=BLOCK_TOKENS,
+        hash_block_size=BLOCK_TOKENS,
+        enable_caching=True,
+    )
     return manager, backend
 
 
@@ -113,8 +120,10 @@ def run_pool_trace(elastic: bool, prompts: list[list[int]]) -> float:
         manager, backend = _manager(elastic)
         init_none_hash(sha256)
         hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
-        requests = [Request(f"r{i}", p, SamplingParams(max_tokens=1), None, block_hasher=hasher)
-                    for i, p in enumerate(prompts)]  # fmt: skip
+        requests = [
+            Request(f"r{i}", p, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+            for i, p in enumerate(prompts)
+        ]
         live: list[Request] = []
         ops = 0
         gc.collect()
@@ -122,7 +131,9 @@ def run_pool_trace(elastic: bool, prompts: list[list[int]]) -> float:
         start = time.thread_time()
         for request in requests:
             hit, num_hit, _ = manager.get_computed_blocks(request)
-            while manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit) is None:
+            while (
+                manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit) is None
+            ):
                 manager.free(live.pop(0))
                 ops += 1
             ops += 1
@@ -148,11 +159,16 @@ def _engine(elastic: bool, model_dir: Path) -> Any:
     from engine_ext.cpu_harness import STUB_EXECUTOR, StubExecutor
 
     args = EngineArgs(
-        model=str(model_dir), load_format="dummy", dtype="float16", block_size=16,
-        max_model_len=4096, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
+        model=str(model_dir),
+        load_format="dummy",
+        dtype="float16",
+        block_size=16,
+        max_model_len=4096,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=64 << 20,
         distributed_executor_backend=STUB_EXECUTOR,
         max_num_seqs=16,
-    )  # fmt: skip
+    )
     del elastic  # run_scheduler's pool_class() chose the pool and the patches
     config = args.create_engine_config()
     return EngineCore(config, StubExecutor, log_stats=False)
@@ -197,9 +213,16 @@ def _run_scheduler(elastic: bool, model_dir: Path, num_requests: int) -> float:
     for i in range(num_requests):
         tail = [3000 + (i * 37 + t) % 900 for t in range(40 + i % 50)]
         request = EngineCoreRequest(
-            f"s{i}", doc + tail, None, SamplingParams(max_tokens=32, ignore_eos=True), None,
-            time.time(), None, None, None,
-        )  # fmt: skip
+            f"s{i}",
+            doc + tail,
+            None,
+            SamplingParams(max_tokens=32, ignore_eos=True),
+            None,
+            time.time(),
+            None,
+            None,
+            None,
+        )
         engine.add_request(*engine.preprocess_add_request(request))
     gc.collect()
     gc.disable()
@@ -259,8 +282,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--bytecodes", action="store_true",
-                        help="only count the bytecodes of one pool trace per side (300 requests)")
+    parser.add_argument(
+        "--bytecodes",
+        action="store_true",
+        help="only count the bytecodes of one pool trace per side (300 requests)",
+    )
     args = parser.parse_args()
     if args.bytecodes:
         prompts = _trace(300)
@@ -296,16 +322,22 @@ def main() -> None:
         # two safe points per step (top and end of schedule()) against native step time
         "state_refresh_ratio": 1 + 2 * min(_idle_safe_point) / min(native_step),
     }
-    print(f"block pool ops/s   native {result['pool_ops_per_s']['native']:10.0f}   "
-          f"elastic {result['pool_ops_per_s']['elastic']:10.0f}   "
-          f"ratio {result['pool_ratio']:.3f} (goal >= 0.9; median of rounds "
-          f"{result['pool_ratio_median']:.3f})")
-    print(f"scheduler step ms  native {1e3 * result['step_s']['native']:10.3f}   "
-          f"elastic {1e3 * result['step_s']['elastic']:10.3f}   "
-          f"ratio {result['step_ratio']:.3f} (goal <= 1.05; median of rounds "
-          f"{result['step_ratio_median']:.3f})")
-    print(f"idle safe point us {1e6 * result['idle_safe_point_s']:10.2f}   "
-          f"2 per step / native step: {result['state_refresh_ratio']:.4f}x")  # fmt: skip
+    print(
+        f"block pool ops/s   native {result['pool_ops_per_s']['native']:10.0f}   "
+        f"elastic {result['pool_ops_per_s']['elastic']:10.0f}   "
+        f"ratio {result['pool_ratio']:.3f} (goal >= 0.9; median of rounds "
+        f"{result['pool_ratio_median']:.3f})"
+    )
+    print(
+        f"scheduler step ms  native {1e3 * result['step_s']['native']:10.3f}   "
+        f"elastic {1e3 * result['step_s']['elastic']:10.3f}   "
+        f"ratio {result['step_ratio']:.3f} (goal <= 1.05; median of rounds "
+        f"{result['step_ratio_median']:.3f})"
+    )
+    print(
+        f"idle safe point us {1e6 * result['idle_safe_point_s']:10.2f}   "
+        f"2 per step / native step: {result['state_refresh_ratio']:.4f}x"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

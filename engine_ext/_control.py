@@ -107,7 +107,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _wrong_method(self) -> None:
         if self.path in ("/limit", "/state", "/healthz"):
-            self._problem(HTTPStatus.METHOD_NOT_ALLOWED, "use PUT /limit, GET /state or GET /healthz")
+            self._problem(
+                HTTPStatus.METHOD_NOT_ALLOWED, "use PUT /limit, GET /state or GET /healthz"
+            )
         else:
             self._not_found()
 
@@ -220,7 +222,8 @@ class ControlServer:
         wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
         self._server = server
         self._thread = threading.Thread(
-            target=_serve, args=(server, wake_r), name="control-server", daemon=True)
+            target=_serve, args=(server, wake_r), name="control-server", daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:
@@ -274,7 +277,9 @@ def _clear_stale_socket(path: str) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(mode):
-        raise EngineExtConfigError(f"{path!r} exists and is not a socket; remove it or pick another")
+        raise EngineExtConfigError(
+            f"{path!r} exists and is not a socket; remove it or pick another"
+        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)

@@ -171,15 +171,20 @@ class ShrinkCoordinator:
         target = self._mailbox.take()
         demand_moved = self._probe_demand()
         if target is None:
-            moved = (self._pages.num_mapped != self._seen_num_mapped
-                     or self._pages.device_full != self._seen_device_full)
+            moved = (
+                self._pages.num_mapped != self._seen_num_mapped
+                or self._pages.device_full != self._seen_device_full
+            )
             rank_died = self._barrier is not None and self._barrier.epoch != self._barrier_epoch
             if self._settled and not rank_died:
                 # nothing waits; the common case returns here without a syscall
                 if not moved:
                     blocks = self._blocks
-                    if (blocks.num_reclaimable_pages != self._figures_key
-                            if blocks.tracks_evictable else self._figures_stale()):
+                    if (
+                        blocks.num_reclaimable_pages != self._figures_key
+                        if blocks.tracks_evictable
+                        else self._figures_stale()
+                    ):
                         return self._refresh_figures()
                     return self._refresh_demand() if demand_moved else self._state
                 # pages moved (traffic): with ranks, settle acked unmaps and keep the
@@ -258,11 +263,13 @@ class ShrinkCoordinator:
         """Only evictable/pinned moved (no page): the same state with fresh figures."""
         reclaimable = self._scan_reclaimable(force=True)
         bundle = self._bundle_bytes
-        state = self._state.model_copy(update={
-            "evictable_bytes": reclaimable * bundle,
-            "pinned_bytes": max(0, self._pages.num_in_use - reclaimable) * bundle,
-            **self._demand_fields(),
-        })
+        state = self._state.model_copy(
+            update={
+                "evictable_bytes": reclaimable * bundle,
+                "pinned_bytes": max(0, self._pages.num_in_use - reclaimable) * bundle,
+                **self._demand_fields(),
+            }
+        )
         return self._publish(state)
 
     def _probe_demand(self) -> bool:
@@ -288,8 +295,10 @@ class ShrinkCoordinator:
             "num_waiting_requests": demand.num_waiting_requests,
             "waiting_bytes": demand.waiting_blocks * self._block_bytes,
             "waiting_reason": (
-                WaitReason.WAITING_FOR_MEMORY.value if demand.waiting_for_memory
-                else WaitReason.DEVICE_OUT_OF_MEMORY.value if demand.device_out_of_memory
+                WaitReason.WAITING_FOR_MEMORY.value
+                if demand.waiting_for_memory
+                else WaitReason.DEVICE_OUT_OF_MEMORY.value
+                if demand.device_out_of_memory
                 else None
             ),
             "num_preemptions": demand.num_preemptions,
@@ -423,7 +432,9 @@ class ShrinkCoordinator:
                 return DeferReason.DEVICE_OUT_OF_MEMORY  # the limit allows more than is there
             return None
         if self._backend_failed:
-            return DeferReason.DEVICE_OUT_OF_MEMORY if self._device_oom else DeferReason.BACKEND_ERROR
+            return (
+                DeferReason.DEVICE_OUT_OF_MEMORY if self._device_oom else DeferReason.BACKEND_ERROR
+            )
         if not self._config.reclaim:
             return DeferReason.RECLAIM_DISABLED
         if reclaimable > 0:

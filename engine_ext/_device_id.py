@@ -50,13 +50,17 @@ def derive_device_id(backend: object) -> str | None:
             try:
                 return backend.device_uuid()
             except BackendError as exc:
-                _log.warning("kvsidecar: cannot read the CUDA device's UUID (%s); the engine "
-                             "registers on no device: set KVSIDECAR_DEVICE_ID", exc)
+                _log.warning(
+                    "kvsidecar: cannot read the CUDA device's UUID (%s); the engine "
+                    "registers on no device: set KVSIDECAR_DEVICE_ID",
+                    exc,
+                )
                 return None
         if isinstance(backend, HostBackend):
             return host_device_id()
-        wrapped = next((getattr(backend, a) for a in _WRAPPED
-                        if getattr(backend, a, None) is not None), None)
+        wrapped = next(
+            (getattr(backend, a) for a in _WRAPPED if getattr(backend, a, None) is not None), None
+        )
         if wrapped is None:
             return None
         backend = wrapped

@@ -68,11 +68,15 @@ class ElasticInstance:
         self.binding = binding
         self.instance_id = settings.resolved_instance_id(binding.engine)
         #: sent at registration: the setting, else the adapter's, else the pool's backend's
-        self.device_id = (settings.device_id or binding.device_id
-                          or derive_device_id(binding.blocks.pages.backend))
+        self.device_id = (
+            settings.device_id
+            or binding.device_id
+            or derive_device_id(binding.blocks.pages.backend)
+        )
         self.mailbox = LimitMailbox(binding.wake)
         config = CoordinatorConfig(
-            reclaim=settings.reclaim, max_evict_pages_per_step=settings.max_evict_pages_per_step,
+            reclaim=settings.reclaim,
+            max_evict_pages_per_step=settings.max_evict_pages_per_step,
             floor_pages=binding.floor_pages,
         )
         self.coordinator = ShrinkCoordinator(self.mailbox, binding.blocks, config)
@@ -85,8 +89,11 @@ class ElasticInstance:
         self.sidecar: SidecarClient | None = None
         if settings.sidecar_url is not None:
             self.sidecar = SidecarClient(
-                settings, self.mailbox, self._register_body,
-                instance_id=self.instance_id, transport=sidecar_transport,
+                settings,
+                self.mailbox,
+                self._register_body,
+                instance_id=self.instance_id,
+                transport=sidecar_transport,
             )
             self.coordinator.set_reporter(self.sidecar.report)
         self._started = False

@@ -129,8 +129,13 @@ class LimitMailbox:
     def _publish_locked(self, limit_bytes: int | None, revision: int | None) -> PublishResult:
         """The revision rule of the contract (``judge_revision``); None: the next revision."""
         current = self._desired
-        verdict = judge_revision(current.limit_bytes, current.revision, limit_bytes, revision,
-                                 exhausted_fix="restart the engine to start its revisions again")
+        verdict = judge_revision(
+            current.limit_bytes,
+            current.revision,
+            limit_bytes,
+            revision,
+            exhausted_fix="restart the engine to start its revisions again",
+        )
         if verdict.status is not None:
             return self._rejected(verdict.status, verdict.message or verdict.status.value)
         if verdict.outcome is RevisionOutcome.REPEAT:

@@ -214,7 +214,8 @@ def _raise_if(engine: str, rows: Sequence[Patch | Touch], problems: list[str]) -
     if problems:
         raise UnsupportedEngineError(
             f"this {engine} does not match kvsidecar's patch table ({engine} "
-            f"{supported_range(rows)}); nothing was patched: " + "; ".join(problems)
+            f"{supported_range(rows)}); nothing was patched: "
+            + "; ".join(problems)
             + f". Install a supported {engine} or unset KVSIDECAR_ENABLE"
         )
 

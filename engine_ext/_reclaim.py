@@ -84,9 +84,7 @@ def select_victim_pages(
     if max_pages <= 0:
         return []
     counts = _evictable_per_page(evictable, blocks)
-    candidates = sorted(
-        (n, page) for page, n in counts.items() if n == blocks.occupancy(page)
-    )
+    candidates = sorted((n, page) for page, n in counts.items() if n == blocks.occupancy(page))
     chosen: list[VictimPage] = []
     for _, page in candidates:
         on_page = blocks.blocks_on_page(page)

@@ -141,8 +141,11 @@ def _remove_instance_dir(path: Path) -> bool:
         return False
     foreign = [c.name for c, m in zip(children, modes, strict=True) if not _ours(c.name, m)]
     if foreign:
-        _log.warning("left the stale runtime dir %s in place: it holds files kvsidecar did "
-                     "not create (%s)", path, ", ".join(sorted(foreign)[:5]))
+        _log.warning(
+            "left the stale runtime dir %s in place: it holds files kvsidecar did not create (%s)",
+            path,
+            ", ".join(sorted(foreign)[:5]),
+        )
         return False
     for child in children:
         try:
@@ -241,8 +244,9 @@ class RuntimeDir:
             signal.signal(signum, _chained(self.remove_now, then, signum, previous))
 
 
-def _chained(first: Callable[[], None], then: Callable[[], None] | None, signum: int,
-             previous: _Handler) -> Callable[[int, FrameType | None], None]:
+def _chained(
+    first: Callable[[], None], then: Callable[[], None] | None, signum: int, previous: _Handler
+) -> Callable[[int, FrameType | None], None]:
     def handler(sig: int, frame: FrameType | None) -> None:
         first()
         if then is not None:
@@ -263,8 +267,12 @@ def _make_private_root(root: Path) -> None:
     info = _private_dir(root)
     if info.st_mode & 0o022:
         tightened = stat.S_IMODE(info.st_mode) & ~0o022
-        _log.warning("the runtime root %s was writable by others (mode %o); tightened "
-                     "to %o", root, stat.S_IMODE(info.st_mode), tightened)
+        _log.warning(
+            "the runtime root %s was writable by others (mode %o); tightened to %o",
+            root,
+            stat.S_IMODE(info.st_mode),
+            tightened,
+        )
         try:
             os.chmod(root, tightened)
         except OSError as exc:

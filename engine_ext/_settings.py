@@ -82,7 +82,8 @@ class EngineSettings(BaseSettings):
         if isinstance(value, str) and not value.strip():
             raise ValueError(
                 "KVSIDECAR_RUNTIME_DIR is empty (that would be the current directory): set "
-                "it to a private directory, or unset it for the default")
+                "it to a private directory, or unset it for the default"
+            )
         return value
 
     @field_validator("sidecar_url")
@@ -127,8 +128,7 @@ def load_engine_settings(**overrides: Any) -> EngineSettings:
 def settings_error(exc: ValidationError, what: str) -> EngineExtConfigError:
     """The one message for bad ``KVSIDECAR_*`` values: each variable with what is wrong."""
     problems = "; ".join(
-        f"KVSIDECAR_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
-        for e in exc.errors()
+        f"KVSIDECAR_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors()
     )
     return EngineExtConfigError(
         f"bad kvsidecar {what} settings: {problems} (fix or unset these variables)"

@@ -100,7 +100,8 @@ class SidecarClient:
             if remaining <= 0:
                 _log.warning(
                     "the sidecar did not answer within %.1fs; starting without its retained "
-                    "limit and registering in the background", timeout_s,
+                    "limit and registering in the background",
+                    timeout_s,
                 )
                 return False
             self._stop.wait(min(delay, remaining))
@@ -135,13 +136,18 @@ class SidecarClient:
         try:
             response = self._client.post("/deregister", timeout=_DEREGISTER_TIMEOUT_S)
         except httpx.HTTPError as exc:
-            _log.info("could not deregister from the sidecar (%s); it will show the instance "
-                      "unreachable", exc)
+            _log.info(
+                "could not deregister from the sidecar (%s); it will show the instance unreachable",
+                exc,
+            )
             return
         self._registered = False
         if response.status_code >= 300:
-            _log.info("the sidecar answered %d to the deregistration: %s",
-                      response.status_code, response.text[:200])
+            _log.info(
+                "the sidecar answered %d to the deregistration: %s",
+                response.status_code,
+                response.text[:200],
+            )
 
     # -- client thread ----------------------------------------------------------------
 
@@ -166,8 +172,7 @@ class SidecarClient:
             return False
         if response.status_code >= 300:
             if response.status_code == 409:  # another live process holds this id: say so loudly
-                _log.error("the sidecar refused this engine's registration: %s",
-                           _detail(response))
+                _log.error("the sidecar refused this engine's registration: %s", _detail(response))
             self._log_failure(f"register answered {response.status_code}: {response.text[:200]}")
             return False
         self._registered = True

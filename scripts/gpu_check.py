@@ -79,7 +79,7 @@ class Checks:
     def fill(self, backend: CudaBackend, region: int, page: int, value: int) -> None:
         address = backend.base_address + backend.layout.page_offset(region, page)
         if self.torch is not None:
-            view = backend.tensor(region)[page * PAGE:(page + 1) * PAGE]
+            view = backend.tensor(region)[page * PAGE : (page + 1) * PAGE]
             view.fill_(value)
         else:  # the stand-in's device memory is host memory
             ctypes.memset(address, value, PAGE)
@@ -87,7 +87,7 @@ class Checks:
     def page_is(self, backend: CudaBackend, region: int, page: int, value: int) -> bool:
         """Whether every byte of ``page`` in ``region`` equals ``value``."""
         if self.torch is not None:
-            view = backend.tensor(region)[page * PAGE:(page + 1) * PAGE]
+            view = backend.tensor(region)[page * PAGE : (page + 1) * PAGE]
             return bool((view == value).all().item())
         address = backend.base_address + backend.layout.page_offset(region, page)
         return ctypes.string_at(address, PAGE) == bytes([value]) * PAGE
@@ -106,8 +106,10 @@ class Checks:
             after = before - backend.device_free_bytes()
         want = pages * bundle
         ok = used >= 0.95 * want and abs(half - want / 2) <= 0.05 * want and after <= 0.05 * want
-        detail = (f"mapped {want // MiB} MiB: free fell {used // MiB} MiB; half unmapped: "
-                  f"{half // MiB} MiB; all unmapped: {after // MiB} MiB")
+        detail = (
+            f"mapped {want // MiB} MiB: free fell {used // MiB} MiB; half unmapped: "
+            f"{half // MiB} MiB; all unmapped: {after // MiB} MiB"
+        )
         if not ok:
             raise AssertionError(detail)
         return detail
@@ -137,8 +139,12 @@ class Checks:
                     self.fill(backend, region, page, 1 + (page * 7 + region) % 250)
             backend.unmap_many([p for p in range(pages) if p % 2])
             backend.map_many([p for p in range(pages) if p % 4 == 1])  # reused handles
-            bad = [(r, p) for r in range(regions) for p in range(0, pages, 2)
-                   if not self.page_is(backend, r, p, 1 + (p * 7 + r) % 250)]
+            bad = [
+                (r, p)
+                for r in range(regions)
+                for p in range(0, pages, 2)
+                if not self.page_is(backend, r, p, 1 + (p * 7 + r) % 250)
+            ]
         if bad:
             raise AssertionError(f"pages changed after other pages' unmapping: {bad[:5]}")
         return f"{pages // 2} pages x {regions} regions intact after unmap/remap of the others"
@@ -147,8 +153,9 @@ class Checks:
         """[2 (K, V), blocks, tokens, heads, dim] fp16 over regions 0 (K) and 1 (V)."""
         block_bytes = tokens * heads * dim * 2
         blocks = backend.layout.region_bytes // block_bytes
-        views = [backend.tensor(r).view(torch.float16).view(blocks, tokens, heads, dim)
-                 for r in (0, 1)]
+        views = [
+            backend.tensor(r).view(torch.float16).view(blocks, tokens, heads, dim) for r in (0, 1)
+        ]
         return views, PAGE // block_bytes
 
     def attention_reads_through_block_table(self) -> str:
@@ -159,16 +166,18 @@ class Checks:
             (k, v), per_page = self._kv(backend, torch, tokens, heads, dim)
             k.normal_()
             v.normal_()
-            table = torch.tensor([b for p in (1, 4, 9) for b in range(p * per_page,
-                                                                     (p + 1) * per_page, 3)],
-                                 device=k.device)
+            table = torch.tensor(
+                [b for p in (1, 4, 9) for b in range(p * per_page, (p + 1) * per_page, 3)],
+                device=k.device,
+            )
             q = torch.randn(heads, dim, device=k.device, dtype=torch.float16)
 
             def attend() -> Any:
                 keys = k[table].reshape(-1, heads, dim).transpose(0, 1)  # [H, T, D]
                 vals = v[table].reshape(-1, heads, dim).transpose(0, 1)
-                weights = torch.softmax((keys @ q.unsqueeze(-1)).squeeze(-1).float() /
-                                        dim ** 0.5, dim=-1)
+                weights = torch.softmax(
+                    (keys @ q.unsqueeze(-1)).squeeze(-1).float() / dim**0.5, dim=-1
+                )
                 return (weights.unsqueeze(1) @ vals.float()).squeeze(1)
 
             want = attend()
@@ -227,7 +236,7 @@ class Checks:
             for _ in range(20):  # tens of ms of queued work, then the read of page 5
                 busy = busy @ busy
                 busy /= busy.norm()
-            acc += k[5 * per_page:6 * per_page].float().sum()
+            acc += k[5 * per_page : 6 * per_page].float().sum()
             fence.record()
             t0 = time.perf_counter()
             fenced.unmap_many([5, 6])  # must wait for the queued read of page 5
@@ -254,49 +263,68 @@ class Checks:
                         backend.unmap(page)
                         unmaps.append(time.perf_counter_ns() - t0)
             name = "no spares" if spares == 0 else "spares"
-            out.append(f"{name}: map {statistics.median(maps) / 1e3:.1f} us, unmap "
-                       f"{statistics.median(unmaps) / 1e3:.1f} us")
+            out.append(
+                f"{name}: map {statistics.median(maps) / 1e3:.1f} us, unmap "
+                f"{statistics.median(unmaps) / 1e3:.1f} us"
+            )
         where = "stand-in driver" if self.fake else "GPU"
-        ref = (f"; kvcached A100 per page: map {KVCACHED_A100_US['map']} us, unmap "
-               f"{KVCACHED_A100_US['unmap']} us") if regions == 1 else ""
+        ref = (
+            (
+                f"; kvcached A100 per page: map {KVCACHED_A100_US['map']} us, unmap "
+                f"{KVCACHED_A100_US['unmap']} us"
+            )
+            if regions == 1
+            else ""
+        )
         return f"{label} ({where}, median of {len(maps)}) {'; '.join(out)}{ref}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", type=int, default=0)
-    parser.add_argument("--fake-driver", metavar="PATH",
-                        help="load this stand-in libcuda.so.1 first (CI without a GPU)")
-    parser.add_argument("--iterations", type=int, default=None,
-                        help="rounds of map+unmap of every page per latency row (default 5 on "
-                             "a GPU, 1 on the stand-in driver)")
+    parser.add_argument(
+        "--fake-driver",
+        metavar="PATH",
+        help="load this stand-in libcuda.so.1 first (CI without a GPU)",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="rounds of map+unmap of every page per latency row (default 5 on "
+        "a GPU, 1 on the stand-in driver)",
+    )
     args = parser.parse_args(argv)
     if args.fake_driver:
         ctypes.CDLL(args.fake_driver, mode=ctypes.RTLD_GLOBAL)
     reason = CudaBackend.unavailable_reason(args.device)
     if reason is not None:
-        print(f"gpu-check: cannot reserve a CudaBackend on device {args.device}: {reason}",
-              file=sys.stderr)
+        print(
+            f"gpu-check: cannot reserve a CudaBackend on device {args.device}: {reason}",
+            file=sys.stderr,
+        )
         return 2
     iterations = args.iterations or (1 if args.fake_driver else 5)
     checks = Checks(args.device, bool(args.fake_driver), iterations)
     checks.run("free memory falls and rises with pages", checks.free_memory_follows_pages)
     checks.run("torch views read and write", checks.torch_views_read_write)
     checks.run("data survives other pages' unmapping", checks.data_survives_unmapping)
-    checks.run("attention via block table, others unmapped",
-               checks.attention_reads_through_block_table)
+    checks.run(
+        "attention via block table, others unmapped", checks.attention_reads_through_block_table
+    )
     checks.run("CUDA graph replays after unmapping", checks.graph_replays_after_unmap)
     checks.run("unmap under queued kernels (fence)", checks.unmap_under_queued_kernels)
     checks.run("map/unmap latency per 2 MiB page", lambda: checks.latency(1, "1 region"))
-    checks.run("map/unmap latency per 36-layer bundle",
-               lambda: checks.latency(36, "36 regions"))
+    checks.run("map/unmap latency per 36-layer bundle", lambda: checks.latency(36, "36 regions"))
     width = max(len(row.name) for row in checks.rows)
     print(f"{'check':<{width}}  result  detail")
     for row in checks.rows:
         print(f"{row.name:<{width}}  {row.status:<6}  {row.detail}")
     failed = [row for row in checks.rows if row.status == "FAIL"]
-    print(f"gpu-check: {len(checks.rows) - len(failed)} of {len(checks.rows)} rows without "
-          f"failure ({sum(r.status == 'SKIP' for r in checks.rows)} skipped)")
+    print(
+        f"gpu-check: {len(checks.rows) - len(failed)} of {len(checks.rows)} rows without "
+        f"failure ({sum(r.status == 'SKIP' for r in checks.rows)} skipped)"
+    )
     return 1 if failed else 0
 
 

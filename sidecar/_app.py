@@ -55,8 +55,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def create_app(settings: SidecarSettings | None = None) -> FastAPI:
     """A sidecar app; ``settings`` default to the environment (``KVSIDECAR_*``)."""
     settings = settings if settings is not None else SidecarSettings()
-    app = FastAPI(title="kvsidecar", version=version(), description=_DESCRIPTION,
-                  lifespan=_lifespan, docs_url=None, redoc_url=None)  # both: _docs_ui
+    app = FastAPI(
+        title="kvsidecar",
+        version=version(),
+        description=_DESCRIPTION,
+        lifespan=_lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )  # both: _docs_ui
     app.state.settings = settings
     install_problem_handlers(app)
     install_docs(app)

@@ -56,8 +56,9 @@ class Autopilot:
     by a grow of ours.
     """
 
-    def __init__(self, store: Store, service: InstanceService, settings: SidecarSettings,
-                 metrics: Metrics) -> None:
+    def __init__(
+        self, store: Store, service: InstanceService, settings: SidecarSettings, metrics: Metrics
+    ) -> None:
         self._store = AutopilotStore(store)
         self._service = service
         self._settings = settings
@@ -72,13 +73,17 @@ class Autopilot:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.changes = Counter(
-            "kvsidecar_limit_changes", "Desired limits written on budgeted devices, by source",
-            ["source"], registry=metrics.registry)
+            "kvsidecar_limit_changes",
+            "Desired limits written on budgeted devices, by source",
+            ["source"],
+            registry=metrics.registry,
+        )
         self.decision_seconds = Histogram(
             "kvsidecar_autopilot_apply_seconds",
             "From an autopilot decision (policy or pinned operator limit) to 'applied'",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
-            registry=metrics.registry)
+            registry=metrics.registry,
+        )
         service.decorate = self._decorate
         service.on_observed = self._on_observed
 
@@ -99,16 +104,20 @@ class Autopilot:
         """Run a pass now (after a report or a change), not at the next interval."""
         self._wake.set()
 
-    def _on_observed(self, instance_id: str, before: EngineState | None,
-                     after: EngineState) -> None:
+    def _on_observed(
+        self, instance_id: str, before: EngineState | None, after: EngineState
+    ) -> None:
         """An engine's report (or push answer): run a pass now if it frees memory on a
         budgeted device (a grow may be waiting for it) or changes the demand there, so the
         timer is only the fallback (time-based inputs: the busy hold, heartbeats)."""
         dev = self._devices.get(self.policy(instance_id).device_id or "")
         if dev is None or dev.budget_bytes is None:
             return
-        if before is None or _may_hold(after) < _may_hold(before) \
-                or _demand(after) != _demand(before):
+        if (
+            before is None
+            or _may_hold(after) < _may_hold(before)
+            or _demand(after) != _demand(before)
+        ):
             self.wake()
 
     # --- reads ---------------------------------------------------------------------------
@@ -124,8 +133,12 @@ class Autopilot:
         if device_id is None:
             return False
         dev = self._devices.get(device_id)
-        return (dev is not None and dev.budget_bytes is not None and not dev.dry_run
-                and not self._settings.autopilot_dry_run)
+        return (
+            dev is not None
+            and dev.budget_bytes is not None
+            and not dev.dry_run
+            and not self._settings.autopilot_dry_run
+        )
 
     def device_ids(self) -> list[str]:
         known = {d for d, row in self._devices.items() if row.budget_bytes is not None}
@@ -145,22 +158,41 @@ class Autopilot:
             rec = records[m.id]
             p = self.policy(m.id)
             target = self._targets.get(m.id)
-            out.append(DeviceMember(
-                id=m.id, status=self._service.status_of(rec), source=p.source, pinned=p.pinned,
-                limit_bytes=m.desired, target_bytes=None if target is None else target.limit,
-                reason=p.reason, mapped_bytes=m.mapped,
-                committed_bytes=None if m.live and not m.reported else committed(m),
-                min_bytes=p.min_bytes, max_bytes=p.max_bytes, weight=p.weight))
+            out.append(
+                DeviceMember(
+                    id=m.id,
+                    status=self._service.status_of(rec),
+                    source=p.source,
+                    pinned=p.pinned,
+                    limit_bytes=m.desired,
+                    target_bytes=None if target is None else target.limit,
+                    reason=p.reason,
+                    mapped_bytes=m.mapped,
+                    committed_bytes=None if m.live and not m.reported else committed(m),
+                    min_bytes=p.min_bytes,
+                    max_bytes=p.max_bytes,
+                    weight=p.weight,
+                )
+            )
             if m.live:
                 mapped += m.mapped
                 limits = None if limits is None or m.desired is None else limits + m.desired
         free = None if row.budget_bytes is None or limits is None else row.budget_bytes - limits
-        would = [PlannedChange(instance=c.id, old_bytes=c.old, new_bytes=c.new, reason=c.reason)
-                 for c in self._would.get(device_id, [])]
-        return DeviceView(id=device_id, budget_bytes=row.budget_bytes, revision=row.revision,
-                          dry_run=row.dry_run or self._settings.autopilot_dry_run,
-                          sum_limits_bytes=limits, sum_mapped_bytes=mapped, free_bytes=free,
-                          instances=out, would=would)
+        would = [
+            PlannedChange(instance=c.id, old_bytes=c.old, new_bytes=c.new, reason=c.reason)
+            for c in self._would.get(device_id, [])
+        ]
+        return DeviceView(
+            id=device_id,
+            budget_bytes=row.budget_bytes,
+            revision=row.revision,
+            dry_run=row.dry_run or self._settings.autopilot_dry_run,
+            sum_limits_bytes=limits,
+            sum_mapped_bytes=mapped,
+            free_bytes=free,
+            instances=out,
+            would=would,
+        )
 
     def devices(self) -> list[DeviceView]:
         return [self.device(d) for d in self.device_ids()]
@@ -170,17 +202,35 @@ class Autopilot:
         if p is None:
             return view
         target = self._targets.get(view.id)
-        return view.model_copy(update={"policy": PolicyView(
-            device_id=p.device_id, min_bytes=p.min_bytes, max_bytes=p.max_bytes,
-            weight=p.weight, source=p.source, pinned=p.pinned,
-            pin_bytes=None if (pin := self._pin_of(p)) is None or pin >= UNBOUNDED else pin,
-            target_bytes=None if target is None else target.limit, reason=p.reason,
-            changed_at=p.changed_at, managed=self.manages(view.id))})
+        return view.model_copy(
+            update={
+                "policy": PolicyView(
+                    device_id=p.device_id,
+                    min_bytes=p.min_bytes,
+                    max_bytes=p.max_bytes,
+                    weight=p.weight,
+                    source=p.source,
+                    pinned=p.pinned,
+                    pin_bytes=None if (pin := self._pin_of(p)) is None or pin >= UNBOUNDED else pin,
+                    target_bytes=None if target is None else target.limit,
+                    reason=p.reason,
+                    changed_at=p.changed_at,
+                    managed=self.manages(view.id),
+                )
+            }
+        )
 
     # --- operator writes -----------------------------------------------------------------
 
-    async def set_budget(self, device_id: str, budget: int | None, revision: int | None,
-                         dry_run: bool | None, *, source: str) -> DeviceView:
+    async def set_budget(
+        self,
+        device_id: str,
+        budget: int | None,
+        revision: int | None,
+        dry_run: bool | None,
+        *,
+        source: str,
+    ) -> DeviceView:
         if device_id not in self.device_ids():
             raise UnknownDeviceError(device_id)
         async with self._lock:
@@ -189,11 +239,24 @@ class Autopilot:
             row, decision = await self._store.set_budget(device_id, budget, revision, dry_run)
             self._devices[device_id] = row
         if decision.changed:
-            _log.info("device %s: budget %s (revision %d, dry_run %s) by %s", device_id,
-                      format_size(budget), row.revision, row.dry_run, source,
-                      extra={"fields": {"event": "budget_change", "device": device_id,
-                                        "budget_bytes": budget, "revision": row.revision,
-                                        "dry_run": row.dry_run, "source": source}})
+            _log.info(
+                "device %s: budget %s (revision %d, dry_run %s) by %s",
+                device_id,
+                format_size(budget),
+                row.revision,
+                row.dry_run,
+                source,
+                extra={
+                    "fields": {
+                        "event": "budget_change",
+                        "device": device_id,
+                        "budget_bytes": budget,
+                        "revision": row.revision,
+                        "dry_run": row.dry_run,
+                        "source": source,
+                    }
+                },
+            )
         self.wake()
         return self.device(device_id)
 
@@ -208,8 +271,10 @@ class Autopilot:
                 raise InvalidInputError("weight", f"must be above 0; got {new.weight:g}")
             if new.max_bytes is not None and new.min_bytes > new.max_bytes:
                 raise InvalidInputError(
-                    "min", f"min {format_size(new.min_bytes)} is above max "
-                    f"{format_size(new.max_bytes)}: lower min or raise max")
+                    "min",
+                    f"min {format_size(new.min_bytes)} is above max "
+                    f"{format_size(new.max_bytes)}: lower min or raise max",
+                )
             dev = self._devices.get(new.device_id or "")
             if dev is not None and dev.budget_bytes is not None:
                 self._check_budget(dev.id, dev.budget_bytes, {instance_id: new})
@@ -218,8 +283,9 @@ class Autopilot:
         self.wake()
         return self._service.get(instance_id)
 
-    async def operator_limit(self, instance_id: str, limit: int | None, revision: int | None,
-                             *, source: str) -> InstanceView:
+    async def operator_limit(
+        self, instance_id: str, limit: int | None, revision: int | None, *, source: str
+    ) -> InstanceView:
         """``PUT .../limit``: the operator pins the instance. On a budgeted device the limit
         is applied by the loop in shrink-before-grow order; elsewhere it is written at once."""
         if not self.manages(instance_id):
@@ -238,7 +304,8 @@ class Autopilot:
                 raise BudgetError(
                     f"instance {instance_id!r} is on device {device_id!r}, which has a budget: "
                     "its limit cannot be unlimited. Set a size, or DELETE .../limit to hand "
-                    "it back to the autopilot")
+                    "it back to the autopilot"
+                )
             new = replace(self.policy(instance_id), pinned=True, pin_bytes=limit)
             self._check_budget(device_id, budget, {instance_id: new})
             await self._store.put_policies([new])
@@ -259,30 +326,36 @@ class Autopilot:
             await self._store.put_policies([new])
             self._policies[instance_id] = new
             await self._pass(self.policy(instance_id).device_id or "")
-        _log.info("instance %s: unpinned by %s; the autopilot sets its limit", instance_id,
-                  source)
+        _log.info("instance %s: unpinned by %s; the autopilot sets its limit", instance_id, source)
         return self._service.get(instance_id)
 
-    async def set_device_limits(self, device_id: str, limits: Mapping[str, int],
-                                *, source: str) -> DeviceView:
+    async def set_device_limits(
+        self, device_id: str, limits: Mapping[str, int], *, source: str
+    ) -> DeviceView:
         """``PUT /devices/{id}/limits``: pin several instances at once (all or none), applied
         shrink before grow."""
         if device_id not in self.device_ids():
             raise UnknownDeviceError(device_id)
         dev = self._devices.get(device_id)
         if dev is None or dev.budget_bytes is None:
-            raise BudgetError(f"device {device_id!r} has no budget; set one first (PUT "
-                              f"/devices/{device_id}/budget) so the order can be kept")
+            raise BudgetError(
+                f"device {device_id!r} has no budget; set one first (PUT "
+                f"/devices/{device_id}/budget) so the order can be kept"
+            )
         if not limits:
             raise InvalidInputError("limits", "name at least one instance")
         for iid in limits:
             if self.policy(iid).device_id != device_id:
                 raise InvalidInputError(
-                    "limits", f"instance {iid!r} is not on device {device_id!r} (GET "
-                    f"/devices/{device_id} lists its instances)")
+                    "limits",
+                    f"instance {iid!r} is not on device {device_id!r} (GET "
+                    f"/devices/{device_id} lists its instances)",
+                )
         async with self._lock:
-            rows = {iid: replace(self.policy(iid), pinned=True, pin_bytes=size)
-                    for iid, size in limits.items()}
+            rows = {
+                iid: replace(self.policy(iid), pinned=True, pin_bytes=size)
+                for iid, size in limits.items()
+            }
             self._check_budget(device_id, dev.budget_bytes, rows)
             await self._store.put_policies(list(rows.values()))
             self._policies.update(rows)
@@ -295,8 +368,13 @@ class Autopilot:
     async def forget(self, instance_id: str) -> None:
         async with self._lock:
             await self._store.forget(instance_id)
-            for table in (self._policies, self._targets, self._busy_at, self._awaiting,
-                          self._pin_sources):
+            for table in (
+                self._policies,
+                self._targets,
+                self._busy_at,
+                self._awaiting,
+                self._pin_sources,
+            ):
                 table.pop(instance_id, None)
 
     # --- engine-facing -------------------------------------------------------------------
@@ -305,13 +383,13 @@ class Autopilot:
         """Refuse a move to another device; record the device; fit a returning engine's
         kept limit into what its device has left (others may hold its memory now)."""
         p = self.policy(instance_id)
-        if p.device_id is not None and body.device_id is not None \
-                and body.device_id != p.device_id:
+        if p.device_id is not None and body.device_id is not None and body.device_id != p.device_id:
             raise DeviceMoveError(
                 f"instance {instance_id!r} is recorded on device {p.device_id!r} but its "
                 f"engine registered on {body.device_id!r}; an instance cannot move devices: "
                 f"forget it (kvctl forget {instance_id}) and start the engine again, or give "
-                "it another KVSIDECAR_INSTANCE_ID")
+                "it another KVSIDECAR_INSTANCE_ID"
+            )
         async with self._lock:
             if body.device_id is not None and p.device_id is None:
                 p = replace(p, device_id=body.device_id)
@@ -334,9 +412,11 @@ class Autopilot:
                 self._policies[instance_id] = p
             page = max(1, body.state.page_bundle_bytes)
             new = room // page * page
-            await self._write(device_id, Change(instance_id, kept, new, "returned_fit"),
-                              reason_text=f"kept {format_size(kept)}, "
-                                          f"{format_size(room)} free on the device")
+            await self._write(
+                device_id,
+                Change(instance_id, kept, new, "returned_fit"),
+                reason_text=f"kept {format_size(kept)}, {format_size(room)} free on the device",
+            )
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -377,12 +457,24 @@ class Autopilot:
         if not self._active(device_id):
             if changes != self._would.get(device_id):
                 for c in changes:
-                    _log.info("device %s (dry run): would set %s %s -> %s (%s)", device_id,
-                              c.id, format_size(c.old), format_size(c.new), c.reason,
-                              extra={"fields": {"event": "autopilot_dry_run",
-                                                "device": device_id, "instance": c.id,
-                                                "old_limit_bytes": c.old,
-                                                "new_limit_bytes": c.new, "reason": c.reason}})
+                    _log.info(
+                        "device %s (dry run): would set %s %s -> %s (%s)",
+                        device_id,
+                        c.id,
+                        format_size(c.old),
+                        format_size(c.new),
+                        c.reason,
+                        extra={
+                            "fields": {
+                                "event": "autopilot_dry_run",
+                                "device": device_id,
+                                "instance": c.id,
+                                "old_limit_bytes": c.old,
+                                "new_limit_bytes": c.new,
+                                "reason": c.reason,
+                            }
+                        },
+                    )
             self._would[device_id] = changes
             return
         self._would.pop(device_id, None)
@@ -391,25 +483,45 @@ class Autopilot:
 
     async def _write(self, device_id: str, change: Change, *, reason_text: str = "") -> None:
         source = "operator" if change.reason == "operator" else "policy"
-        who = self._pin_sources.get(change.id, "an operator") if source == "operator" \
+        who = (
+            self._pin_sources.get(change.id, "an operator")
+            if source == "operator"
             else "the autopilot"
+        )
         view = await self._service.set_limit(
-            change.id, change.new, None,
-            source=f"{who} on device {device_id} ({change.reason}; shrink before grow)")
-        p = replace(self.policy(change.id), source=source, reason=change.reason,
-                    changed_at=time.time())
+            change.id,
+            change.new,
+            None,
+            source=f"{who} on device {device_id} ({change.reason}; shrink before grow)",
+        )
+        p = replace(
+            self.policy(change.id), source=source, reason=change.reason, changed_at=time.time()
+        )
         await self._store.put_policies([p])
         self._policies[change.id] = p
         self.changes.labels(source).inc()
         self._awaiting[change.id] = (view.desired.revision, time.monotonic())
-        _log.info("autopilot %s: %s %s -> %s (%s%s)", device_id, change.id,
-                  format_size(change.old), format_size(change.new), change.reason,
-                  f"; {reason_text}" if reason_text else "",
-                  extra={"fields": {"event": "autopilot_change", "device": device_id,
-                                    "instance": change.id, "source": source,
-                                    "old_limit_bytes": change.old,
-                                    "new_limit_bytes": change.new, "reason": change.reason,
-                                    "revision": view.desired.revision}})
+        _log.info(
+            "autopilot %s: %s %s -> %s (%s%s)",
+            device_id,
+            change.id,
+            format_size(change.old),
+            format_size(change.new),
+            change.reason,
+            f"; {reason_text}" if reason_text else "",
+            extra={
+                "fields": {
+                    "event": "autopilot_change",
+                    "device": device_id,
+                    "instance": change.id,
+                    "source": source,
+                    "old_limit_bytes": change.old,
+                    "new_limit_bytes": change.new,
+                    "reason": change.reason,
+                    "revision": view.desired.revision,
+                }
+            },
+        )
 
     def _observe_applied(self) -> None:
         for iid, (revision, since) in list(self._awaiting.items()):
@@ -418,8 +530,11 @@ class Autopilot:
                 del self._awaiting[iid]
                 continue
             obs = rec.observed
-            if obs is not None and obs.revision >= revision \
-                    and self._service.status_of(rec) is Status.APPLIED:
+            if (
+                obs is not None
+                and obs.revision >= revision
+                and self._service.status_of(rec) is Status.APPLIED
+            ):
                 self.decision_seconds.observe(time.monotonic() - since)
                 del self._awaiting[iid]
 
@@ -440,33 +555,53 @@ class Autopilot:
     def _member(self, rec: InstanceRecord, p: PolicyRow, now: float, hold: float) -> Member:
         status = self._service.status_of(rec)
         live = rec.row.registered_at is not None and status not in (
-            Status.UNREACHABLE, Status.STOPPED)
+            Status.UNREACHABLE,
+            Status.STOPPED,
+        )
         obs = rec.observed
         if obs is not None and (obs.num_running_requests or obs.num_waiting_requests):
             self._busy_at[rec.row.id] = now
         busy = now - self._busy_at.get(rec.row.id, -1e9) <= hold
         pin = self._pin_of(p)
         if obs is None:
-            return Member(rec.row.id, live, reported=False, desired=rec.row.limit_bytes,
-                          min=p.min_bytes, max=p.max_bytes, weight=p.weight, pin=pin)
-        held = obs.effective_limit_bytes if obs.effective_limit_bytes is not None \
-            else obs.limit_bytes
+            return Member(
+                rec.row.id,
+                live,
+                reported=False,
+                desired=rec.row.limit_bytes,
+                min=p.min_bytes,
+                max=p.max_bytes,
+                weight=p.weight,
+                pin=pin,
+            )
+        held = (
+            obs.effective_limit_bytes if obs.effective_limit_bytes is not None else obs.limit_bytes
+        )
         return Member(
-            rec.row.id, live, reported=True, desired=rec.row.limit_bytes, held=held,
-            mapped=obs.mapped_bytes, waiting=obs.waiting_bytes,
+            rec.row.id,
+            live,
+            reported=True,
+            desired=rec.row.limit_bytes,
+            held=held,
+            mapped=obs.mapped_bytes,
+            waiting=obs.waiting_bytes,
             # pinned bytes are a periodic scan: without running requests nothing is pinned
             pinned=obs.pinned_bytes if obs.num_running_requests else 0,
-            busy=busy, floor=obs.floor_bytes, capacity=obs.capacity_bytes,
-            page=max(1, obs.page_bundle_bytes), min=p.min_bytes, max=p.max_bytes,
-            weight=p.weight, pin=pin)
+            busy=busy,
+            floor=obs.floor_bytes,
+            capacity=obs.capacity_bytes,
+            page=max(1, obs.page_bundle_bytes),
+            min=p.min_bytes,
+            max=p.max_bytes,
+            weight=p.weight,
+            pin=pin,
+        )
 
-    def _check_budget(self, device_id: str, budget: int,
-                      changed: Mapping[str, PolicyRow]) -> None:
+    def _check_budget(self, device_id: str, budget: int, changed: Mapping[str, PolicyRow]) -> None:
         """The budget must hold every instance's min (or pinned limit) on the device."""
         need = 0
         parts = []
-        rows = {**{i: p for i, p in self._policies.items() if p.device_id == device_id},
-                **changed}
+        rows = {**{i: p for i, p in self._policies.items() if p.device_id == device_id}, **changed}
         for iid, p in sorted(rows.items()):
             pin = self._pin_of(p)
             if pin is not None:
@@ -474,7 +609,8 @@ class Autopilot:
                     raise BudgetError(
                         f"instance {iid!r} on device {device_id!r} is pinned to unlimited; "
                         f"set its limit (kvctl set {iid} SIZE) or hand it to the autopilot "
-                        f"(kvctl clear {iid}) before budgeting the device")
+                        f"(kvctl clear {iid}) before budgeting the device"
+                    )
                 need += pin
                 parts.append(f"{iid} pinned {format_size(pin)}")
             elif p.min_bytes:
@@ -484,7 +620,8 @@ class Autopilot:
             raise BudgetError(
                 f"device {device_id!r}: the budget {format_size(budget)} is below what its "
                 f"instances are promised, {format_size(need)} ({', '.join(parts)}); raise the "
-                "budget or lower those mins and pinned limits")
+                "budget or lower those mins and pinned limits"
+            )
 
     async def _pin(self, instance_id: str, pinned: bool) -> None:
         """Record that an operator set (or cleared) the limit of an instance the autopilot
@@ -494,8 +631,14 @@ class Autopilot:
         if instance_id not in self._service.records() or p.pinned == pinned:
             return
         async with self._lock:
-            p = replace(self.policy(instance_id), pinned=pinned, pin_bytes=None,
-                        source="operator", reason=None, changed_at=time.time())
+            p = replace(
+                self.policy(instance_id),
+                pinned=pinned,
+                pin_bytes=None,
+                source="operator",
+                reason=None,
+                changed_at=time.time(),
+            )
             await self._store.put_policies([p])
             self._policies[instance_id] = p
 
@@ -513,8 +656,11 @@ class Autopilot:
 def _may_hold(state: EngineState) -> int:
     """What an engine reported it may hold: the larger of its limit (unlimited: unbounded)
     and its mapped bytes. A drop is memory given back (a lower limit ``applied``)."""
-    held = state.effective_limit_bytes if state.effective_limit_bytes is not None \
+    held = (
+        state.effective_limit_bytes
+        if state.effective_limit_bytes is not None
         else state.limit_bytes
+    )
     return max(UNBOUNDED if held is None else held, state.mapped_bytes)
 
 

@@ -17,8 +17,9 @@ from ._store import Store
 __all__ = ["AutopilotStore", "DeviceRow", "PolicyRow"]
 
 _DEVICE_COLUMNS = "id, budget_bytes, revision, updated_at, dry_run"
-_POLICY_COLUMNS = ("id, device_id, min_bytes, max_bytes, weight, pinned, pin_bytes, source, "
-                   "reason, changed_at")
+_POLICY_COLUMNS = (
+    "id, device_id, min_bytes, max_bytes, weight, pinned, pin_bytes, source, reason, changed_at"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +69,21 @@ def _policy(row: tuple[object, ...]) -> PolicyRow:
 
 
 def _put_policy(conn: sqlite3.Connection, row: PolicyRow) -> PolicyRow:
-    conn.execute(f"INSERT OR REPLACE INTO policies ({_POLICY_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                 (row.id, row.device_id, row.min_bytes, row.max_bytes, row.weight,
-                  int(row.pinned), row.pin_bytes, row.source, row.reason, row.changed_at))
+    conn.execute(
+        f"INSERT OR REPLACE INTO policies ({_POLICY_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        (
+            row.id,
+            row.device_id,
+            row.min_bytes,
+            row.max_bytes,
+            row.weight,
+            int(row.pinned),
+            row.pin_bytes,
+            row.source,
+            row.reason,
+            row.changed_at,
+        ),
+    )
     return row
 
 
@@ -82,36 +95,50 @@ class AutopilotStore:
 
     async def load(self) -> tuple[list[DeviceRow], list[PolicyRow]]:
         def body(conn: sqlite3.Connection) -> tuple[list[DeviceRow], list[PolicyRow]]:
-            devices = [_device(r) for r in conn.execute(
-                f"SELECT {_DEVICE_COLUMNS} FROM devices ORDER BY id")]
-            policies = [_policy(r) for r in conn.execute(
-                f"SELECT {_POLICY_COLUMNS} FROM policies ORDER BY id")]
+            devices = [
+                _device(r)
+                for r in conn.execute(f"SELECT {_DEVICE_COLUMNS} FROM devices ORDER BY id")
+            ]
+            policies = [
+                _policy(r)
+                for r in conn.execute(f"SELECT {_POLICY_COLUMNS} FROM policies ORDER BY id")
+            ]
             return devices, policies
 
         return await self._store.call(body)
 
-    async def set_budget(self, device_id: str, budget: int | None, revision: int | None,
-                         dry_run: bool | None) -> tuple[DeviceRow, Decision]:
+    async def set_budget(
+        self, device_id: str, budget: int | None, revision: int | None, dry_run: bool | None
+    ) -> tuple[DeviceRow, Decision]:
         """Validate ``revision`` against the stored one and write (raises to change nothing)."""
+
         def body(conn: sqlite3.Connection) -> tuple[DeviceRow, Decision]:
-            found = conn.execute(f"SELECT {_DEVICE_COLUMNS} FROM devices WHERE id = ?",
-                                 (device_id,)).fetchone()
+            found = conn.execute(
+                f"SELECT {_DEVICE_COLUMNS} FROM devices WHERE id = ?", (device_id,)
+            ).fetchone()
             current = DeviceRow(device_id) if found is None else _device(found)
             decision = decide(current.budget_bytes, current.revision, budget, revision)
             flag = current.dry_run if dry_run is None else dry_run
             if not decision.changed and flag == current.dry_run:
                 return current, decision
-            row = replace(current, budget_bytes=budget, revision=decision.revision,
-                          updated_at=time.time(), dry_run=flag)
-            conn.execute(f"INSERT OR REPLACE INTO devices ({_DEVICE_COLUMNS}) VALUES (?,?,?,?,?)",
-                         (row.id, row.budget_bytes, row.revision, row.updated_at,
-                          int(row.dry_run)))
+            row = replace(
+                current,
+                budget_bytes=budget,
+                revision=decision.revision,
+                updated_at=time.time(),
+                dry_run=flag,
+            )
+            conn.execute(
+                f"INSERT OR REPLACE INTO devices ({_DEVICE_COLUMNS}) VALUES (?,?,?,?,?)",
+                (row.id, row.budget_bytes, row.revision, row.updated_at, int(row.dry_run)),
+            )
             return row, Decision(row.revision, True)
 
         return await self._store.call(body)
 
     async def put_policies(self, rows: list[PolicyRow]) -> list[PolicyRow]:
         """Write the rows in one transaction (all or none)."""
+
         def body(conn: sqlite3.Connection) -> list[PolicyRow]:
             return [_put_policy(conn, row) for row in rows]
 

@@ -37,12 +37,18 @@ class BodyLimitMiddleware:
         if self._token is not None and scope["method"] not in _READS:
             problem = self._auth_problem(scope)
             if problem is not None:
-                await self._send(send, 401, "Unauthorized", problem,
-                                 [(b"www-authenticate", b'Bearer realm="kvsidecar"')])
+                await self._send(
+                    send,
+                    401,
+                    "Unauthorized",
+                    problem,
+                    [(b"www-authenticate", b'Bearer realm="kvsidecar"')],
+                )
                 return
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and (
-                    not value.isdigit() or int(value) > self.max_body_bytes):
+                not value.isdigit() or int(value) > self.max_body_bytes
+            ):
                 await self._reject(send)
                 return
         chunks: list[bytes] = []
@@ -77,27 +83,46 @@ class BodyLimitMiddleware:
             if name == b"authorization":
                 scheme, _, credentials = value.partition(b" ")
                 if scheme.lower() == b"bearer" and secrets.compare_digest(
-                        credentials.strip(), self._token):
+                    credentials.strip(), self._token
+                ):
                     return None
                 if scheme.lower() == b"bearer":
                     return "the bearer token is wrong; use the sidecar's KVSIDECAR_TOKEN"
-        return ("this sidecar requires a bearer token: send 'Authorization: Bearer <token>' "
-                "(kvctl --token or KVSIDECAR_TOKEN)")
+        return (
+            "this sidecar requires a bearer token: send 'Authorization: Bearer <token>' "
+            "(kvctl --token or KVSIDECAR_TOKEN)"
+        )
 
     async def _reject(self, send: Send) -> None:
-        await self._send(send, 413, "Request body too large",
-                         f"the request body is larger than {self.max_body_bytes} bytes "
-                         "(KVSIDECAR_MAX_BODY_BYTES); send a smaller body")
+        await self._send(
+            send,
+            413,
+            "Request body too large",
+            f"the request body is larger than {self.max_body_bytes} bytes "
+            "(KVSIDECAR_MAX_BODY_BYTES); send a smaller body",
+        )
 
     @staticmethod
-    async def _send(send: Send, status: int, title: str, detail: str,
-                    extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        body = json.dumps({"type": "about:blank", "title": title, "status": status,
-                           "detail": detail}).encode()
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/problem+json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-            *(extra or []),
-        ]})
+    async def _send(
+        send: Send,
+        status: int,
+        title: str,
+        detail: str,
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        body = json.dumps(
+            {"type": "about:blank", "title": title, "status": status, "detail": detail}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/problem+json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                    *(extra or []),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

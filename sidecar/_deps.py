@@ -15,8 +15,15 @@ from ._errors import UnauthorizedError
 from ._service import InstanceService
 from ._settings import SidecarSettings
 
-__all__ = ["Authorized", "AutopilotDep", "DeviceId", "InstanceId", "Service", "Settings",
-           "WaitSeconds"]
+__all__ = [
+    "Authorized",
+    "AutopilotDep",
+    "DeviceId",
+    "InstanceId",
+    "Service",
+    "Settings",
+    "WaitSeconds",
+]
 
 MAX_WAIT_S = 300.0
 # Dependencies are ``async def``: FastAPI runs plain ``def`` ones in a worker thread (a
@@ -44,14 +51,16 @@ AutopilotDep = Annotated[Autopilot, Depends(_autopilot)]
 Settings = Annotated[SidecarSettings, Depends(_settings)]
 
 
-async def _authorize(settings: Settings,
-               creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+async def _authorize(
+    settings: Settings, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
     if settings.token is None:
         return
     if creds is None:
         raise UnauthorizedError(
             "this sidecar requires a bearer token: send 'Authorization: Bearer <token>' "
-            "(kvctl --token or KVSIDECAR_TOKEN)")
+            "(kvctl --token or KVSIDECAR_TOKEN)"
+        )
     expected = settings.token.get_secret_value().encode()
     if not secrets.compare_digest(creds.credentials.encode(), expected):
         raise UnauthorizedError("the bearer token is wrong; use the sidecar's KVSIDECAR_TOKEN")
@@ -60,16 +69,31 @@ async def _authorize(settings: Settings,
 #: Add to every mutating route: a no-op without a configured token.
 Authorized = Depends(_authorize)
 
-InstanceId = Annotated[str, Path(
-    pattern=ID_PATTERN, max_length=63,
-    description="1-63 characters: letters, digits, '.', '_' or '-', starting with a letter "
-                "or digit")]
+InstanceId = Annotated[
+    str,
+    Path(
+        pattern=ID_PATTERN,
+        max_length=63,
+        description="1-63 characters: letters, digits, '.', '_' or '-', starting with a letter "
+        "or digit",
+    ),
+]
 
-DeviceId = Annotated[str, Path(
-    pattern=DEVICE_ID_PATTERN, max_length=128,
-    description="a device id as engines register it (KVSIDECAR_DEVICE_ID): 1-128 letters, "
-                "digits, '.', '_', ':' or '-'")]
+DeviceId = Annotated[
+    str,
+    Path(
+        pattern=DEVICE_ID_PATTERN,
+        max_length=128,
+        description="a device id as engines register it (KVSIDECAR_DEVICE_ID): 1-128 letters, "
+        "digits, '.', '_', ':' or '-'",
+    ),
+]
 
-WaitSeconds = Annotated[float | None, Query(
-    ge=0, le=MAX_WAIT_S,
-    description=f"long-poll up to this many seconds (at most {MAX_WAIT_S:g}) for 'applied'")]
+WaitSeconds = Annotated[
+    float | None,
+    Query(
+        ge=0,
+        le=MAX_WAIT_S,
+        description=f"long-poll up to this many seconds (at most {MAX_WAIT_S:g}) for 'applied'",
+    ),
+]

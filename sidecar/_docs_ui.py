@@ -26,8 +26,10 @@ def _assets_dir() -> Path:
     path = Path(str(files("fastapi_offline") / "static"))
     missing = [name for name in ASSETS if not (path / name).is_file()]
     if missing:
-        raise RuntimeError(f"fastapi-offline has no {', '.join(missing)} in {path}; "
-                           "reinstall it: pip install --force-reinstall fastapi-offline")
+        raise RuntimeError(
+            f"fastapi-offline has no {', '.join(missing)} in {path}; "
+            "reinstall it: pip install --force-reinstall fastapi-offline"
+        )
     return path
 
 
@@ -40,15 +42,20 @@ def install_docs(app: FastAPI) -> None:
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
         return get_swagger_ui_html(
-            openapi_url=openapi_url, title=title,
+            openapi_url=openapi_url,
+            title=title,
             swagger_js_url=f"{ASSETS_PREFIX}/swagger-ui-bundle.js",
             swagger_css_url=f"{ASSETS_PREFIX}/swagger-ui.css",
             swagger_favicon_url=f"{ASSETS_PREFIX}/favicon.png",
-            swagger_ui_parameters={"validatorUrl": None})
+            swagger_ui_parameters={"validatorUrl": None},
+        )
 
     @app.get("/redoc", include_in_schema=False)
     async def redoc() -> HTMLResponse:
         return get_redoc_html(
-            openapi_url=openapi_url, title=title,
+            openapi_url=openapi_url,
+            title=title,
             redoc_js_url=f"{ASSETS_PREFIX}/redoc.standalone.js",
-            redoc_favicon_url=f"{ASSETS_PREFIX}/favicon.png", with_google_fonts=False)
+            redoc_favicon_url=f"{ASSETS_PREFIX}/favicon.png",
+            with_google_fonts=False,
+        )

@@ -95,8 +95,9 @@ class UnknownInstanceError(RequestError):
 class RevisionRejectedError(RequestError):
     """A client-given revision is older than (stale) or equal to (conflict) the current one."""
 
-    def __init__(self, status: Status, detail: str, current_revision: int,
-                 current_limit: int | None) -> None:
+    def __init__(
+        self, status: Status, detail: str, current_revision: int, current_limit: int | None
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.current_revision = current_revision
@@ -129,7 +130,8 @@ class UnknownDeviceError(RequestError):
         super().__init__(
             f"device {device_id!r} is not known: start an engine with "
             f"KVSIDECAR_DEVICE_ID={device_id} so it registers there (GET /devices lists "
-            "the known devices)")
+            "the known devices)"
+        )
         self.device_id = device_id
 
 

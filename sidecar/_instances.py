@@ -45,8 +45,12 @@ class InstanceRecord:
 
     def live(self, now: float, heartbeat_timeout_s: float) -> bool:
         """An engine process holds the id: registered, not stopped, heard from recently."""
-        return (self.row.registered_at is not None and not self.stopped
-                and self.last_seen is not None and now - self.last_seen <= heartbeat_timeout_s)
+        return (
+            self.row.registered_at is not None
+            and not self.stopped
+            and self.last_seen is not None
+            and now - self.last_seen <= heartbeat_timeout_s
+        )
 
     def needs_push(self) -> bool:
         """The engine is registered and has not acknowledged the desired revision."""
@@ -60,27 +64,39 @@ class InstanceRecord:
         row = self.row
         engine = None
         if row.engine is not None and row.registered_at is not None:
-            engine = EngineInfo(engine=row.engine, engine_version=row.engine_version or "",
-                                socket_path=row.socket_path,
-                                device_total_bytes=row.device_total_bytes,
-                                registered_at=row.registered_at, stopped_at=row.stopped_at)
+            engine = EngineInfo(
+                engine=row.engine,
+                engine_version=row.engine_version or "",
+                socket_path=row.socket_path,
+                device_total_bytes=row.device_total_bytes,
+                registered_at=row.registered_at,
+                stopped_at=row.stopped_at,
+            )
         return InstanceView(
-            id=row.id, status=status, reason=reason,
-            desired=DesiredLimit(limit_bytes=row.limit_bytes, revision=row.revision,
-                                 updated_at=row.updated_at),
-            effective_limit_bytes=None if obs is None else (
-                obs.effective_limit_bytes if obs.effective_limit_bytes is not None
-                else obs.limit_bytes),
+            id=row.id,
+            status=status,
+            reason=reason,
+            desired=DesiredLimit(
+                limit_bytes=row.limit_bytes, revision=row.revision, updated_at=row.updated_at
+            ),
+            effective_limit_bytes=None
+            if obs is None
+            else (
+                obs.effective_limit_bytes
+                if obs.effective_limit_bytes is not None
+                else obs.limit_bytes
+            ),
             mapped_bytes=0 if obs is None else obs.mapped_bytes,
-            overage_bytes=0 if obs is None or status is not Status.DEFERRED
-            else obs.overage_bytes,
+            overage_bytes=0 if obs is None or status is not Status.DEFERRED else obs.overage_bytes,
             last_seen_s_ago=None if self.last_seen is None else round(now - self.last_seen, 3),
-            engine=engine, observed=obs,
+            engine=engine,
+            observed=obs,
         )
 
 
-def derive_status(rec: InstanceRecord, now: float,
-                  heartbeat_timeout_s: float) -> tuple[Status, str | None]:
+def derive_status(
+    rec: InstanceRecord, now: float, heartbeat_timeout_s: float
+) -> tuple[Status, str | None]:
     """The one status of an instance, from desired, observed and last sign of life.
 
     * never heard from the engine: ``pending`` (``not_registered``);

@@ -52,25 +52,34 @@ class _Ctx:
     socket: str | None
 
 
-app = typer.Typer(name="kvctl", no_args_is_help=True, add_completion=False,
-                  pretty_exceptions_enable=False,
-                  help="Set and watch KV-cache limits of LLM engines (kvsidecar).\n\n"
-                       "Exit codes: 0 applied/ok, 1 refused, 2 usage, 3 deferred at the "
-                       "--wait deadline, 4 unreachable.")
+app = typer.Typer(
+    name="kvctl",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Set and watch KV-cache limits of LLM engines (kvsidecar).\n\n"
+    "Exit codes: 0 applied/ok, 1 refused, 2 usage, 3 deferred at the "
+    "--wait deadline, 4 unreachable.",
+)
 _out = Console(highlight=False, soft_wrap=True)
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the raw JSON answer")]
-WaitOpt = Annotated[float | None, typer.Option(
-    "--wait", min=0, max=300, help="wait up to this many seconds for 'applied'")]
+WaitOpt = Annotated[
+    float | None,
+    typer.Option("--wait", min=0, max=300, help="wait up to this many seconds for 'applied'"),
+]
 _ID_RE = re.compile(ID_PATTERN)
 
 
 def _check_id(value: str) -> str:
     """The API's id pattern, checked before any request: ``a/../b`` never reaches a URL."""
     if not _ID_RE.fullmatch(value):
-        raise _fail(f"instance_id {value!r} is not valid: use 1-63 letters, digits, '.', '_' "
-                    "or '-', starting with a letter or digit", EXIT_USAGE)
+        raise _fail(
+            f"instance_id {value!r} is not valid: use 1-63 letters, digits, '.', '_' "
+            "or '-', starting with a letter or digit",
+            EXIT_USAGE,
+        )
     return value
 
 
@@ -90,22 +99,34 @@ def sidecar_url(raw: str) -> str:
         url = f"http://{url}"
     scheme, _, rest = url.partition("://")
     if scheme.lower() not in ("http", "https") or not rest.strip("/"):
-        raise _fail(f"--url/KVSIDECAR_URL must be host:port or an http(s) URL; got {raw!r} "
-                    "(e.g. --url 127.0.0.1:8570)", EXIT_USAGE)
+        raise _fail(
+            f"--url/KVSIDECAR_URL must be host:port or an http(s) URL; got {raw!r} "
+            "(e.g. --url 127.0.0.1:8570)",
+            EXIT_USAGE,
+        )
     return url
 
 
 @app.callback()
 def _global(
     ctx: typer.Context,
-    url: Annotated[str | None, typer.Option(
-        help="sidecar URL or host:port [KVSIDECAR_URL]")] = None,
+    url: Annotated[
+        str | None, typer.Option(help="sidecar URL or host:port [KVSIDECAR_URL]")
+    ] = None,
     token: Annotated[str | None, typer.Option(help="bearer token [KVSIDECAR_TOKEN]")] = None,
-    socket: Annotated[str | None, typer.Option(
-        help="talk to this engine control socket directly (limit/status only)")] = None,
-    _version: Annotated[bool, typer.Option(
-        "--version", is_eager=True, callback=_print_version,
-        help="print the version and build facts, then exit")] = False,
+    socket: Annotated[
+        str | None,
+        typer.Option(help="talk to this engine control socket directly (limit/status only)"),
+    ] = None,
+    _version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            callback=_print_version,
+            help="print the version and build facts, then exit",
+        ),
+    ] = False,
 ) -> None:
     settings = CtlSettings()
     env_token = settings.token.get_secret_value() if settings.token else None
@@ -122,8 +143,9 @@ def _fail(message: str, code: int) -> typer.Exit:
 def _run(ctx: typer.Context, fn: Any) -> Any:
     """Run ``fn(api)`` against the sidecar or the socket; CtlError → one line + exit code."""
     obj: _Ctx = ctx.obj
-    api: SidecarApi | SocketApi = SocketApi(obj.socket) if obj.socket else \
-        SidecarApi(obj.url, obj.token)
+    api: SidecarApi | SocketApi = (
+        SocketApi(obj.socket) if obj.socket else SidecarApi(obj.url, obj.token)
+    )
     try:
         return fn(api)
     except CtlError as exc:
@@ -134,8 +156,10 @@ def _run(ctx: typer.Context, fn: Any) -> Any:
 
 def _sidecar_only(ctx: typer.Context, command: str) -> None:
     if ctx.obj.socket:
-        raise _fail(f"'{command}' needs the sidecar; with --socket only 'limit' and 'status' "
-                    "work", EXIT_USAGE)
+        raise _fail(
+            f"'{command}' needs the sidecar; with --socket only 'limit' and 'status' work",
+            EXIT_USAGE,
+        )
 
 
 def _exit_for(body: dict[str, Any], waited: bool) -> int:
@@ -166,9 +190,13 @@ def _size(value: str) -> int | None:
 
 
 @app.command()
-def limit(ctx: typer.Context, instance_id: IdArg,
-          size: Annotated[str, typer.Argument(help="512M, 2G, 1.5GiB, a byte count, or none")],
-          wait: WaitOpt = None, as_json: JsonOpt = False) -> None:
+def limit(
+    ctx: typer.Context,
+    instance_id: IdArg,
+    size: Annotated[str, typer.Argument(help="512M, 2G, 1.5GiB, a byte count, or none")],
+    wait: WaitOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Set the KV-cache limit of an instance (bytes per GPU)."""
     num = _size(size)
     if ctx.obj.socket:
@@ -179,32 +207,44 @@ def limit(ctx: typer.Context, instance_id: IdArg,
 
 
 @app.command("limit-percent")
-def limit_percent(ctx: typer.Context, instance_id: IdArg,
-                  percent: Annotated[float, typer.Argument(
-                      help="percent (0 to 100) of the device memory the engine registered")],
-                  wait: WaitOpt = None, as_json: JsonOpt = False) -> None:
+def limit_percent(
+    ctx: typer.Context,
+    instance_id: IdArg,
+    percent: Annotated[
+        float, typer.Argument(help="percent (0 to 100) of the device memory the engine registered")
+    ],
+    wait: WaitOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Set the limit as a percentage of the engine's device memory (per GPU)."""
     _sidecar_only(ctx, "limit-percent")
     # checked here, not by click's range: NaN slips through a range check, and a usage
     # error here is one line like every other kvctl error
     if not (math.isfinite(percent) and 0 <= percent <= 100):
-        raise _fail(f"percent must be a number from 0 to 100; got {percent!r} "
-                    "(e.g. 'kvctl limit-percent ID 12.5')", EXIT_USAGE)
+        raise _fail(
+            f"percent must be a number from 0 to 100; got {percent!r} "
+            "(e.g. 'kvctl limit-percent ID 12.5')",
+            EXIT_USAGE,
+        )
 
     def call(api: SidecarApi) -> Reply:
         view = api.status(instance_id, None).body
         total = (view.get("engine") or {}).get("device_total_bytes")
         if not total:
-            raise CtlError(f"instance {instance_id!r} has not registered its device memory; "
-                           "use 'kvctl limit ID SIZE'", EXIT_USAGE)
+            raise CtlError(
+                f"instance {instance_id!r} has not registered its device memory; "
+                "use 'kvctl limit ID SIZE'",
+                EXIT_USAGE,
+            )
         return api.set_limit(instance_id, int(total * percent / 100), wait)
 
     _show(ctx, _run(ctx, call), as_json, waited=bool(wait))
 
 
 @app.command()
-def status(ctx: typer.Context, instance_id: IdArg, wait: WaitOpt = None,
-           as_json: JsonOpt = False) -> None:
+def status(
+    ctx: typer.Context, instance_id: IdArg, wait: WaitOpt = None, as_json: JsonOpt = False
+) -> None:
     """Show one instance (with --wait: wait until it is applied)."""
     if ctx.obj.socket:
         reply = _run(ctx, lambda api: api.status(wait))
@@ -214,12 +254,14 @@ def status(ctx: typer.Context, instance_id: IdArg, wait: WaitOpt = None,
 
 
 @app.command()
-def delete(ctx: typer.Context, instance_id: IdArg, wait: WaitOpt = None,
-           as_json: JsonOpt = False) -> None:
+def delete(
+    ctx: typer.Context, instance_id: IdArg, wait: WaitOpt = None, as_json: JsonOpt = False
+) -> None:
     """Remove the limit (back to unlimited, as a new revision)."""
     _sidecar_only(ctx, "delete")
-    _show(ctx, _run(ctx, lambda api: api.delete_limit(instance_id, wait)), as_json,
-          waited=bool(wait))
+    _show(
+        ctx, _run(ctx, lambda api: api.delete_limit(instance_id, wait)), as_json, waited=bool(wait)
+    )
 
 
 @app.command()
@@ -243,12 +285,12 @@ def list_(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 
 @app.command()
-def watch(ctx: typer.Context,
-          interval: Annotated[float, typer.Option(min=0.1, help="refresh period, seconds")] = 1.0,
-          once: Annotated[bool, typer.Option(help="draw the table once and exit")] = False,
-          count: Annotated[int | None, typer.Option(
-              min=1, help="stop after this many refreshes")] = None,
-          ) -> None:
+def watch(
+    ctx: typer.Context,
+    interval: Annotated[float, typer.Option(min=0.1, help="refresh period, seconds")] = 1.0,
+    once: Annotated[bool, typer.Option(help="draw the table once and exit")] = False,
+    count: Annotated[int | None, typer.Option(min=1, help="stop after this many refreshes")] = None,
+) -> None:
     """A live table: mapped vs limit per instance (Ctrl-C to quit).
 
     When stdout is not a terminal (a pipe, a file, a log collector) it writes
@@ -281,9 +323,11 @@ def watch(ctx: typer.Context,
 
 
 @app.command()
-def devices(ctx: typer.Context,
-            device_id: Annotated[str | None, typer.Argument(help="one device")] = None,
-            as_json: JsonOpt = False) -> None:
+def devices(
+    ctx: typer.Context,
+    device_id: Annotated[str | None, typer.Argument(help="one device")] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Devices: budget, sum of limits and mapped, free, and each instance's share."""
     _sidecar_only(ctx, "devices")
     if device_id is None:
@@ -300,14 +344,21 @@ def devices(ctx: typer.Context,
 
 
 @app.command()
-def budget(ctx: typer.Context,
-           device_id: Annotated[str, typer.Argument(help="device id, e.g. GPU-8f3c... or host0")],
-           size: Annotated[str, typer.Argument(
-               help="what the device's instances may map together (8G), or none to stop "
-                    "the autopilot there")],
-           dry_run: Annotated[bool | None, typer.Option(
-               "--dry-run/--live", help="only show what the autopilot would do")] = None,
-           as_json: JsonOpt = False) -> None:
+def budget(
+    ctx: typer.Context,
+    device_id: Annotated[str, typer.Argument(help="device id, e.g. GPU-8f3c... or host0")],
+    size: Annotated[
+        str,
+        typer.Argument(
+            help="what the device's instances may map together (8G), or none to stop "
+            "the autopilot there"
+        ),
+    ],
+    dry_run: Annotated[
+        bool | None, typer.Option("--dry-run/--live", help="only show what the autopilot would do")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Give a device a budget: the autopilot shares it among the device's instances."""
     _sidecar_only(ctx, "budget")
     num = _size(size)
@@ -319,14 +370,20 @@ def budget(ctx: typer.Context,
 
 
 @app.command()
-def policy(ctx: typer.Context, instance_id: IdArg,
-           min_size: Annotated[str | None, typer.Option(
-               "--min", help="the least the autopilot gives (none: 0)")] = None,
-           max_size: Annotated[str | None, typer.Option(
-               "--max", help="the most it gives (none: no max)")] = None,
-           weight: Annotated[float | None, typer.Option(
-               help="share of the spare memory, above 0 (default 1)")] = None,
-           as_json: JsonOpt = False) -> None:
+def policy(
+    ctx: typer.Context,
+    instance_id: IdArg,
+    min_size: Annotated[
+        str | None, typer.Option("--min", help="the least the autopilot gives (none: 0)")
+    ] = None,
+    max_size: Annotated[
+        str | None, typer.Option("--max", help="the most it gives (none: no max)")
+    ] = None,
+    weight: Annotated[
+        float | None, typer.Option(help="share of the spare memory, above 0 (default 1)")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Set an instance's autopilot fields (only the options given change)."""
     _sidecar_only(ctx, "policy")
     fields: dict[str, Any] = {}
@@ -338,16 +395,16 @@ def policy(ctx: typer.Context, instance_id: IdArg,
         if not (math.isfinite(weight) and weight > 0):
             raise _fail(f"--weight must be a number above 0; got {weight!r}", EXIT_USAGE)
         fields["weight"] = weight
-    _show(ctx, _run(ctx, lambda api: api.set_policy(instance_id, fields)), as_json,
-          waited=False)
+    _show(ctx, _run(ctx, lambda api: api.set_policy(instance_id, fields)), as_json, waited=False)
 
 
 @app.command("device-limits")
-def device_limits(ctx: typer.Context,
-                  device_id: Annotated[str, typer.Argument(help="device id")],
-                  pairs: Annotated[list[str], typer.Argument(
-                      help="ID=SIZE pairs, e.g. llama-a=2G llama-b=6G")],
-                  as_json: JsonOpt = False) -> None:
+def device_limits(
+    ctx: typer.Context,
+    device_id: Annotated[str, typer.Argument(help="device id")],
+    pairs: Annotated[list[str], typer.Argument(help="ID=SIZE pairs, e.g. llama-a=2G llama-b=6G")],
+    as_json: JsonOpt = False,
+) -> None:
     """Pin several instances' limits at once; applied shrink before grow."""
     _sidecar_only(ctx, "device-limits")
     limits: dict[str, int] = {}

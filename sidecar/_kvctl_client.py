@@ -72,29 +72,35 @@ class SidecarApi:
     def __init__(self, url: str, token: str | None) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(base_url=self.url, headers=headers,
-                                    timeout=httpx.Timeout(_CONNECT_TIMEOUT_S))
+        self._client = httpx.Client(
+            base_url=self.url, headers=headers, timeout=httpx.Timeout(_CONNECT_TIMEOUT_S)
+        )
 
     def close(self) -> None:
         self._client.close()
 
-    def _call(self, method: str, path: str, *, wait: float | None = None,
-              json_body: Any = None) -> Reply:
+    def _call(
+        self, method: str, path: str, *, wait: float | None = None, json_body: Any = None
+    ) -> Reply:
         params = {"wait": wait} if wait else None
         timeout = httpx.Timeout(_CONNECT_TIMEOUT_S + (wait or 0.0), connect=_CONNECT_TIMEOUT_S)
         try:
-            resp = self._client.request(method, path, params=params, json=json_body,
-                                        timeout=timeout)
+            resp = self._client.request(
+                method, path, params=params, json=json_body, timeout=timeout
+            )
         except httpx.TransportError as exc:
-            raise CtlError(f"cannot reach the sidecar at {self.url} ({exc.__class__.__name__}: "
-                           f"{exc}); is 'kvsidecar serve' running? (--url)",
-                           EXIT_UNREACHABLE) from None
+            raise CtlError(
+                f"cannot reach the sidecar at {self.url} ({exc.__class__.__name__}: "
+                f"{exc}); is 'kvsidecar serve' running? (--url)",
+                EXIT_UNREACHABLE,
+            ) from None
         _raise_for(resp)
         return Reply(resp.json() if resp.content else None, resp.status_code)
 
     def set_limit(self, instance_id: str, limit: int | None, wait: float | None) -> Reply:
-        return self._call("PUT", f"{_path(instance_id)}/limit", wait=wait,
-                          json_body={"limit": limit})
+        return self._call(
+            "PUT", f"{_path(instance_id)}/limit", wait=wait, json_body={"limit": limit}
+        )
 
     def delete_limit(self, instance_id: str, wait: float | None) -> Reply:
         return self._call("DELETE", f"{_path(instance_id)}/limit", wait=wait)
@@ -125,8 +131,7 @@ class SidecarApi:
         return self._call("PUT", f"{_device_path(device_id)}/budget", json_body=body)
 
     def set_device_limits(self, device_id: str, limits: dict[str, int]) -> Reply:
-        return self._call("PUT", f"{_device_path(device_id)}/limits",
-                          json_body={"limits": limits})
+        return self._call("PUT", f"{_device_path(device_id)}/limits", json_body={"limits": limits})
 
     def set_policy(self, instance_id: str, fields: dict[str, Any]) -> Reply:
         return self._call("PUT", f"{_path(instance_id)}/policy", json_body=fields)
@@ -146,8 +151,11 @@ class SocketApi:
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
-        self._client = httpx.Client(transport=httpx.HTTPTransport(uds=socket_path),
-                                    base_url="http://engine", timeout=_CONNECT_TIMEOUT_S)
+        self._client = httpx.Client(
+            transport=httpx.HTTPTransport(uds=socket_path),
+            base_url="http://engine",
+            timeout=_CONNECT_TIMEOUT_S,
+        )
 
     def close(self) -> None:
         self._client.close()
@@ -156,9 +164,12 @@ class SocketApi:
         try:
             resp = self._client.request(method, path, json=json_body)
         except httpx.TransportError as exc:
-            raise CtlError(f"cannot reach the engine control socket {self.socket_path} "
-                           f"({exc.__class__.__name__}: {exc}); is the engine running with "
-                           "KVSIDECAR_ENABLE=1?", EXIT_UNREACHABLE) from None
+            raise CtlError(
+                f"cannot reach the engine control socket {self.socket_path} "
+                f"({exc.__class__.__name__}: {exc}); is the engine running with "
+                "KVSIDECAR_ENABLE=1?",
+                EXIT_UNREACHABLE,
+            ) from None
         if resp.status_code == 409:  # stale/conflict: the body is the engine state + message
             raise CtlError(str(resp.json().get("message") or "revision rejected"), EXIT_ERROR)
         _raise_for(resp)

@@ -12,8 +12,12 @@ from engine_ext.protocol import Status, format_size
 __all__ = ["bar", "instance_line", "instance_table", "state_line"]
 
 _BAR_WIDTH = 24
-_STATUS_STYLE = {Status.APPLIED: "green", Status.DEFERRED: "yellow", Status.PENDING: "cyan",
-                 Status.UNREACHABLE: "red"}
+_STATUS_STYLE = {
+    Status.APPLIED: "green",
+    Status.DEFERRED: "yellow",
+    Status.PENDING: "cyan",
+    Status.UNREACHABLE: "red",
+}
 
 
 def bar(mapped_bytes: int, limit_bytes: int | None, capacity_bytes: int) -> Text:
@@ -50,22 +54,30 @@ def instance_line(view: dict[str, Any]) -> str:
 
 def device_lines(view: dict[str, Any]) -> list[str]:
     """A device: its budget line, then one line per instance (``kvctl devices``)."""
-    head = (f"{view['id']}: budget {format_size(view['budget_bytes'])}"
-            f"{' (dry run)' if view.get('dry_run') else ''}  limits "
-            f"{format_size(view['sum_limits_bytes'])}  mapped "
-            f"{format_size(view['sum_mapped_bytes'])}  free "
-            f"{'-' if view['free_bytes'] is None else format_size(view['free_bytes'])}")
+    head = (
+        f"{view['id']}: budget {format_size(view['budget_bytes'])}"
+        f"{' (dry run)' if view.get('dry_run') else ''}  limits "
+        f"{format_size(view['sum_limits_bytes'])}  mapped "
+        f"{format_size(view['sum_mapped_bytes'])}  free "
+        f"{'-' if view['free_bytes'] is None else format_size(view['free_bytes'])}"
+    )
     lines = [head]
     for m in view["instances"]:
-        bounds = f"min {format_size(m['min_bytes'])} max {format_size(m['max_bytes'])} " \
-                 f"weight {m['weight']:g}"
-        lines.append(f"  {m['id']}: {m['status']}  limit {format_size(m['limit_bytes'])}  "
-                     f"target {format_size(m['target_bytes'])}  mapped "
-                     f"{format_size(m['mapped_bytes'])}  {m['source'] or '-'}"
-                     f"{' pinned' if m['pinned'] else ''}  {m['reason'] or ''}  {bounds}")
+        bounds = (
+            f"min {format_size(m['min_bytes'])} max {format_size(m['max_bytes'])} "
+            f"weight {m['weight']:g}"
+        )
+        lines.append(
+            f"  {m['id']}: {m['status']}  limit {format_size(m['limit_bytes'])}  "
+            f"target {format_size(m['target_bytes'])}  mapped "
+            f"{format_size(m['mapped_bytes'])}  {m['source'] or '-'}"
+            f"{' pinned' if m['pinned'] else ''}  {m['reason'] or ''}  {bounds}"
+        )
     for w in view.get("would", []):
-        lines.append(f"  would set {w['instance']}: {format_size(w['old_bytes'])} -> "
-                     f"{format_size(w['new_bytes'])} ({w['reason']})")
+        lines.append(
+            f"  would set {w['instance']}: {format_size(w['old_bytes'])} -> "
+            f"{format_size(w['new_bytes'])} ({w['reason']})"
+        )
     return lines
 
 
@@ -85,17 +97,25 @@ def state_line(state: dict[str, Any]) -> str:
 
 def instance_table(views: list[dict[str, Any]]) -> Table:
     table = Table(title="kvsidecar instances", expand=False)
-    for name, justify in (("instance", "left"), ("status", "left"), ("mapped", "right"),
-                          ("limit", "right"), ("mapped vs limit", "left"), ("over", "right"),
-                          ("rev", "right")):
+    for name, justify in (
+        ("instance", "left"),
+        ("status", "left"),
+        ("mapped", "right"),
+        ("limit", "right"),
+        ("mapped vs limit", "left"),
+        ("over", "right"),
+        ("rev", "right"),
+    ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for view in views:
         observed = view.get("observed") or {}
         limit = view["desired"]["limit_bytes"]
         status = view["status"]
         table.add_row(
-            view["id"], Text(status, style=_STATUS_STYLE.get(status, "")),
-            format_size(view["mapped_bytes"]), format_size(limit),
+            view["id"],
+            Text(status, style=_STATUS_STYLE.get(status, "")),
+            format_size(view["mapped_bytes"]),
+            format_size(limit),
             bar(view["mapped_bytes"], limit, int(observed.get("capacity_bytes", 0))),
             format_size(view["overage_bytes"]) if view["overage_bytes"] else "",
             str(view["desired"]["revision"]),

@@ -16,8 +16,13 @@ import sys
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
 
-__all__ = ["LogFormat", "audit_deregister", "audit_forget", "audit_limit_change",
-           "configure_logging"]
+__all__ = [
+    "LogFormat",
+    "audit_deregister",
+    "audit_forget",
+    "audit_limit_change",
+    "configure_logging",
+]
 
 LogFormat = Literal["text", "json"]
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -59,7 +64,7 @@ class JsonFormatter(logging.Formatter):
 
 def _text_value(value: object) -> str:
     text = "null" if value is None else str(value)
-    return json.dumps(text) if (not text or any(c in text for c in " \"=")) else text
+    return json.dumps(text) if (not text or any(c in text for c in ' "=')) else text
 
 
 def configure_logging(level: str, fmt: LogFormat, stream: TextIO | None = None) -> None:
@@ -78,34 +83,77 @@ def configure_logging(level: str, fmt: LogFormat, stream: TextIO | None = None) 
         uv.propagate = True
 
 
-def audit_limit_change(instance_id: str, *, source: str, old_limit: int | None,
-                       new_limit: int | None, old_revision: int, revision: int) -> None:
+def audit_limit_change(
+    instance_id: str,
+    *,
+    source: str,
+    old_limit: int | None,
+    new_limit: int | None,
+    old_revision: int,
+    revision: int,
+) -> None:
     """The one audit line written for every change of a desired limit."""
-    _audit.info("limit change %s: %s -> %s (revision %d -> %d) by %s", instance_id,
-                _size(old_limit), _size(new_limit), old_revision, revision, source,
-                extra={"fields": {"event": "limit_change", "instance": instance_id,
-                                  "source": source, "old_limit_bytes": old_limit,
-                                  "new_limit_bytes": new_limit, "old_revision": old_revision,
-                                  "revision": revision}})
+    _audit.info(
+        "limit change %s: %s -> %s (revision %d -> %d) by %s",
+        instance_id,
+        _size(old_limit),
+        _size(new_limit),
+        old_revision,
+        revision,
+        source,
+        extra={
+            "fields": {
+                "event": "limit_change",
+                "instance": instance_id,
+                "source": source,
+                "old_limit_bytes": old_limit,
+                "new_limit_bytes": new_limit,
+                "old_revision": old_revision,
+                "revision": revision,
+            }
+        },
+    )
 
 
-def audit_forget(instance_id: str, *, source: str, old_limit: int | None,
-                 old_revision: int) -> None:
+def audit_forget(
+    instance_id: str, *, source: str, old_limit: int | None, old_revision: int
+) -> None:
     """The audit line for DELETE /instances/{id}: the desired limit is dropped with the id."""
-    _audit.info("forget %s: desired limit %s (revision %d) dropped by %s", instance_id,
-                _size(old_limit), old_revision, source,
-                extra={"fields": {"event": "forget", "instance": instance_id,
-                                  "source": source, "old_limit_bytes": old_limit,
-                                  "old_revision": old_revision}})
+    _audit.info(
+        "forget %s: desired limit %s (revision %d) dropped by %s",
+        instance_id,
+        _size(old_limit),
+        old_revision,
+        source,
+        extra={
+            "fields": {
+                "event": "forget",
+                "instance": instance_id,
+                "source": source,
+                "old_limit_bytes": old_limit,
+                "old_revision": old_revision,
+            }
+        },
+    )
 
 
 def audit_deregister(instance_id: str, *, limit: int | None, revision: int) -> None:
     """The audit line for an engine's clean stop (status ``stopped``; the limit is kept)."""
-    _audit.info("deregister %s: the engine stopped; desired limit %s (revision %d) kept",
-                instance_id, _size(limit), revision,
-                extra={"fields": {"event": "deregister", "instance": instance_id,
-                                  "source": "engine", "limit_bytes": limit,
-                                  "revision": revision}})
+    _audit.info(
+        "deregister %s: the engine stopped; desired limit %s (revision %d) kept",
+        instance_id,
+        _size(limit),
+        revision,
+        extra={
+            "fields": {
+                "event": "deregister",
+                "instance": instance_id,
+                "source": "engine",
+                "limit_bytes": limit,
+                "revision": revision,
+            }
+        },
+    )
 
 
 def _size(limit: int | None) -> str:

@@ -49,26 +49,40 @@ class _InstanceCollector(Collector):
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        desired = _gauge("kvsidecar_desired_limit_bytes",
-                         "Desired KV limit per GPU (absent: unlimited)")
-        effective = _gauge("kvsidecar_effective_limit_bytes",
-                           "Limit the engine works towards (absent: unlimited or not reported)")
+        desired = _gauge(
+            "kvsidecar_desired_limit_bytes", "Desired KV limit per GPU (absent: unlimited)"
+        )
+        effective = _gauge(
+            "kvsidecar_effective_limit_bytes",
+            "Limit the engine works towards (absent: unlimited or not reported)",
+        )
         mapped = _gauge("kvsidecar_mapped_bytes", "KV bytes mapped (largest rank)")
-        capacity = _gauge("kvsidecar_capacity_bytes",
-                          "KV bytes the instance could map with no limit")
-        evictable = _gauge("kvsidecar_evictable_bytes",
-                           "Prefix-cache KV bytes the engine could give back now")
+        capacity = _gauge(
+            "kvsidecar_capacity_bytes", "KV bytes the instance could map with no limit"
+        )
+        evictable = _gauge(
+            "kvsidecar_evictable_bytes", "Prefix-cache KV bytes the engine could give back now"
+        )
         pinned = _gauge("kvsidecar_pinned_bytes", "KV bytes held by running requests")
-        device = _gauge("kvsidecar_device_total_bytes",
-                        "Device memory of one rank, as the engine registered it")
+        device = _gauge(
+            "kvsidecar_device_total_bytes", "Device memory of one rank, as the engine registered it"
+        )
         overage = _gauge("kvsidecar_overage_bytes", "Mapped bytes above the limit while deferred")
         revision = _gauge("kvsidecar_desired_revision", "Desired revision")
-        last_report = _gauge("kvsidecar_last_report_timestamp_seconds",
-                             "Unix time of the engine's last report or push answer")
-        status = _gauge("kvsidecar_instance_status", "1 for the instance's current status",
-                        [INSTANCE_LABEL, "status"])
-        deferred = _gauge("kvsidecar_deferred", "1 while deferred, labelled with the reason",
-                          [INSTANCE_LABEL, "reason"])
+        last_report = _gauge(
+            "kvsidecar_last_report_timestamp_seconds",
+            "Unix time of the engine's last report or push answer",
+        )
+        status = _gauge(
+            "kvsidecar_instance_status",
+            "1 for the instance's current status",
+            [INSTANCE_LABEL, "status"],
+        )
+        deferred = _gauge(
+            "kvsidecar_deferred",
+            "1 while deferred, labelled with the reason",
+            [INSTANCE_LABEL, "reason"],
+        )
         now = time.time()
         for view in self._snapshot():
             iid = [view.id]
@@ -92,8 +106,20 @@ class _InstanceCollector(Collector):
                 status.add_metric([view.id, st.value], 1.0 if view.status is st else 0.0)
             if view.status is Status.DEFERRED:
                 deferred.add_metric([view.id, view.reason or "unknown"], 1.0)
-        yield from (desired, effective, mapped, capacity, evictable, pinned, device, overage,
-                    revision, last_report, status, deferred)
+        yield from (
+            desired,
+            effective,
+            mapped,
+            capacity,
+            evictable,
+            pinned,
+            device,
+            overage,
+            revision,
+            last_report,
+            status,
+            deferred,
+        )
 
 
 class Metrics:
@@ -106,19 +132,28 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.push_seconds = Histogram(
-            "kvsidecar_push_seconds", "Latency of one limit push to an engine control socket",
+            "kvsidecar_push_seconds",
+            "Latency of one limit push to an engine control socket",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
-            registry=self.registry)
+            registry=self.registry,
+        )
         self.apply_seconds = Histogram(
             "kvsidecar_apply_seconds",
             "From storing a desired limit (PUT) to the engine reporting it applied",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
-            registry=self.registry)
+            registry=self.registry,
+        )
         self.push_failures = Counter(
-            "kvsidecar_push_failures", "Limit pushes that failed (the push is retried)",
-            [INSTANCE_LABEL, "reason"], registry=self.registry)
-        Info("kvsidecar_build", "Version and build of this sidecar (value always 1)",
-             registry=self.registry).info(build_info())
+            "kvsidecar_push_failures",
+            "Limit pushes that failed (the push is retried)",
+            [INSTANCE_LABEL, "reason"],
+            registry=self.registry,
+        )
+        Info(
+            "kvsidecar_build",
+            "Version and build of this sidecar (value always 1)",
+            registry=self.registry,
+        ).info(build_info())
         self._awaiting: dict[str, tuple[int, float]] = {}  # id -> (revision, monotonic set at)
         self._failure_reasons: dict[str, set[str]] = {}  # id -> reasons with a counter series
 

@@ -6,8 +6,18 @@ from pydantic import BaseModel, Field
 
 from engine_ext.protocol import EngineState, Status
 
-__all__ = ["DesiredLimit", "DeviceList", "DeviceMember", "DeviceView", "EngineInfo", "InstanceList",
-           "InstanceView", "PlannedChange", "PolicyView", "Problem"]
+__all__ = [
+    "DesiredLimit",
+    "DeviceList",
+    "DeviceMember",
+    "DeviceView",
+    "EngineInfo",
+    "InstanceList",
+    "InstanceView",
+    "PlannedChange",
+    "PolicyView",
+    "Problem",
+]
 
 
 class DesiredLimit(BaseModel):
@@ -26,8 +36,9 @@ class EngineInfo(BaseModel):
     socket_path: str | None
     device_total_bytes: int | None
     registered_at: float
-    stopped_at: float | None = Field(default=None,
-                                     description="unix seconds of a clean shutdown, if stopped")
+    stopped_at: float | None = Field(
+        default=None, description="unix seconds of a clean shutdown, if stopped"
+    )
 
 
 class InstanceView(BaseModel):
@@ -44,7 +55,8 @@ class InstanceView(BaseModel):
     engine: EngineInfo | None
     observed: EngineState | None = Field(description="the engine's last report, as sent")
     policy: PolicyView | None = Field(
-        default=None, description="device, autopilot fields, limit source (docs/autopilot.md)")
+        default=None, description="device, autopilot fields, limit source (docs/autopilot.md)"
+    )
 
 
 class InstanceList(BaseModel):
@@ -91,7 +103,8 @@ class DeviceMember(BaseModel):
     reason: str | None
     mapped_bytes: int
     committed_bytes: int | None = Field(
-        description="the most it may map before its next report (null: not heard from yet)")
+        description="the most it may map before its next report (null: not heard from yet)"
+    )
     min_bytes: int
     max_bytes: int | None
     weight: float
@@ -114,12 +127,14 @@ class DeviceView(BaseModel):
     revision: int
     dry_run: bool = Field(description="the autopilot computes and shows, writes nothing")
     sum_limits_bytes: int | None = Field(
-        description="sum of the live instances' desired limits (null if one is unlimited)")
+        description="sum of the live instances' desired limits (null if one is unlimited)"
+    )
     sum_mapped_bytes: int = Field(description="sum of the live instances' mapped bytes")
     free_bytes: int | None = Field(description="budget - sum of limits (null: no budget)")
     instances: list[DeviceMember]
     would: list[PlannedChange] = Field(
-        description="dry run: the changes the autopilot would write now")
+        description="dry run: the changes the autopilot would write now"
+    )
 
 
 class DeviceList(BaseModel):

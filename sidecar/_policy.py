@@ -141,8 +141,7 @@ def compute_targets(budget: int, members: Sequence[Member]) -> dict[str, Target]
     weights = {m.id: m.weight for m in managed}
     if sum(lo.values()) > avail:  # pins (or floors) leave less than the mins: scale down
         scale = avail / sum(lo.values())
-        return {m.id: Target(m.id, _round(lo[m.id] * scale, m), "budget_short")
-                for m in managed}
+        return {m.id: Target(m.id, _round(lo[m.id] * scale, m), "budget_short") for m in managed}
     hi = {m.id: float(_hi(m, budget)) for m in managed}
     demand = {m.id: min(max(float(m.pinned + m.waiting), lo[m.id]), hi[m.id]) for m in managed}
     rest = avail - sum(lo.values())
@@ -181,8 +180,9 @@ def room_for(member_id: str, budget: int, members: Iterable[Member]) -> int:
     return budget - sum(committed(m) for m in members if m.id != member_id)
 
 
-def plan(budget: int, members: Sequence[Member], targets: dict[str, Target],
-         hysteresis: int) -> list[Change]:
+def plan(
+    budget: int, members: Sequence[Member], targets: dict[str, Target], hysteresis: int
+) -> list[Change]:
     """The changes to write now, shrinks first, then the grows that fit.
 
     ``targets`` holds the policy's targets and the operator pins (with reason
@@ -224,4 +224,3 @@ def plan(budget: int, members: Sequence[Member], targets: dict[str, Target],
         changes.append(Change(m.id, m.desired, new, target.reason))
         state[m.id] = replace(m, desired=new)
     return changes
-

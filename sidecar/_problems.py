@@ -43,19 +43,24 @@ PROBLEM_TABLE: tuple[tuple[type[SidecarError], int, str], ...] = (
 )
 
 
-def problem_response(status: int, title: str, detail: str,
-                     headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+def problem_response(
+    status: int, title: str, detail: str, headers: dict[str, str] | None = None, **extra: Any
+) -> JSONResponse:
     body = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
-    return JSONResponse(body, status_code=status, headers=headers,
-                        media_type="application/problem+json")
+    return JSONResponse(
+        body, status_code=status, headers=headers, media_type="application/problem+json"
+    )
 
 
 async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, SidecarError)
     for cls, status, title in PROBLEM_TABLE:
         if isinstance(exc, cls):
-            headers = {"WWW-Authenticate": 'Bearer realm="kvsidecar"'} \
-                if isinstance(exc, UnauthorizedError) else None
+            headers = (
+                {"WWW-Authenticate": 'Bearer realm="kvsidecar"'}
+                if isinstance(exc, UnauthorizedError)
+                else None
+            )
             return problem_response(status, title, exc.detail, headers, **exc.extensions())
     _log.error("unmapped sidecar error on %s %s: %s", request.method, request.url.path, exc)
     return problem_response(500, "Internal error", exc.detail)
@@ -74,8 +79,10 @@ def _clean(msg: str) -> str:
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    errors = [{"field": _field_name(tuple(err.get("loc", ()))), "message": _clean(err["msg"])}
-              for err in exc.errors()]
+    errors = [
+        {"field": _field_name(tuple(err.get("loc", ()))), "message": _clean(err["msg"])}
+        for err in exc.errors()
+    ]
     detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
     return problem_response(422, "Invalid input", detail, errors=errors)
 
@@ -85,14 +92,16 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
     if exc.status_code == 404:
         detail = f"no such endpoint: {request.method} {request.url.path}; see /docs"
-    return problem_response(exc.status_code, detail.split(":")[0], detail,
-                            dict(exc.headers) if exc.headers else None)
+    return problem_response(
+        exc.status_code, detail.split(":")[0], detail, dict(exc.headers) if exc.headers else None
+    )
 
 
 async def _last_resort(request: Request, exc: Exception) -> JSONResponse:
     _log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return problem_response(500, "Internal error",
-                            "the sidecar hit an unexpected error; see its log and report it")
+    return problem_response(
+        500, "Internal error", "the sidecar hit an unexpected error; see its log and report it"
+    )
 
 
 def install_problem_handlers(app: FastAPI) -> None:

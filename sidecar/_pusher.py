@@ -50,8 +50,14 @@ class _Worker:
 class PushManager:
     """Owns the per-instance push workers. Event-loop thread only."""
 
-    def __init__(self, client: httpx.AsyncClient, settings: SidecarSettings, metrics: Metrics,
-                 lookup: Callable[[str], InstanceRecord | None], on_reply: ReplyHandler) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        settings: SidecarSettings,
+        metrics: Metrics,
+        lookup: Callable[[str], InstanceRecord | None],
+        on_reply: ReplyHandler,
+    ) -> None:
         self._client = client
         self._settings = settings
         self._metrics = metrics
@@ -68,7 +74,8 @@ class PushManager:
         if worker is None:
             worker = self._workers[instance_id] = _Worker()
             worker.task = asyncio.get_running_loop().create_task(
-                self._run(instance_id, worker), name=f"kvsidecar-push-{instance_id}")
+                self._run(instance_id, worker), name=f"kvsidecar-push-{instance_id}"
+            )
         worker.wake.set()
 
     def forget(self, instance_id: str) -> None:
@@ -93,8 +100,11 @@ class PushManager:
             while (rec := self._lookup(instance_id)) is not None and rec.needs_push():
                 if await self._attempt(instance_id, rec):
                     if worker.failures:
-                        _log.info("push to %s works again after %d failed attempts",
-                                  instance_id, worker.failures)
+                        _log.info(
+                            "push to %s works again after %d failed attempts",
+                            instance_id,
+                            worker.failures,
+                        )
                         worker.failures = 0
                     delay = self._settings.push_backoff_initial_s
                     continue
@@ -124,10 +134,12 @@ class PushManager:
         start = time.perf_counter()
         try:
             resp = await self._client.put(
-                "http://engine/limit", content=body.model_dump_json(),
+                "http://engine/limit",
+                content=body.model_dump_json(),
                 headers={"content-type": "application/json"},
                 extensions={SOCKET_EXTENSION: row.socket_path},
-                timeout=self._settings.push_timeout_s)
+                timeout=self._settings.push_timeout_s,
+            )
         except httpx.HTTPError as exc:
             self._fail(instance_id, type(exc).__name__, f"{row.socket_path}: {exc!r}")
             return False
@@ -153,6 +165,12 @@ class PushManager:
             worker.failures += 1
             count = worker.failures
         if count & (count - 1) == 0:  # 1, 2, 4, 8, ...: a dead socket does not flood the log
-            _log.warning("push to %s failed (%s): %s; retrying with backoff (%d consecutive "
-                         "failures; next logged at %d)", instance_id, reason, detail, count,
-                         2 * count)
+            _log.warning(
+                "push to %s failed (%s): %s; retrying with backoff (%d consecutive "
+                "failures; next logged at %d)",
+                instance_id,
+                reason,
+                detail,
+                count,
+                2 * count,
+            )

@@ -12,8 +12,9 @@ from engine_ext.protocol import EngineState, Status
 __all__ = ["report_problem"]
 
 
-def report_problem(state: EngineState, desired_limit: int | None,
-                   desired_revision: int) -> str | None:
+def report_problem(
+    state: EngineState, desired_limit: int | None, desired_revision: int
+) -> str | None:
     """Why ``state`` cannot be true (one sentence), or None when it is consistent."""
     limit, effective = state.limit_bytes, state.effective_limit_bytes
     numbers = [r.rank for r in state.ranks]
@@ -23,29 +24,40 @@ def report_problem(state: EngineState, desired_limit: int | None,
         return f"ranks lists {len(numbers)} ranks but num_ranks is {state.num_ranks}"
     top = max((r.mapped_bytes for r in state.ranks), default=0)
     if state.mapped_bytes < top:
-        return (f"mapped_bytes {state.mapped_bytes} is below a rank's mapped bytes {top} "
-                "(it is the largest rank's)")
+        return (
+            f"mapped_bytes {state.mapped_bytes} is below a rank's mapped bytes {top} "
+            "(it is the largest rank's)"
+        )
     if state.overage_bytes > state.mapped_bytes:
         return f"overage_bytes {state.overage_bytes} exceeds mapped_bytes {state.mapped_bytes}"
     if state.status is not Status.APPLIED:
         return None  # a deferred reply may carry the previous pass's effective limit
     if limit is not None and effective is not None and effective < limit:
-        return (f"status applied with effective_limit_bytes {effective} below limit_bytes "
-                f"{limit} (the effective limit is max(limit, floor))")
+        return (
+            f"status applied with effective_limit_bytes {effective} below limit_bytes "
+            f"{limit} (the effective limit is max(limit, floor))"
+        )
     if limit is None and effective is not None:
         return "status applied with effective_limit_bytes set but limit_bytes null (unlimited)"
     target = effective if effective is not None else limit
     if target is not None and state.mapped_bytes > target:
-        return (f"status applied with mapped_bytes {state.mapped_bytes} above the effective "
-                f"limit {target}")
+        return (
+            f"status applied with mapped_bytes {state.mapped_bytes} above the effective "
+            f"limit {target}"
+        )
     if state.overage_bytes:
         return f"status applied with overage_bytes {state.overage_bytes}"
     dead = [r.rank for r in state.ranks if not r.alive]
     if dead:
         return f"status applied while rank(s) {dead} are dead (applied needs every rank)"
-    if (state.revision == desired_revision != 0 and state.limit_bytes == desired_limit
-            and desired_limit is not None
-            and state.mapped_bytes > max(desired_limit, state.floor_bytes)):
-        return (f"status applied with mapped_bytes {state.mapped_bytes} above the desired "
-                f"limit {desired_limit} (floor {state.floor_bytes})")
+    if (
+        state.revision == desired_revision != 0
+        and state.limit_bytes == desired_limit
+        and desired_limit is not None
+        and state.mapped_bytes > max(desired_limit, state.floor_bytes)
+    ):
+        return (
+            f"status applied with mapped_bytes {state.mapped_bytes} above the desired "
+            f"limit {desired_limit} (floor {state.floor_bytes})"
+        )
     return None

@@ -12,8 +12,10 @@ from ._errors import RevisionRejectedError
 __all__ = ["Decision", "decide"]
 
 #: How an operator starts revisions again once they reach the bound.
-_EXHAUSTED_FIX = ("forget the instance (kvctl forget ID, or DELETE /instances/ID) and restart "
-                  "its engine to start again")
+_EXHAUSTED_FIX = (
+    "forget the instance (kvctl forget ID, or DELETE /instances/ID) and restart "
+    "its engine to start again"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,17 +26,20 @@ class Decision:
     changed: bool  # False: an idempotent repeat, nothing to write
 
 
-def decide(current_limit: int | None, current_revision: int, limit: int | None,
-           revision: int | None) -> Decision:
+def decide(
+    current_limit: int | None, current_revision: int, limit: int | None, revision: int | None
+) -> Decision:
     """Apply the revision rule; raise :class:`RevisionRejectedError` to change nothing.
 
     No revision: the next one is taken. A newer one is accepted. The current
     one with the same limit is an idempotent repeat; with another limit it is
     a ``conflict``. An older one is ``stale``.
     """
-    verdict = judge_revision(current_limit, current_revision, limit, revision,
-                             exhausted_fix=_EXHAUSTED_FIX)
+    verdict = judge_revision(
+        current_limit, current_revision, limit, revision, exhausted_fix=_EXHAUSTED_FIX
+    )
     if verdict.status is not None:
-        raise RevisionRejectedError(verdict.status, verdict.message or verdict.status.value,
-                                    current_revision, current_limit)
+        raise RevisionRejectedError(
+            verdict.status, verdict.message or verdict.status.value, current_revision, current_limit
+        )
     return Decision(verdict.revision, verdict.outcome is RevisionOutcome.NEW)

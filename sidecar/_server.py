@@ -37,10 +37,11 @@ from ._settings import SidecarSettings
 __all__ = ["server_config"]
 
 _log = logging.getLogger("kvsidecar.http")
-_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n"
-                b"content-length: 0\r\n\r\n")
-_BUSY_503 = (b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\n"
-             b"content-length: 0\r\nretry-after: 1\r\n\r\n")
+_TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
+_BUSY_503 = (
+    b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\n"
+    b"content-length: 0\r\nretry-after: 1\r\n\r\n"
+)
 
 
 class _GuardedH11(H11Protocol):
@@ -67,24 +68,33 @@ class _GuardedH11(H11Protocol):
         if len(self.connections) > self.max_connections:
             victim = self._longest_waiting()
             if victim is None:
-                _log.warning("refused a connection: %d are open and busy "
-                             "(KVSIDECAR_MAX_CONNECTIONS)", self.max_connections)
+                _log.warning(
+                    "refused a connection: %d are open and busy (KVSIDECAR_MAX_CONNECTIONS)",
+                    self.max_connections,
+                )
                 self._disarm()
                 transport.write(_BUSY_503)
                 transport.close()
                 return
-            _log.info("closed a connection from %s that waited longest for its request "
-                      "(%d connections open, KVSIDECAR_MAX_CONNECTIONS)", victim.client,
-                      self.max_connections)
+            _log.info(
+                "closed a connection from %s that waited longest for its request "
+                "(%d connections open, KVSIDECAR_MAX_CONNECTIONS)",
+                victim.client,
+                self.max_connections,
+            )
             victim._expired("header")
 
     def _longest_waiting(self) -> _GuardedH11 | None:
         """The open connection (not this one) waiting longest for a request: one whose
         headers are arriving, or an idle keep-alive one. None when all are busy."""
-        waiting = [c for c in self.connections
-                   if c is not self and isinstance(c, _GuardedH11)
-                   and (c._timer_kind == "header" or c.timeout_keep_alive_task is not None)
-                   and not c.transport.is_closing()]
+        waiting = [
+            c
+            for c in self.connections
+            if c is not self
+            and isinstance(c, _GuardedH11)
+            and (c._timer_kind == "header" or c.timeout_keep_alive_task is not None)
+            and not c.transport.is_closing()
+        ]
         return min(waiting, key=lambda c: c._waiting_since, default=None)
 
     def data_received(self, data: bytes) -> None:
@@ -129,27 +139,45 @@ class _GuardedH11(H11Protocol):
         self._timer_kind = None
         if self.transport.is_closing():
             return
-        _log.info("closed a connection from %s: its request %s did not arrive in time",
-                  self.client, "headers" if kind == "header" else "body")
+        _log.info(
+            "closed a connection from %s: its request %s did not arrive in time",
+            self.client,
+            "headers" if kind == "header" else "body",
+        )
         cycle = self.cycle
-        answering = (cycle is not None and cycle.response_started
-                     and not cycle.response_complete)
+        answering = cycle is not None and cycle.response_started and not cycle.response_complete
         if not answering:
             self.transport.write(_TIMEOUT_408)
         self.transport.close()
 
 
-def server_config(app: Any, settings: SidecarSettings, *, host: str | None = None,
-                  port: int | None = None, log_level: str | None = None) -> uvicorn.Config:
+def server_config(
+    app: Any,
+    settings: SidecarSettings,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    log_level: str | None = None,
+) -> uvicorn.Config:
     """The uvicorn config for ``app`` with this service's limits (see the module doc)."""
-    protocol = type("GuardedH11", (_GuardedH11,), {
-        "header_timeout_s": settings.header_timeout_s,
-        "body_timeout_s": settings.body_timeout_s,
-        "max_connections": settings.max_connections,
-    })
+    protocol = type(
+        "GuardedH11",
+        (_GuardedH11,),
+        {
+            "header_timeout_s": settings.header_timeout_s,
+            "body_timeout_s": settings.body_timeout_s,
+            "max_connections": settings.max_connections,
+        },
+    )
     return uvicorn.Config(
-        app, host=settings.host if host is None else host,
+        app,
+        host=settings.host if host is None else host,
         port=settings.port if port is None else port,
-        http=protocol, log_level=log_level or settings.log_level, access_log=False,
-        log_config=None, timeout_keep_alive=settings.keepalive_timeout_s,
-        timeout_graceful_shutdown=settings.shutdown_grace_s, lifespan="on")
+        http=protocol,
+        log_level=log_level or settings.log_level,
+        access_log=False,
+        log_config=None,
+        timeout_keep_alive=settings.keepalive_timeout_s,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+        lifespan="on",
+    )

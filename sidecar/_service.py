@@ -51,8 +51,9 @@ class InstanceService:
     instance's waiters.
     """
 
-    def __init__(self, store: Store, client: httpx.AsyncClient, settings: SidecarSettings,
-                 metrics: Metrics) -> None:
+    def __init__(
+        self, store: Store, client: httpx.AsyncClient, settings: SidecarSettings, metrics: Metrics
+    ) -> None:
         self._store = store
         self._settings = settings
         self._records: dict[str, InstanceRecord] = {}
@@ -63,8 +64,9 @@ class InstanceService:
         self.decorate: Callable[[InstanceView], InstanceView] = lambda view: view
         # told of every observed engine state, before and after (the Autopilot: a report
         # that frees memory or changes demand runs its pass at once; docs/autopilot.md)
-        self.on_observed: Callable[[str, EngineState | None, EngineState], None] = \
+        self.on_observed: Callable[[str, EngineState | None, EngineState], None] = (
             lambda instance_id, before, after: None
+        )
         metrics.add_instances(self.list)
 
     @property
@@ -92,12 +94,14 @@ class InstanceService:
     def list(self) -> list[InstanceView]:
         now = self._now
         timeout = self._settings.heartbeat_timeout_s
-        return [self.decorate(self._records[iid].view(now, timeout))
-                for iid in sorted(self._records)]
+        return [
+            self.decorate(self._records[iid].view(now, timeout)) for iid in sorted(self._records)
+        ]
 
     def get(self, instance_id: str) -> InstanceView:
         return self.decorate(
-            self._record(instance_id).view(self._now, self._settings.heartbeat_timeout_s))
+            self._record(instance_id).view(self._now, self._settings.heartbeat_timeout_s)
+        )
 
     def records(self) -> dict[str, InstanceRecord]:
         """The instance table, for the autopilot's snapshot (read it, never change it)."""
@@ -107,8 +111,9 @@ class InstanceService:
         """The instance's status now (``derive_status``)."""
         return derive_status(rec, self._now, self._settings.heartbeat_timeout_s)[0]
 
-    async def wait(self, instance_id: str, until: Callable[[InstanceView], bool],
-                   timeout_s: float) -> InstanceView:
+    async def wait(
+        self, instance_id: str, until: Callable[[InstanceView], bool], timeout_s: float
+    ) -> InstanceView:
         """Wait (at most ``timeout_s``, capped) until ``until(view)``; return the view then."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(timeout_s, self._settings.max_wait_s)
@@ -125,8 +130,9 @@ class InstanceService:
 
     # --- operator writes -----------------------------------------------------------------
 
-    async def set_limit(self, instance_id: str, limit: int | None,
-                        revision: int | None, *, source: str = "api") -> InstanceView:
+    async def set_limit(
+        self, instance_id: str, limit: int | None, revision: int | None, *, source: str = "api"
+    ) -> InstanceView:
         """Store a desired limit (durably, before returning) and start pushing it.
 
         ``source`` says who asked (for the audit line), e.g. ``PUT from 10.0.0.7``."""
@@ -134,11 +140,14 @@ class InstanceService:
             row, decision = await self._store.set_desired(instance_id, limit, revision)
         if decision.changed:
             old = self._records.get(instance_id)
-            audit_limit_change(instance_id, source=source,
-                               old_limit=None if old is None else old.row.limit_bytes,
-                               new_limit=row.limit_bytes,
-                               old_revision=0 if old is None else old.row.revision,
-                               revision=row.revision)
+            audit_limit_change(
+                instance_id,
+                source=source,
+                old_limit=None if old is None else old.row.limit_bytes,
+                new_limit=row.limit_bytes,
+                old_revision=0 if old is None else old.row.revision,
+                revision=row.revision,
+            )
             self._metrics.limit_set(instance_id, row.revision)
             self._take_row(row)
         return self.get(instance_id)
@@ -159,8 +168,9 @@ class InstanceService:
         rec = self._records.pop(instance_id, None)
         self._pusher.forget(instance_id)
         self._metrics.forget(instance_id)
-        audit_forget(instance_id, source=source, old_limit=old.row.limit_bytes,
-                     old_revision=old.row.revision)
+        audit_forget(
+            instance_id, source=source, old_limit=old.row.limit_bytes, old_revision=old.row.revision
+        )
         if rec is not None:
             rec.notify()
         _log.info("instance %s: forgotten (DELETE /instances/%s)", instance_id, instance_id)
@@ -174,8 +184,9 @@ class InstanceService:
         held = self._records.get(instance_id)
         if held is not None:
             self._check_holder(held, body.registration_token, "register")
-        reg = Registration(body.engine, body.engine_version, body.socket_path,
-                           body.device_total_bytes)
+        reg = Registration(
+            body.engine, body.engine_version, body.socket_path, body.device_total_bytes
+        )
         async with self._admit(instance_id):
             row = await self._store.register(instance_id, reg)
         rec = self._take_row(row, wake=False)
@@ -190,13 +201,17 @@ class InstanceService:
         self.on_observed(instance_id, None, body.state)
         return RegisterReply(limit=rec.row.limit_bytes, revision=rec.row.revision)
 
-    async def report(self, instance_id: str, state: EngineState,
-                     token: str | None = None) -> RegisterReply:
+    async def report(
+        self, instance_id: str, state: EngineState, token: str | None = None
+    ) -> RegisterReply:
         """A status report (and heartbeat); answers with the desired limit."""
         if state.status in (Status.STALE, Status.CONFLICT, Status.STOPPED):
-            raise InvalidInputError("status", "a report carries pending, deferred, applied "
-                                    "or unreachable; stale/conflict are replies only, and "
-                                    "stopped is sent as POST .../deregister")
+            raise InvalidInputError(
+                "status",
+                "a report carries pending, deferred, applied "
+                "or unreachable; stale/conflict are replies only, and "
+                "stopped is sent as POST .../deregister",
+            )
         rec = self._records.get(instance_id)
         if rec is None or rec.row.registered_at is None or rec.stopped:
             # e.g. the sidecar's database was replaced, or the id was forgotten or stopped:
@@ -217,7 +232,8 @@ class InstanceService:
         if token is not None and rec.reg_token is not None and token != rec.reg_token:
             raise DuplicateInstanceError(
                 f"instance {instance_id!r} is held by another engine process; this "
-                "deregistration is ignored (give each engine its own KVSIDECAR_INSTANCE_ID)")
+                "deregistration is ignored (give each engine its own KVSIDECAR_INSTANCE_ID)"
+            )
         if not rec.stopped:
             row = await self._store.set_stopped(instance_id, time.time())
             if row is not None:
@@ -240,7 +256,8 @@ class InstanceService:
         if len(self._records) + len(self._creating) >= cap:
             raise TooManyInstancesError(
                 f"the sidecar already holds {cap} instances (KVSIDECAR_MAX_INSTANCES); forget "
-                "unused ones (kvctl forget ID) or raise the cap")
+                "unused ones (kvctl forget ID) or raise the cap"
+            )
         self._creating.add(instance_id)
         try:
             yield
@@ -255,12 +272,18 @@ class InstanceService:
         if what == "register" and not rec.live(self._now, timeout):
             return  # the holder stopped or went silent: a restart takes the id over
         socket = rec.row.socket_path or "no socket"
-        _log.warning("instance %s: refused a %s from a second engine process (the id is held "
-                     "by the engine at %s)", rec.row.id, what, socket)
+        _log.warning(
+            "instance %s: refused a %s from a second engine process (the id is held "
+            "by the engine at %s)",
+            rec.row.id,
+            what,
+            socket,
+        )
         raise DuplicateInstanceError(
             f"instance id {rec.row.id!r} is held by another live engine process (control "
             f"socket {socket}); give each engine its own KVSIDECAR_INSTANCE_ID, or stop the "
-            f"other one (a crashed one is released {timeout:g}s after its last report)")
+            f"other one (a crashed one is released {timeout:g}s after its last report)"
+        )
 
     def _check_report(self, instance_id: str, state: EngineState) -> None:
         rec = self._records.get(instance_id)
@@ -268,8 +291,7 @@ class InstanceService:
         revision = 0 if rec is None else rec.row.revision
         problem = report_problem(state, limit, revision)
         if problem is not None:
-            _log.warning("instance %s: rejected an inconsistent report: %s", instance_id,
-                         problem)
+            _log.warning("instance %s: rejected an inconsistent report: %s", instance_id, problem)
             raise InvalidInputError("state", f"inconsistent report: {problem}")
 
     def _record(self, instance_id: str) -> InstanceRecord:
@@ -295,24 +317,35 @@ class InstanceService:
             old = rec.row
             row = await self._store.adopt(rec.row.id, state.limit_bytes, state.revision)
             if row is not None:
-                audit_limit_change(rec.row.id, source="engine (adopted its newer revision)",
-                                   old_limit=old.limit_bytes, new_limit=row.limit_bytes,
-                                   old_revision=old.revision, revision=row.revision)
+                audit_limit_change(
+                    rec.row.id,
+                    source="engine (adopted its newer revision)",
+                    old_limit=old.limit_bytes,
+                    new_limit=row.limit_bytes,
+                    old_revision=old.revision,
+                    revision=row.revision,
+                )
                 rec.set_row(row)
 
     async def _reissue_desired(self, rec: InstanceRecord) -> None:
         """The engine took the desired revision number with another limit (set on its socket
         directly, or from ``KVSIDECAR_LIMIT`` while the sidecar was down). The sidecar's
         intent wins the tie: re-issue it as the next revision, which gets pushed."""
-        _log.warning("instance %s: the engine holds revision %d with another limit; "
-                     "re-issuing the desired limit as the next revision",
-                     rec.row.id, rec.row.revision)
+        _log.warning(
+            "instance %s: the engine holds revision %d with another limit; "
+            "re-issuing the desired limit as the next revision",
+            rec.row.id,
+            rec.row.revision,
+        )
         try:
-            await self.set_limit(rec.row.id, rec.row.limit_bytes, None,
-                                 source="sidecar (re-issued over the engine's conflicting limit)")
+            await self.set_limit(
+                rec.row.id,
+                rec.row.limit_bytes,
+                None,
+                source="sidecar (re-issued over the engine's conflicting limit)",
+            )
         except RequestError as exc:  # e.g. the revision space is used up: say so, go on
-            _log.error("instance %s: cannot re-issue the desired limit: %s", rec.row.id,
-                       exc.detail)
+            _log.error("instance %s: cannot re-issue the desired limit: %s", rec.row.id, exc.detail)
 
     async def _observe(self, rec: InstanceRecord, state: EngineState) -> None:
         await self._adopt_if_newer(rec, state)
@@ -339,8 +372,9 @@ class InstanceService:
         pushed = rec.row.revision
         problem = report_problem(state, rec.row.limit_bytes, rec.row.revision)
         if problem is not None:
-            _log.warning("instance %s: ignored an inconsistent push reply: %s", instance_id,
-                         problem)
+            _log.warning(
+                "instance %s: ignored an inconsistent push reply: %s", instance_id, problem
+            )
             return False
         if not rejected:
             await self._observe(rec, state)
@@ -355,8 +389,7 @@ class InstanceService:
 
 def _other_limit_same_revision(rec: InstanceRecord, state: EngineState) -> bool:
     """The engine holds the desired revision number, but with another limit."""
-    return (state.revision == rec.row.revision != 0
-            and state.limit_bytes != rec.row.limit_bytes)
+    return state.revision == rec.row.revision != 0 and state.limit_bytes != rec.row.limit_bytes
 
 
 def _check_socket_path(path: str | None) -> None:
@@ -366,5 +399,7 @@ def _check_socket_path(path: str | None) -> None:
         raise InvalidInputError("socket_path", "must be an absolute path to a unix socket")
     if not socket_path_fits(path):
         raise InvalidInputError(
-            "socket_path", f"is longer than {MAX_SOCKET_PATH_BYTES} bytes, the unix socket "
-            "limit; use a shorter KVSIDECAR_RUNTIME_DIR")
+            "socket_path",
+            f"is longer than {MAX_SOCKET_PATH_BYTES} bytes, the unix socket "
+            "limit; use a shorter KVSIDECAR_RUNTIME_DIR",
+        )

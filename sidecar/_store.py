@@ -66,8 +66,10 @@ CREATE TABLE IF NOT EXISTS policies (
     changed_at REAL                    -- unix seconds of that change
 ) STRICT;
 """
-_COLUMNS = ("id, limit_bytes, revision, updated_at, engine, engine_version, socket_path, "
-            "device_total_bytes, registered_at, stopped_at")
+_COLUMNS = (
+    "id, limit_bytes, revision, updated_at, engine, engine_version, socket_path, "
+    "device_total_bytes, registered_at, stopped_at"
+)
 _COLUMN_NAMES = tuple(c.strip() for c in _COLUMNS.split(","))
 _MIGRATE_1_TO_2 = "ALTER TABLE instances ADD COLUMN stopped_at REAL"
 
@@ -99,9 +101,18 @@ class InstanceRow:
     seq: int = 0  # writer-thread write order (not stored): the newest write wins in memory
 
     def as_tuple(self) -> tuple[object, ...]:
-        return (self.id, self.limit_bytes, self.revision, self.updated_at, self.engine,
-                self.engine_version, self.socket_path, self.device_total_bytes,
-                self.registered_at, self.stopped_at)
+        return (
+            self.id,
+            self.limit_bytes,
+            self.revision,
+            self.updated_at,
+            self.engine,
+            self.engine_version,
+            self.socket_path,
+            self.device_total_bytes,
+            self.registered_at,
+            self.stopped_at,
+        )
 
 
 class Store:
@@ -131,13 +142,13 @@ class Store:
     async def load_all(self) -> list[InstanceRow]:
         return await self._run(self._load_all_sync)
 
-    async def set_desired(self, instance_id: str, limit: int | None,
-                          revision: int | None) -> tuple[InstanceRow, Decision]:
+    async def set_desired(
+        self, instance_id: str, limit: int | None, revision: int | None
+    ) -> tuple[InstanceRow, Decision]:
         """Validate ``revision`` against the stored one and write; raises to change nothing."""
         return await self._run(lambda: self._set_desired_sync(instance_id, limit, revision))
 
-    async def adopt(self, instance_id: str, limit: int | None,
-                    revision: int) -> InstanceRow | None:
+    async def adopt(self, instance_id: str, limit: int | None, revision: int) -> InstanceRow | None:
         """Take an engine's newer revision as the desired one; None if not newer."""
         return await self._run(lambda: self._adopt_sync(instance_id, limit, revision))
 
@@ -196,7 +207,8 @@ class Store:
             conn.close()
             raise SidecarConfigError(
                 f"the database {self.path} cannot be read as a kvsidecar database ({exc}); "
-                "set KVSIDECAR_DB_PATH (or --db) to another file") from exc
+                "set KVSIDECAR_DB_PATH (or --db) to another file"
+            ) from exc
         except SidecarConfigError:
             conn.close()
             raise
@@ -222,14 +234,16 @@ class Store:
         self._check_columns(conn, _COLUMN_NAMES, _SCHEMA_VERSION)
         conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
 
-    def _check_columns(self, conn: sqlite3.Connection, expected: tuple[str, ...],
-                       version: int) -> None:
+    def _check_columns(
+        self, conn: sqlite3.Connection, expected: tuple[str, ...], version: int
+    ) -> None:
         found = tuple(r[1] for r in conn.execute("PRAGMA table_info(instances)"))
         if found != expected:
             raise SidecarConfigError(
                 f"the database {self.path} says schema version {version} but its table "
                 f"'instances' has the columns ({', '.join(found)}), not ({', '.join(expected)}); "
-                "it was not written by kvsidecar: set KVSIDECAR_DB_PATH (or --db) to another file")
+                "it was not written by kvsidecar: set KVSIDECAR_DB_PATH (or --db) to another file"
+            )
 
     def _close_sync(self) -> None:
         if self._conn is not None:
@@ -241,15 +255,22 @@ class Store:
         loaded = [InstanceRow(*row) for row in rows]
         for row in loaded:
             if row.revision > MAX_REVISION:  # written by an older sidecar without the bound
-                _log.warning("instance %s: stored revision %d is above the largest revision "
-                             "%d; forget it (kvctl forget %s) and set its limit again",
-                             row.id, row.revision, MAX_REVISION, row.id)
+                _log.warning(
+                    "instance %s: stored revision %d is above the largest revision "
+                    "%d; forget it (kvctl forget %s) and set its limit again",
+                    row.id,
+                    row.revision,
+                    MAX_REVISION,
+                    row.id,
+                )
         return loaded
 
     def _get(self, instance_id: str) -> InstanceRow | None:
-        row = self._db().execute(
-            f"SELECT {_COLUMNS} FROM instances WHERE id = ?", (instance_id,)
-        ).fetchone()
+        row = (
+            self._db()
+            .execute(f"SELECT {_COLUMNS} FROM instances WHERE id = ?", (instance_id,))
+            .fetchone()
+        )
         return None if row is None else InstanceRow(*row)
 
     def _put(self, row: InstanceRow) -> InstanceRow:
@@ -271,21 +292,22 @@ class Store:
         db.execute("COMMIT")
         return result
 
-    def _set_desired_sync(self, instance_id: str, limit: int | None,
-                          revision: int | None) -> tuple[InstanceRow, Decision]:
+    def _set_desired_sync(
+        self, instance_id: str, limit: int | None, revision: int | None
+    ) -> tuple[InstanceRow, Decision]:
         def body() -> tuple[InstanceRow, Decision]:
             current = self._get(instance_id) or InstanceRow(instance_id, None, 0, time.time())
             decision = decide(current.limit_bytes, current.revision, limit, revision)
             if not decision.changed:
                 return current, decision
-            row = replace(current, limit_bytes=limit, revision=decision.revision,
-                          updated_at=time.time())
+            row = replace(
+                current, limit_bytes=limit, revision=decision.revision, updated_at=time.time()
+            )
             return self._put(row), decision
 
         return self._transaction(body)
 
-    def _adopt_sync(self, instance_id: str, limit: int | None,
-                    revision: int) -> InstanceRow | None:
+    def _adopt_sync(self, instance_id: str, limit: int | None, revision: int) -> InstanceRow | None:
         def body() -> InstanceRow | None:
             current = self._get(instance_id) or InstanceRow(instance_id, None, 0, time.time())
             if revision <= current.revision:
@@ -298,10 +320,15 @@ class Store:
     def _register_sync(self, instance_id: str, reg: Registration) -> InstanceRow:
         def body() -> InstanceRow:
             current = self._get(instance_id) or InstanceRow(instance_id, None, 0, time.time())
-            row = replace(current, engine=reg.engine, engine_version=reg.engine_version,
-                          socket_path=reg.socket_path,
-                          device_total_bytes=reg.device_total_bytes,
-                          registered_at=time.time(), stopped_at=None)
+            row = replace(
+                current,
+                engine=reg.engine,
+                engine_version=reg.engine_version,
+                socket_path=reg.socket_path,
+                device_total_bytes=reg.device_total_bytes,
+                registered_at=time.time(),
+                stopped_at=None,
+            )
             return self._put(row)
 
         return self._transaction(body)
@@ -333,6 +360,10 @@ class Store:
             raise StoreError(
                 f"the database file {self.path} was deleted or replaced while the sidecar "
                 "runs; writes go to a file no one will read: restore it, or restart the "
-                "sidecar (desired limits are re-registered by the engines)")
-        self._transaction(lambda: self._db().execute(
-            "INSERT OR REPLACE INTO ready_probe (k, at) VALUES (1, ?)", (time.time(),)))
+                "sidecar (desired limits are re-registered by the engines)"
+            )
+        self._transaction(
+            lambda: self._db().execute(
+                "INSERT OR REPLACE INTO ready_probe (k, at) VALUES (1, ?)", (time.time(),)
+            )
+        )

@@ -27,7 +27,9 @@ class UnixSocketRouter(httpx.AsyncBaseTransport):
         if not isinstance(path, str):
             raise httpx.UnsupportedProtocol(
                 f"request to {request.url} names no unix socket in "
-                f"extensions[{SOCKET_EXTENSION!r}]", request=request)
+                f"extensions[{SOCKET_EXTENSION!r}]",
+                request=request,
+            )
         transport = self._transports.get(path)
         if transport is None:
             if len(self._transports) >= _MAX_SOCKETS:

@@ -17,8 +17,12 @@ from ._settings import SidecarSettings
 from ._store import Store
 from ._version import version_line
 
-app = typer.Typer(name="kvsidecar", no_args_is_help=True, add_completion=False,
-                  help="Elastic KV-cache memory for LLM engines: the control-plane service.")
+app = typer.Typer(
+    name="kvsidecar",
+    no_args_is_help=True,
+    add_completion=False,
+    help="Elastic KV-cache memory for LLM engines: the control-plane service.",
+)
 
 
 def _print_version(value: bool) -> None:
@@ -29,21 +33,33 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _global(
-    _version: Annotated[bool, typer.Option(
-        "--version", is_eager=True, callback=_print_version,
-        help="print the version and build facts, then exit")] = False,
+    _version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            callback=_print_version,
+            help="print the version and build facts, then exit",
+        ),
+    ] = False,
 ) -> None:
     """Elastic KV-cache memory for LLM engines: the control-plane service."""
 
 
 @app.command()
 def serve(
-    host: Annotated[str | None, typer.Option(help="bind address [KVSIDECAR_HOST, 127.0.0.1]")] = None,
+    host: Annotated[
+        str | None, typer.Option(help="bind address [KVSIDECAR_HOST, 127.0.0.1]")
+    ] = None,
     port: Annotated[int | None, typer.Option(help="TCP port [KVSIDECAR_PORT, 8570]")] = None,
-    db: Annotated[Path | None, typer.Option(
-        help="SQLite file [KVSIDECAR_DB_PATH, ~/.local/state/kvsidecar/sidecar.db]")] = None,
-    log_format: Annotated[str | None, typer.Option(
-        help="text or json (one object per line) [KVSIDECAR_LOG_FORMAT, text]")] = None,
+    db: Annotated[
+        Path | None,
+        typer.Option(help="SQLite file [KVSIDECAR_DB_PATH, ~/.local/state/kvsidecar/sidecar.db]"),
+    ] = None,
+    log_format: Annotated[
+        str | None,
+        typer.Option(help="text or json (one object per line) [KVSIDECAR_LOG_FORMAT, text]"),
+    ] = None,
 ) -> None:
     """Run the sidecar HTTP service until SIGINT/SIGTERM."""
     import uvicorn
@@ -52,15 +68,17 @@ def serve(
     from ._app import create_app
     from ._server import server_config
 
-    overrides: dict[str, Any] = {k: v for k, v in
-                                 {"host": host, "port": port, "db_path": db,
-                                  "log_format": log_format}.items()
-                                 if v is not None}
+    overrides: dict[str, Any] = {
+        k: v
+        for k, v in {"host": host, "port": port, "db_path": db, "log_format": log_format}.items()
+        if v is not None
+    }
     try:
         settings = SidecarSettings(**overrides)
     except ValidationError as exc:
-        typer.echo(f"kvsidecar: bad setting: {exc.errors()[0]['loc']}: "
-                   f"{exc.errors()[0]['msg']}", err=True)
+        typer.echo(
+            f"kvsidecar: bad setting: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", err=True
+        )
         raise typer.Exit(2) from None
     try:
         asyncio.run(_check_database(settings))
@@ -71,7 +89,8 @@ def serve(
     if settings.host not in ("127.0.0.1", "::1", "localhost") and settings.token is None:
         logging.getLogger("kvsidecar").warning(
             "binding %s without KVSIDECAR_TOKEN: anyone who can reach it can set limits",
-            settings.host)
+            settings.host,
+        )
     uvicorn.Server(server_config(create_app(settings), settings)).run()
 
 
@@ -84,8 +103,10 @@ async def _check_database(settings: SidecarSettings) -> None:
         await store.close()
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             add_help_option=False)  # --help goes to the demo's own parser, which lists options
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)  # --help goes to the demo's own parser, which lists options
 def demo(ctx: typer.Context) -> None:
     """Run the CPU colocation demo (two engines, one budget); --help lists its options."""
     if importlib.util.find_spec("sidecar.demo") is None:

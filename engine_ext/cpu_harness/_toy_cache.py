@@ -118,8 +118,10 @@ class ToyPrefixCache:
         self.guard.check()
         for block in blocks:
             if block not in self._evictable:
-                raise AssertionError(f"{self.name}: asked to evict block {block}, which is "
-                                     f"{'referenced' if block in self.refs else 'not cached'}")
+                raise AssertionError(
+                    f"{self.name}: asked to evict block {block}, which is "
+                    f"{'referenced' if block in self.refs else 'not cached'}"
+                )
         for block in blocks:
             del self._evictable[block]
             del self.by_key[self.key_of.pop(block)]

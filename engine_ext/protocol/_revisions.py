@@ -53,8 +53,14 @@ class RevisionVerdict:
         return None if self.accepted else Status(self.outcome.value)
 
 
-def judge_revision(current_limit: int | None, current_revision: int, limit: int | None,
-                   revision: int | None, *, exhausted_fix: str) -> RevisionVerdict:
+def judge_revision(
+    current_limit: int | None,
+    current_revision: int,
+    limit: int | None,
+    revision: int | None,
+    *,
+    exhausted_fix: str,
+) -> RevisionVerdict:
     """Judge a request for ``limit`` at ``revision`` against what is held.
 
     No revision takes the next one (``current + 1``). A revision above
@@ -66,24 +72,32 @@ def judge_revision(current_limit: int | None, current_revision: int, limit: int 
     if revision is None:
         if current_revision >= MAX_REVISION:  # never hold what no one can read back
             return RevisionVerdict(
-                RevisionOutcome.CONFLICT, current_revision,
+                RevisionOutcome.CONFLICT,
+                current_revision,
                 f"revision {current_revision} is the largest revision ({MAX_REVISION}); "
-                f"{exhausted_fix}")
+                f"{exhausted_fix}",
+            )
         return RevisionVerdict(RevisionOutcome.NEW, current_revision + 1)
     if revision > MAX_REVISION:
         return RevisionVerdict(
-            RevisionOutcome.CONFLICT, current_revision,
-            f"revision {revision} is above the largest revision {MAX_REVISION}; {exhausted_fix}")
+            RevisionOutcome.CONFLICT,
+            current_revision,
+            f"revision {revision} is above the largest revision {MAX_REVISION}; {exhausted_fix}",
+        )
     if revision > current_revision:
         return RevisionVerdict(RevisionOutcome.NEW, revision)
     if revision == current_revision and limit == current_limit:
         return RevisionVerdict(RevisionOutcome.REPEAT, revision)
     if revision == current_revision:
         return RevisionVerdict(
-            RevisionOutcome.CONFLICT, current_revision,
+            RevisionOutcome.CONFLICT,
+            current_revision,
             f"revision {revision} already set limit {current_limit!r}; send a revision above "
-            f"{current_revision}, or none to take the next one")
+            f"{current_revision}, or none to take the next one",
+        )
     return RevisionVerdict(
-        RevisionOutcome.STALE, current_revision,
+        RevisionOutcome.STALE,
+        current_revision,
         f"revision {revision} is older than the current revision {current_revision}; send a "
-        f"revision above {current_revision}, or none to take the next one")
+        f"revision above {current_revision}, or none to take the next one",
+    )

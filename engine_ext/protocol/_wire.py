@@ -98,7 +98,9 @@ class EngineState(BaseModel):
     pinned_bytes: ByteCount = 0  # pages held by running requests
     num_ranks: int = Field(default=1, ge=1, le=MAX_RANKS)
     ranks: list[RankState] = Field(default_factory=list, max_length=MAX_RANKS)
-    passes: int = Field(default=0, ge=0)  # engine passes (step() calls that took or worked on a target)
+    passes: int = Field(
+        default=0, ge=0
+    )  # engine passes (step() calls that took or worked on a target)
     message: str | None = Field(default=None, max_length=MAX_MESSAGE_CHARS)  # stale/conflict
     # -- demand: what the engine's requests need (refreshed at every scheduler step) --
     num_running_requests: int = Field(default=0, ge=0)

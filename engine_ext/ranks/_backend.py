@@ -44,7 +44,9 @@ class RankedBackend:
     layout: PageLayout
     base_address: int
 
-    def __init__(self, owner: HostBackend, group: RankGroup, *, map_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, owner: HostBackend, group: RankGroup, *, map_timeout_s: float = 60.0
+    ) -> None:
         self.owner = owner
         self.group = group
         self.layout = owner.layout
@@ -76,11 +78,18 @@ class RankedBackend:
         layout = owner.layout
         try:
             group.call(
-                "setup", timeout_s, fd_path=owner.fd_path, tp=tp, pp=pp,
-                layout={"page_bytes": layout.page_bytes, "num_pages": layout.num_pages,
-                        "num_regions": layout.num_regions},
+                "setup",
+                timeout_s,
+                fd_path=owner.fd_path,
+                tp=tp,
+                pp=pp,
+                layout={
+                    "page_bytes": layout.page_bytes,
+                    "num_pages": layout.num_pages,
+                    "num_regions": layout.num_regions,
+                },
                 geometry={"block_bytes": block_bytes, "slot_bytes": slot_bytes},
-            )  # fmt: skip
+            )
         except RankChannelError as exc:
             raise BackendError(f"the ranks could not attach the KV memory: {exc}") from exc
         return cls(owner, group, map_timeout_s=timeout_s)
@@ -121,8 +130,9 @@ class RankedBackend:
             for page in pages:
                 self._page_seq[page] = undo
             self.group.watch(undo)
-            raise BackendError(f"mapping pages {pages} on every rank failed: "
-                               f"{self.group.describe(outcome)}")
+            raise BackendError(
+                f"mapping pages {pages} on every rank failed: {self.group.describe(outcome)}"
+            )
 
     def unmap_many(self, pages: Sequence[int]) -> None:
         pages = list(pages)
@@ -148,8 +158,9 @@ class RankedBackend:
 
     def is_mapped(self, page: int) -> bool:
         """The scheduler's view: mapped and no unmap in flight."""
-        return (self.owner.is_mapped(page) and page not in self._page_seq
-                and page not in self._outbox)
+        return (
+            self.owner.is_mapped(page) and page not in self._page_seq and page not in self._outbox
+        )
 
     def mapped_bytes(self) -> int:
         """Committed in the memfd (measured); includes pages whose unmap is not acked yet."""

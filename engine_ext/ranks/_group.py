@@ -58,7 +58,9 @@ class RankGroup:
     with it, so a rank applies it only after finishing that step.
     """
 
-    def __init__(self, ranks: Sequence[_Rank], procs: Sequence[subprocess.Popen[bytes]] = ()) -> None:
+    def __init__(
+        self, ranks: Sequence[_Rank], procs: Sequence[subprocess.Popen[bytes]] = ()
+    ) -> None:
         self._ranks = list(ranks)
         self._procs = list(procs)
         self._cond = threading.Condition()
@@ -92,8 +94,15 @@ class RankGroup:
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(world_size):
-                args = [sys.executable, "-m", "engine_ext.ranks", "--socket", socket_path,
-                        "--rank", str(rank)]
+                args = [
+                    sys.executable,
+                    "-m",
+                    "engine_ext.ranks",
+                    "--socket",
+                    socket_path,
+                    "--rank",
+                    str(rank),
+                ]
                 delay = (barrier_delay_s or {}).get(rank, 0.0)
                 if delay:
                     args += ["--barrier-delay-s", str(delay)]
@@ -111,7 +120,12 @@ class RankGroup:
 
     @classmethod
     def spawn_private(
-        cls, runtime_root: Path, label: str, world_size: int, *, timeout_s: float = 60.0,
+        cls,
+        runtime_root: Path,
+        label: str,
+        world_size: int,
+        *,
+        timeout_s: float = 60.0,
         barrier_delay_s: Mapping[int, float] | None = None,
     ) -> RankGroup:
         """:meth:`spawn` with the rank socket in a fresh private dir under ``runtime_root``.
@@ -121,8 +135,12 @@ class RankGroup:
         """
         private = RuntimeDir.create_unique(runtime_root, f".ranks-{label}-")
         try:
-            return cls.spawn(str(private.file(RANK_SOCKET_FILE)), world_size,
-                             timeout_s=timeout_s, barrier_delay_s=barrier_delay_s)
+            return cls.spawn(
+                str(private.file(RANK_SOCKET_FILE)),
+                world_size,
+                timeout_s=timeout_s,
+                barrier_delay_s=barrier_delay_s,
+            )
         finally:
             private.remove()
 
@@ -212,8 +230,10 @@ class RankGroup:
     def states(self) -> tuple[RankState, ...]:
         """Each rank's last measured mapped bytes and whether it is alive."""
         with self._cond:
-            return tuple(RankState(rank=r.rank, mapped_bytes=r.mapped_bytes, alive=r.alive)
-                         for r in self._ranks)
+            return tuple(
+                RankState(rank=r.rank, mapped_bytes=r.mapped_bytes, alive=r.alive)
+                for r in self._ranks
+            )
 
     def describe(self, outcome: BarrierOutcome) -> str:
         """What a failed or timed-out wait means, for an error message."""
@@ -221,8 +241,10 @@ class RankGroup:
             dead = [f"rank {r.rank} (pid {r.pid}): {r.error}" for r in self._ranks if not r.alive]
             slow = [str(r.rank) for r in self._ranks if r.alive and r.acked < self._seq]
         if outcome is BarrierOutcome.FAILED:
-            return ("dead: " + "; ".join(dead) + ". The engine cannot use this rank any more: "
-                    "restart the instance")
+            return (
+                "dead: " + "; ".join(dead) + ". The engine cannot use this rank any more: "
+                "restart the instance"
+            )
         return f"ranks {', '.join(slow)} did not answer in time"
 
     # -- shutdown (any thread) ---------------------------------------------------------
@@ -340,13 +362,19 @@ def _listen(path: str) -> socket.socket:
         listener.listen(64)
     except OSError as exc:
         listener.close()
-        raise RankChannelError(f"cannot listen for ranks on {path!r}: {exc}; check "
-                               "KVSIDECAR_RUNTIME_DIR (a private dir, short path)") from exc
+        raise RankChannelError(
+            f"cannot listen for ranks on {path!r}: {exc}; check "
+            "KVSIDECAR_RUNTIME_DIR (a private dir, short path)"
+        ) from exc
     return listener
 
 
-def _accept(listener: socket.socket, world_size: int,
-            procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> list[_Rank]:
+def _accept(
+    listener: socket.socket,
+    world_size: int,
+    procs: Sequence[subprocess.Popen[bytes]],
+    timeout_s: float,
+) -> list[_Rank]:
     deadline = time.monotonic() + timeout_s
     found: dict[int, _Rank] = {}
     while len(found) < world_size:
@@ -355,8 +383,9 @@ def _accept(listener: socket.socket, world_size: int,
             raise RankChannelError(f"a rank process exited during start-up: {dead}")
         left = deadline - time.monotonic()
         if left <= 0:
-            raise RankChannelError(f"only {len(found)} of {world_size} ranks connected within "
-                                   f"{timeout_s:.0f}s")
+            raise RankChannelError(
+                f"only {len(found)} of {world_size} ranks connected within {timeout_s:.0f}s"
+            )
         listener.settimeout(min(left, 0.5))
         try:
             conn, _ = listener.accept()

@@ -42,8 +42,10 @@ def recv_message(sock: socket.socket) -> dict[str, Any] | None:
         return None
     (length,) = _HEADER.unpack(header)
     if length > MAX_MESSAGE_BYTES:
-        raise RankChannelError(f"a peer announced a {length}-byte message; the limit is "
-                               f"{MAX_MESSAGE_BYTES}: is something else on the rank socket?")
+        raise RankChannelError(
+            f"a peer announced a {length}-byte message; the limit is "
+            f"{MAX_MESSAGE_BYTES}: is something else on the rank socket?"
+        )
     body = _recv_exact(sock, length, allow_eof=False)
     assert body is not None
     try:

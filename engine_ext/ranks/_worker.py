@@ -96,8 +96,10 @@ class RankWorker:
         elif op == "unmap":
             after = int(message["after_step"])
             if after > self.finished_step:
-                raise RankChannelError(f"unmap after step {after} but this rank finished only "
-                                       f"step {self.finished_step}: the scheduler broke the order")
+                raise RankChannelError(
+                    f"unmap after step {after} but this rank finished only "
+                    f"step {self.finished_step}: the scheduler broke the order"
+                )
             if self.barrier_delay_s > 0:
                 time.sleep(self.barrier_delay_s)
             self._require_backend().unmap_many(message["pages"])
@@ -114,12 +116,14 @@ class RankWorker:
         tp, pp = int(message["tp"]), int(message["pp"])
         tp_rank, pp_rank = self.rank % tp, self.rank // tp
         per_stage = -(-layout.num_regions // pp)
-        self._regions = list(range(pp_rank * per_stage,
-                                   min(layout.num_regions, (pp_rank + 1) * per_stage)))
+        self._regions = list(
+            range(pp_rank * per_stage, min(layout.num_regions, (pp_rank + 1) * per_stage))
+        )
         self._word = tp_rank
         if (tp_rank + 1) * 4 > self._geometry.slot_bytes:
-            raise RankChannelError(f"a slot of {self._geometry.slot_bytes} bytes has no word for "
-                                   f"TP rank {tp_rank}")
+            raise RankChannelError(
+                f"a slot of {self._geometry.slot_bytes} bytes has no word for TP rank {tp_rank}"
+            )
 
     def _write(self, blocks: list[int], offsets: list[int], values: list[int]) -> None:
         backend, geometry = self._require_backend(), self._geometry
@@ -143,9 +147,14 @@ class RankWorker:
                 if seen != mapped:
                     raise RankChannelError(
                         f"/proc/self/maps shows {seen} bytes of the KV view readable but "
-                        f"{pages} pages ({mapped} bytes) were mapped here: the view is corrupt")
-        return {"seq": seq, "finished_step": self.finished_step, "mapped_bytes": mapped,
-                "mapped_pages": pages}
+                        f"{pages} pages ({mapped} bytes) were mapped here: the view is corrupt"
+                    )
+        return {
+            "seq": seq,
+            "finished_step": self.finished_step,
+            "mapped_bytes": mapped,
+            "mapped_pages": pages,
+        }
 
     def _require_backend(self) -> HostBackend:
         if self.backend is None:

@@ -166,14 +166,22 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         pages = blocks.pages
         scan = self._unlocked_blocks
         source = scan() if scan is not None else frozenset()
-        key = (self.num_allocs, self.num_frees, pages.num_retired, pages.num_mapped,
-               pages.cap_pages())
+        key = (
+            self.num_allocs,
+            self.num_frees,
+            pages.num_retired,
+            pages.num_mapped,
+            pages.cap_pages(),
+        )
         if key == self._obtainable_key and source is self._obtainable_source:
             return self._obtainable
         bpp = blocks.blocks_per_page
         unlocked = Counter(b // bpp for b in source)
-        locked = [n for n in (blocks.occupancy(p) - unlocked.get(p, 0)
-                              for p in range(pages.num_pages)) if n > 0]
+        locked = [
+            n
+            for n in (blocks.occupancy(p) - unlocked.get(p, 0) for p in range(pages.num_pages))
+            if n > 0
+        ]
         cap = pages.cap_pages()
         if len(locked) <= cap:
             obtainable = cap * bpp - sum(locked)
@@ -192,16 +200,18 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
 
     # -- SGLang's admission and eviction entry points ------------------------------------
 
-    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0
-                              ) -> ElasticPrefillBudget:
+    def create_prefill_budget(
+        self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0
+    ) -> ElasticPrefillBudget:
         """SGLang's ``PrefillBudget`` counting :meth:`admission_tokens` (a new admission round)."""
         from ._budget import ElasticPrefillBudget
 
         self.refused_tokens = 0
         self.refused_input_tokens = 0
         self.refused_by_device = False
-        return ElasticPrefillBudget(self, tree_cache,
-                                    num_mixed_decode_tokens=num_mixed_decode_tokens)
+        return ElasticPrefillBudget(
+            self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens
+        )
 
     def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> None:
         """Evict unlocked cache until ``num_tokens`` can be allocated, or nothing is left.
@@ -222,8 +232,9 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
             if not result.num_tokens_evicted:
                 return
 
-    def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
-                              spec_algorithm: Any = None) -> bool:
+    def check_decode_capacity(
+        self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
+    ) -> bool:
         """Room for the next decode step: under the limit after evicting, else above it
         (running requests finish above a limit rather than being retracted for it)."""
         self.evict_to_free_tokens(tree_cache, num_tokens)
@@ -321,27 +332,43 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         num_new_pages: int | None = None,
     ) -> torch.Tensor | None:
         self._step()
-        needed = int(get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size,
-                                       prefix_lens=prefix_lens_cpu))
+        needed = int(
+            get_num_new_pages(
+                seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+            )
+        )
         pages = self._take(needed)
         if pages is None:
             pages = self._take_over_target(needed)
             if pages is None:
                 return None
             self.num_prefill_overdrafts += 1
-            _log.warning("kvsidecar: a prefill SGLang admitted without budget (e.g. a chunked "
-                         "continuation) took %d page(s) above the KV limit", needed)
+            _log.warning(
+                "kvsidecar: a prefill SGLang admitted without budget (e.g. a chunked "
+                "continuation) took %d page(s) above the KV limit",
+                needed,
+            )
         parent = super().alloc_extend
-        return self._run_with(pages, lambda: parent(
-            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
-            num_new_pages=needed))
+        return self._run_with(
+            pages,
+            lambda: parent(
+                prefix_lens,
+                prefix_lens_cpu,
+                seq_lens,
+                seq_lens_cpu,
+                last_loc,
+                extend_num_tokens,
+                num_new_pages=needed,
+            ),
+        )
 
     def alloc_decode(
         self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
     ) -> torch.Tensor | None:
         self._step()
-        needed = int(get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size,
-                                       decode=True))
+        needed = int(
+            get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
+        )
         pages = self._take(needed)
         if pages is None:
             pages = self._take_over_target(needed)  # a running request: above the limit
@@ -439,8 +466,9 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         self.num_overdraft_blocks += num_pages
         return torch.tensor(got, dtype=torch.int64, device=self.device)
 
-    def _run_with(self, pages: torch.Tensor, call: Callable[[], torch.Tensor | None]
-                  ) -> torch.Tensor | None:
+    def _run_with(
+        self, pages: torch.Tensor, call: Callable[[], torch.Tensor | None]
+    ) -> torch.Tensor | None:
         """Run the parent's allocation with exactly ``pages`` as its free list."""
         self.free_pages = pages
         try:

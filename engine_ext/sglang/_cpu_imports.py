@@ -38,7 +38,8 @@ def _missing(name: str) -> types.ModuleType:
     def __getattr__(attr: str) -> object:
         raise AttributeError(
             f"{name}.{attr}: torchvision is not installed (kvsidecar's CPU stand-in only lets "
-            "SGLang's config package import); install a torchvision that matches your torch")
+            "SGLang's config package import); install a torchvision that matches your torch"
+        )
 
     module.__getattr__ = __getattr__  # type: ignore[method-assign]
     return module

@@ -31,8 +31,7 @@ from ._cpu_imports import prepare_cpu_imports
 from ._patches import PATCHES, TOUCHES, Session
 from ._version import check_version, installed_sglang_version
 
-__all__ = ["export_settings", "install", "installed_patches", "run_scheduler_process",
-           "uninstall"]  # fmt: skip
+__all__ = ["export_settings", "install", "installed_patches", "run_scheduler_process", "uninstall"]
 
 _lock = threading.Lock()
 _applied: AppliedPatches | None = None

@@ -98,7 +98,8 @@ def plan_layout(geometry: KVGeometry, granularity: int) -> tuple[PageLayout, int
     if geometry.page_size <= 0 or geometry.max_tokens < geometry.page_size:
         raise EngineExtConfigError(
             f"a KV pool of {geometry.max_tokens} tokens cannot hold one page of "
-            f"{geometry.page_size} tokens; give SGLang more memory (--mem-fraction-static)")
+            f"{geometry.page_size} tokens; give SGLang more memory (--mem-fraction-static)"
+        )
     block = geometry.block_bytes
     page_bytes = block * granularity // math.gcd(block, granularity)
     blocks_per_page = page_bytes // block
@@ -108,7 +109,8 @@ def plan_layout(geometry: KVGeometry, granularity: int) -> tuple[PageLayout, int
         raise EngineExtConfigError(
             f"the KV pool ({wanted_blocks} pages of {block} bytes per layer) is smaller than "
             f"one mapping page ({page_bytes} bytes); give SGLang more memory or use a "
-            "larger --page-size")
+            "larger --page-size"
+        )
     return PageLayout(page_bytes, num_pages, 2 * geometry.layer_num), blocks_per_page
 
 
@@ -133,8 +135,9 @@ def cuda_index(device: str, current: Callable[[], int] = _current_cuda_device) -
     return int(index)
 
 
-def virtual_kv_bytes(device: str, gpu_id: int, setting: int | None,
-                     device_total: Callable[[int], int] | None = None) -> int | None:
+def virtual_kv_bytes(
+    device: str, gpu_id: int, setting: int | None, device_total: Callable[[int], int] | None = None
+) -> int | None:
     """The KV budget SGLang should size its pool for, or ``None`` for SGLang's own sizing.
 
     ``setting`` (``KVSIDECAR_VIRTUAL_KV_BYTES``) wins; on CUDA the default is the
@@ -151,8 +154,13 @@ def virtual_kv_bytes(device: str, gpu_id: int, setting: int | None,
     return device_total(gpu_id)
 
 
-def reserve_kv(geometry: KVGeometry, *, device: str, name: str = "kvsidecar-sglang",
-               current_cuda: Callable[[], int] = _current_cuda_device) -> KVReservation:
+def reserve_kv(
+    geometry: KVGeometry,
+    *,
+    device: str,
+    name: str = "kvsidecar-sglang",
+    current_cuda: Callable[[], int] = _current_cuda_device,
+) -> KVReservation:
     """Reserve (not map) the KV memory for ``geometry`` on ``device`` ("cpu" or "cuda[:n]")."""
     backend: HostBackend | CudaBackend
     if device == "cpu":
@@ -163,6 +171,8 @@ def reserve_kv(geometry: KVGeometry, *, device: str, name: str = "kvsidecar-sgla
         layout, bpp = plan_layout(geometry, CUDA_GRANULARITY)
         backend = CudaBackend.reserve(layout, device=index)
     else:
-        raise EngineExtConfigError(f"kvsidecar cannot place SGLang's KV cache on {device!r}; "
-                                   "supported devices are cpu and cuda")
+        raise EngineExtConfigError(
+            f"kvsidecar cannot place SGLang's KV cache on {device!r}; "
+            "supported devices are cpu and cuda"
+        )
     return KVReservation(backend, geometry, bpp, layout.num_pages * bpp)

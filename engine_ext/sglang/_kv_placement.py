@@ -49,11 +49,18 @@ def place_kv_buffers(pool: Any, settings: EngineSettings) -> KVReservation:
         problems.append("a custom memory pool (PD transfer backends)")
     if problems:
         raise EngineExtConfigError(
-            "kvsidecar cannot place this SGLang KV cache: " + "; ".join(problems)
-            + ". Start SGLang without kvsidecar (KVSIDECAR_ENABLE=0) or with the default layout")
+            "kvsidecar cannot place this SGLang KV cache: "
+            + "; ".join(problems)
+            + ". Start SGLang without kvsidecar (KVSIDECAR_ENABLE=0) or with the default layout"
+        )
     geometry = KVGeometry(
-        page_size=pool.page_size, head_num=pool.head_num, head_dim=pool.head_dim,
-        layer_num=pool.layer_num, dtype_bytes=pool.store_dtype.itemsize, max_tokens=pool.size)
+        page_size=pool.page_size,
+        head_num=pool.head_num,
+        head_dim=pool.head_dim,
+        layer_num=pool.layer_num,
+        dtype_bytes=pool.store_dtype.itemsize,
+        max_tokens=pool.size,
+    )
     reservation = reserve_kv(geometry, device=str(pool.device))
     guard = settings.new_thread_guard("sglang-kv-pool")
     backend: Backend = reservation.backend
@@ -68,16 +75,22 @@ def place_kv_buffers(pool: Any, settings: EngineSettings) -> KVReservation:
     return reservation
 
 
-def build_elastic_allocator(configurator: Any, kv_pool: Any, settings: EngineSettings
-                            ) -> ElasticTokenAllocator:
+def build_elastic_allocator(
+    configurator: Any, kv_pool: Any, settings: EngineSettings
+) -> ElasticTokenAllocator:
     """``_build_token_to_kv_pool_allocator``: the elastic allocator over the pool's reservation."""
     placed: tuple[KVReservation, BlockAllocator] | None = getattr(kv_pool, ATTR, None)
     if placed is None:
         raise EngineExtConfigError(
             f"kvsidecar supports SGLang's MHATokenToKVPool, not {type(kv_pool).__name__} "
             "(hybrid SWA/Mamba and MLA pools are not elastic yet); start without kvsidecar "
-            "(KVSIDECAR_ENABLE=0)")
+            "(KVSIDECAR_ENABLE=0)"
+        )
     _reservation, blocks = placed
-    return ElasticTokenAllocator(blocks, page_size=kv_pool.page_size,
-                                 dtype=configurator.kv_cache_dtype, device=configurator.device,
-                                 kvcache=kv_pool)
+    return ElasticTokenAllocator(
+        blocks,
+        page_size=kv_pool.page_size,
+        dtype=configurator.kv_cache_dtype,
+        device=configurator.device,
+        kvcache=kv_pool,
+    )

@@ -58,7 +58,9 @@ class Session:
     settings: EngineSettings
     engine_version: str
     scheduler_entry: Callable[..., Any]  # what spawned scheduler processes run
-    runtimes: list[Any] = field(default_factory=list)  # SglangRuntimes attached here (closed on uninstall)
+    runtimes: list[Any] = field(
+        default_factory=list
+    )  # SglangRuntimes attached here (closed on uninstall)
 
 
 # -- wrappers ---------------------------------------------------------------------------
@@ -73,8 +75,11 @@ def _wrap_profile_bytes(original: Any, session: Session) -> Any:
 
     @functools.wraps(original)
     def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
-        virtual = virtual_kv_bytes(str(self.device), int(getattr(self, "gpu_id", 0) or 0),
-                                   session.settings.virtual_kv_bytes)
+        virtual = virtual_kv_bytes(
+            str(self.device),
+            int(getattr(self, "gpu_id", 0) or 0),
+            session.settings.virtual_kv_bytes,
+        )
         if virtual is None:
             return int(original(self, pre_model_load_memory))
         return virtual  # address space only: pages are mapped on demand, up to the limit
@@ -112,8 +117,9 @@ def _wrap_scheduler_init(original: Any, session: Session) -> Any:
         _refuse_unsupported(server_args)
         original(self, server_args, port_args, *args, **kwargs)
         _refuse_unsupported_loop(self)
-        runtime = SglangRuntime.attach(self, session.settings,
-                                       engine_version=session.engine_version, signal_cleanup=True)
+        runtime = SglangRuntime.attach(
+            self, session.settings, engine_version=session.engine_version, signal_cleanup=True
+        )
         session.runtimes.append(runtime)
 
     return __init__
@@ -173,8 +179,10 @@ def _refuse_unsupported(server_args: Any) -> None:
         problems.append("--page-size 1 (pass --page-size 16 or larger)")
     if problems:
         raise EngineExtConfigError(
-            "kvsidecar's SGLang adapter does not support: " + ", ".join(problems)
-            + "; remove these options or start without kvsidecar (KVSIDECAR_ENABLE=0)")
+            "kvsidecar's SGLang adapter does not support: "
+            + ", ".join(problems)
+            + "; remove these options or start without kvsidecar (KVSIDECAR_ENABLE=0)"
+        )
 
 
 def _loop_problems(flags: Any) -> list[str]:
@@ -188,8 +196,10 @@ def _loop_problems(flags: Any) -> list[str]:
     """
     problems = []
     if getattr(flags, "enable_pdmux", False):
-        problems.append("--enable-pdmux (its loop never calls get_next_batch_to_run, where "
-                        "kvsidecar applies limits)")
+        problems.append(
+            "--enable-pdmux (its loop never calls get_next_batch_to_run, where "
+            "kvsidecar applies limits)"
+        )
     if getattr(flags, "enable_pd_role_switch", False):
         problems.append("--enable-pd-role-switch (it runs the disaggregation loops)")
     return problems
@@ -206,7 +216,8 @@ def _refuse_unsupported_loop(scheduler: Any) -> None:
         raise EngineExtConfigError(
             "kvsidecar's SGLang adapter cannot apply limits in the event loop SGLang would "
             "run: " + ", ".join(sorted(set(problems))) + "; remove these options or start "
-            "without kvsidecar (KVSIDECAR_ENABLE=0)")
+            "without kvsidecar (KVSIDECAR_ENABLE=0)"
+        )
 
 
 _SCHED = "sglang.srt.managers.scheduler"
@@ -215,45 +226,102 @@ _COMPONENTS = "sglang.srt.managers.scheduler_components"
 
 #: Every patch, applied in this order by :func:`._install.install`.
 PATCHES: tuple[Patch, ...] = (
-    Patch("sglang.srt.entrypoints.engine:Engine.run_scheduler_process_func", V0_5_23,
-          _wrap_scheduler_process_func,
-          "SGLang spawns schedulers: they must enter through the adapter to be patched too"),
-    Patch(f"{_MEM}.kv_cache_configurator:KVCacheConfigurator._profile_available_bytes",
-          V0_5_23, _wrap_profile_bytes,
-          "size the pool for the virtual KV capacity (docs/overcommit.md), not the free memory"),
-    Patch(f"{_MEM}.memory_pool:MHATokenToKVPool._create_buffers_normal", V0_5_23,
-          _wrap_create_buffers, "K/V tensors on a kvsidecar reservation"),
-    Patch(f"{_MEM}.kv_cache_configurator:KVCacheConfigurator._build_token_to_kv_pool_allocator",
-          V0_5_23, _wrap_build_allocator, "the scheduler's allocator is ElasticTokenAllocator"),
-    Patch(f"{_SCHED}:Scheduler.__init__", V0_5_23, _wrap_scheduler_init,
-          "attach the SglangRuntime once the tree cache exists; refuse unsupported set-ups"),
-    Patch(f"{_SCHED}:Scheduler.get_next_batch_to_run", V0_5_23, _wrap_next_batch,
-          "a coordinator pass before admission"),
-    Patch(f"{_SCHED}:Scheduler.process_batch_result", V0_5_23, _wrap_process_batch_result,
-          "record the unmap fence after each batch: GPU unmaps wait on that event, not on a "
-          "device-wide sync (allocator.UnmapFence)"),
-    Patch(f"{_SCHED}:Scheduler.on_idle", V0_5_23, _wrap_on_idle,
-          "a pass when a limit is pending; leak-check total synced"),
+    Patch(
+        "sglang.srt.entrypoints.engine:Engine.run_scheduler_process_func",
+        V0_5_23,
+        _wrap_scheduler_process_func,
+        "SGLang spawns schedulers: they must enter through the adapter to be patched too",
+    ),
+    Patch(
+        f"{_MEM}.kv_cache_configurator:KVCacheConfigurator._profile_available_bytes",
+        V0_5_23,
+        _wrap_profile_bytes,
+        "size the pool for the virtual KV capacity (docs/overcommit.md), not the free memory",
+    ),
+    Patch(
+        f"{_MEM}.memory_pool:MHATokenToKVPool._create_buffers_normal",
+        V0_5_23,
+        _wrap_create_buffers,
+        "K/V tensors on a kvsidecar reservation",
+    ),
+    Patch(
+        f"{_MEM}.kv_cache_configurator:KVCacheConfigurator._build_token_to_kv_pool_allocator",
+        V0_5_23,
+        _wrap_build_allocator,
+        "the scheduler's allocator is ElasticTokenAllocator",
+    ),
+    Patch(
+        f"{_SCHED}:Scheduler.__init__",
+        V0_5_23,
+        _wrap_scheduler_init,
+        "attach the SglangRuntime once the tree cache exists; refuse unsupported set-ups",
+    ),
+    Patch(
+        f"{_SCHED}:Scheduler.get_next_batch_to_run",
+        V0_5_23,
+        _wrap_next_batch,
+        "a coordinator pass before admission",
+    ),
+    Patch(
+        f"{_SCHED}:Scheduler.process_batch_result",
+        V0_5_23,
+        _wrap_process_batch_result,
+        "record the unmap fence after each batch: GPU unmaps wait on that event, not on a "
+        "device-wide sync (allocator.UnmapFence)",
+    ),
+    Patch(
+        f"{_SCHED}:Scheduler.on_idle",
+        V0_5_23,
+        _wrap_on_idle,
+        "a pass when a limit is pending; leak-check total synced",
+    ),
 )
 
 #: Private SGLang members the adapter uses without a patch; checked by ``install``.
 TOUCHES: tuple[Touch, ...] = (
-    Touch(f"{_MEM}.radix_cache:RadixCache._split_node", V0_5_23,
-          "_reclaimers splits a node to keep the cached prefix in front of a victim page"),
-    Touch(f"{_MEM}.radix_cache:RadixCache._delete_leaf", V0_5_23,
-          "_reclaimers removes evicted nodes leaf by leaf"),
-    Touch(f"{_MEM}.unified_radix_cache:UnifiedRadixCache._evict_device_next_node", V0_5_23,
-          "_reclaimers walks the tree core's eviction order"),
-    Touch(f"{_MEM}.unified_radix_cache:UnifiedRadixCache._evict_device_leaf", V0_5_23,
-          "_reclaimers evicts the leaves that hold victim pages"),
-    Touch(f"{_SCHED}:Scheduler.invariant_checker", V0_5_23,
-          "_accounting syncs the idle leak check's total"),
-    Touch(f"{_SCHED}:Scheduler.pool_stats_observer", V0_5_23,
-          "_accounting rebinds the observer with the capacity as its total"),
-    Touch(f"{_SCHED}:Scheduler.load_inquirer", V0_5_23,
-          "_accounting rebinds the observer the load inquirer holds"),
-    Touch(f"{_COMPONENTS}.invariant_checker:SchedulerInvariantChecker.max_total_num_tokens",
-          V0_5_23, "_accounting sets the leak check's total"),
-    Touch(f"{_COMPONENTS}.pool_stats_observer:SchedulerPoolStatsObserver.max_total_num_tokens",
-          V0_5_23, "_accounting replaces the observer's total (dataclasses.replace)"),
+    Touch(
+        f"{_MEM}.radix_cache:RadixCache._split_node",
+        V0_5_23,
+        "_reclaimers splits a node to keep the cached prefix in front of a victim page",
+    ),
+    Touch(
+        f"{_MEM}.radix_cache:RadixCache._delete_leaf",
+        V0_5_23,
+        "_reclaimers removes evicted nodes leaf by leaf",
+    ),
+    Touch(
+        f"{_MEM}.unified_radix_cache:UnifiedRadixCache._evict_device_next_node",
+        V0_5_23,
+        "_reclaimers walks the tree core's eviction order",
+    ),
+    Touch(
+        f"{_MEM}.unified_radix_cache:UnifiedRadixCache._evict_device_leaf",
+        V0_5_23,
+        "_reclaimers evicts the leaves that hold victim pages",
+    ),
+    Touch(
+        f"{_SCHED}:Scheduler.invariant_checker",
+        V0_5_23,
+        "_accounting syncs the idle leak check's total",
+    ),
+    Touch(
+        f"{_SCHED}:Scheduler.pool_stats_observer",
+        V0_5_23,
+        "_accounting rebinds the observer with the capacity as its total",
+    ),
+    Touch(
+        f"{_SCHED}:Scheduler.load_inquirer",
+        V0_5_23,
+        "_accounting rebinds the observer the load inquirer holds",
+    ),
+    Touch(
+        f"{_COMPONENTS}.invariant_checker:SchedulerInvariantChecker.max_total_num_tokens",
+        V0_5_23,
+        "_accounting sets the leak check's total",
+    ),
+    Touch(
+        f"{_COMPONENTS}.pool_stats_observer:SchedulerPoolStatsObserver.max_total_num_tokens",
+        V0_5_23,
+        "_accounting replaces the observer's total (dataclasses.replace)",
+    ),
 )

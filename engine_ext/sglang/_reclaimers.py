@@ -62,7 +62,9 @@ class _TreeReclaimer:
     def evict(self, blocks: Sequence[int]) -> int:
         wanted = {b for b in blocks if b in self._snapshot()}
         pages = self.blocks.pages
-        if not wanted or (pages.target_pages is not None and pages.num_mapped <= pages.target_pages):
+        if not wanted or (
+            pages.target_pages is not None and pages.num_mapped <= pages.target_pages
+        ):
             return 0  # earlier victims' collateral already brought the pool under its target
         before = self.blocks.num_allocated_blocks
         self._evict_pages(wanted)
@@ -84,8 +86,12 @@ class _TreeReclaimer:
     # internals -----------------------------------------------------------------------
     def _state_key(self) -> tuple[int, ...]:
         cache = self.cache
-        return (self.allocator.num_allocs, self.allocator.num_frees,
-                int(cache.evictable_size()), int(cache.protected_size()))
+        return (
+            self.allocator.num_allocs,
+            self.allocator.num_frees,
+            int(cache.evictable_size()),
+            int(cache.protected_size()),
+        )
 
     def _snapshot(self) -> frozenset[int]:
         """Blocks of unlocked *leaves* if they fill a page, else of every unlocked node.
@@ -232,9 +238,11 @@ class UnifiedTreeReclaimer(_TreeReclaimer):
                 if self._holds_victim(node_id, pages):
                     backup = cache._evict_device_leaf(node_id, tracker)
                     if backup is not None:  # write-back HiCache: refused at install
-                        raise RuntimeError("kvsidecar does not support SGLang's hierarchical "
-                                           "cache (write-back); start without --enable-"
-                                           "hierarchical-cache")
+                        raise RuntimeError(
+                            "kvsidecar does not support SGLang's hierarchical "
+                            "cache (write-back); start without --enable-"
+                            "hierarchical-cache"
+                        )
         finally:
             core.evict_device_end(full)
 
@@ -251,4 +259,5 @@ def make_reclaimer(cache: Any, allocator: ElasticTokenAllocator) -> _TreeReclaim
     raise EngineExtConfigError(
         f"kvsidecar has no reclaimer for SGLang's {type(cache).__name__}; supported: "
         "UnifiedRadixCache (default) and RadixCache: drop the option that selects another "
-        "cache, or start without kvsidecar (KVSIDECAR_ENABLE=0)")
+        "cache, or start without kvsidecar (KVSIDECAR_ENABLE=0)"
+    )

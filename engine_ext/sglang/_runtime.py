@@ -53,8 +53,13 @@ class SglangRuntime:
     """Owns the instance runtime (mailbox, coordinator, socket, sidecar client)
     and the tree-cache reclaimer of one scheduler; borrows its allocator."""
 
-    def __init__(self, scheduler: Any, instance: ElasticInstance,
-                 allocator: ElasticTokenAllocator, reclaimer: Reclaimer) -> None:
+    def __init__(
+        self,
+        scheduler: Any,
+        instance: ElasticInstance,
+        allocator: ElasticTokenAllocator,
+        reclaimer: Reclaimer,
+    ) -> None:
         self.scheduler = scheduler
         self.instance = instance
         self.allocator = allocator
@@ -66,9 +71,15 @@ class SglangRuntime:
         self.fence: Any = getattr(allocator.blocks.pages.backend, "fence", None)
 
     @classmethod
-    def attach(cls, scheduler: Any, settings: EngineSettings, *, engine_version: str,
-               sidecar_transport: httpx.BaseTransport | None = None,
-               signal_cleanup: bool = False) -> SglangRuntime:
+    def attach(
+        cls,
+        scheduler: Any,
+        settings: EngineSettings,
+        *,
+        engine_version: str,
+        sidecar_transport: httpx.BaseTransport | None = None,
+        signal_cleanup: bool = False,
+    ) -> SglangRuntime:
         """Build the reclaimer for the scheduler's (already built) tree cache, register,
         apply the retained or configured limit, and hang the runtime on the scheduler.
 
@@ -78,14 +89,21 @@ class SglangRuntime:
         """
         allocator = scheduler.token_to_kv_pool_allocator
         if not isinstance(allocator, ElasticTokenAllocator):
-            raise EngineExtConfigError(f"the scheduler's allocator is {type(allocator).__name__}, not the "
-                            "kvsidecar allocator; call install() before building the scheduler")
+            raise EngineExtConfigError(
+                f"the scheduler's allocator is {type(allocator).__name__}, not the "
+                "kvsidecar allocator; call install() before building the scheduler"
+            )
         reclaimer = make_reclaimer(scheduler.tree_cache, allocator)
         waker = PipeWaker()
         waker.attach(scheduler)
-        binding = EngineBinding("sglang", engine_version, allocator.blocks, (reclaimer,),
-                                wake=waker.wake,
-                                device_total_bytes=_device_total_bytes(allocator.device))
+        binding = EngineBinding(
+            "sglang",
+            engine_version,
+            allocator.blocks,
+            (reclaimer,),
+            wake=waker.wake,
+            device_total_bytes=_device_total_bytes(allocator.device),
+        )
         instance = ElasticInstance(settings, binding, sidecar_transport=sidecar_transport)
         runtime = cls(scheduler, instance, allocator, reclaimer)
         runtime.waker = waker
@@ -118,8 +136,12 @@ class SglangRuntime:
         self.allocator.release_promises()  # before SGLang's idle leak check
         pending = self.instance.coordinator.pending
         self._step()  # not pending: cheap, only refreshes the state if mapped memory moved
-        if pending and self._over_target() and self.scheduler.is_fully_idle() \
-                and self._drain_padding_page():
+        if (
+            pending
+            and self._over_target()
+            and self.scheduler.is_fully_idle()
+            and self._drain_padding_page()
+        ):
             self._step()  # page 0 unmapped: recompute the status
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
 
@@ -161,8 +183,11 @@ class SglangRuntime:
         blocks = 0
         if refused:
             page = allocator.page_size
-            blocks = -(-refused // page) + _queued_pages(scheduler, page) \
+            blocks = (
+                -(-refused // page)
+                + _queued_pages(scheduler, page)
                 - -(-allocator.refused_input_tokens // page)
+            )
         return Demand(
             num_running_requests=_num_running(scheduler),
             num_waiting_requests=waiting,
@@ -227,8 +252,9 @@ def _queued_pages(scheduler: Any, page_size: int) -> int:
     total = 0
     for req in queue:
         tokens = getattr(req, "tokens", None)  # the CPU harness
-        n = len(tokens) if tokens is not None else \
-            len(req.origin_input_ids) + len(req.output_ids)  # SGLang's Req
+        n = (
+            len(tokens) if tokens is not None else len(req.origin_input_ids) + len(req.output_ids)
+        )  # SGLang's Req
         total += -(-n // page_size)
     return total
 
@@ -244,11 +270,11 @@ def _install_signal_cleanup(instance: ElasticInstance) -> None:
     """Chain the instance's cleanup in front of SIGTERM/SIGINT (main thread only);
     a signal the process ignores stays ignored."""
     if threading.current_thread() is not threading.main_thread():
-        _log.warning("kvsidecar: not on the main thread; SIGTERM will leave %s behind",
-                     instance.runtime_dir)
+        _log.warning(
+            "kvsidecar: not on the main thread; SIGTERM will leave %s behind", instance.runtime_dir
+        )
         return
-    ignored = [s for s in (signal.SIGINT, signal.SIGTERM)
-               if signal.getsignal(s) == signal.SIG_IGN]
+    ignored = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) == signal.SIG_IGN]
     instance.install_signal_cleanup()
     for signum in ignored:
         signal.signal(signum, signal.SIG_IGN)

@@ -27,7 +27,8 @@ def installed_sglang_version() -> str:
         return metadata.version("sglang")
     except metadata.PackageNotFoundError:
         raise EngineExtConfigError(
-            f"kvsidecar's SGLang adapter needs sglang{SUPPORTED} installed; it is not") from None
+            f"kvsidecar's SGLang adapter needs sglang{SUPPORTED} installed; it is not"
+        ) from None
 
 
 def check_version(version: str, supported: SpecifierSet = SUPPORTED) -> Version:
@@ -42,5 +43,6 @@ def check_version(version: str, supported: SpecifierSet = SUPPORTED) -> Version:
         raise EngineExtConfigError(
             f"SGLang {version} is not supported by this kvsidecar; supported: sglang{supported}. "
             "Install a supported SGLang or a kvsidecar release that supports yours "
-            "(KVSIDECAR_ENABLE=0 starts SGLang without kvsidecar)")
+            "(KVSIDECAR_ENABLE=0 starts SGLang without kvsidecar)"
+        )
     return parsed

@@ -40,8 +40,9 @@ def prepare(argv: Sequence[str]) -> tuple[Any, Any]:
     return server_args, run_scheduler_process
 
 
-def main(argv: Sequence[str] | None = None, *,
-         scheduler_entry: Callable[..., Any] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *, scheduler_entry: Callable[..., Any] | None = None
+) -> int:
     """Run SGLang's HTTP server (the default mode of ``sglang.launch_server``) with kvsidecar.
 
     ``scheduler_entry`` replaces the scheduler processes' entry (the CPU
@@ -60,8 +61,11 @@ def main(argv: Sequence[str] | None = None, *,
     server_args.resolve_once()
     cfg = resolving_view(server_args)
     if cfg.encoder_only or cfg.smg_grpc_mode or cfg.use_ray:
-        print("kvsidecar: only SGLang's HTTP server mode is supported (no --encoder-only, "
-              "--grpc-mode or --use-ray)", file=sys.stderr)
+        print(
+            "kvsidecar: only SGLang's HTTP server mode is supported (no --encoder-only, "
+            "--grpc-mode or --use-ray)",
+            file=sys.stderr,
+        )
         return 2
     try:
         launch_server(server_args, run_scheduler_process_func=scheduler_entry or entry)

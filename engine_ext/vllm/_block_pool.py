@@ -66,9 +66,14 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         medium: str = MEDIUM_GPU,
     ) -> None:
         super().__init__(
-            num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events,
-            metrics_collector, num_hash_lookahead_tokens, medium,
-        )  # fmt: skip
+            num_gpu_blocks,
+            enable_caching,
+            hash_block_size,
+            enable_kv_cache_events,
+            metrics_collector,
+            num_hash_lookahead_tokens,
+            medium,
+        )
         from engine_ext.vllm._runtime import backing_for_pool
 
         backing: PoolBacking = backing_for_pool(self, num_gpu_blocks)
@@ -148,9 +153,11 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
     def is_evictable(self, block_id: int) -> bool:
         block = self.blocks[block_id]
         return (
-            block.ref_cnt == 0 and not block.is_null and block.block_hash is not None
+            block.ref_cnt == 0
+            and not block.is_null
+            and block.block_hash is not None
             and self._blocks.is_allocated(block_id)
-        )  # fmt: skip
+        )
 
     def evictable_block_ids(self) -> list[int]:
         return [block.block_id for block in self.free_block_queue.get_all_free_blocks()]
@@ -174,10 +181,15 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             self._fresh_free = -1  # stale if alloc raises (a failed map is rolled back)
             ids = self._blocks.alloc(num_fresh)
             if ids is None:  # the device had no memory for a new page (docs/overcommit.md)
-                if num_blocks - self._blocks.num_free_blocks > self.free_block_queue.num_free_blocks:
-                    raise DeviceFullError(f"Cannot get {num_blocks} free blocks from the pool: "
-                                          "the device is out of memory (lower another engine's "
-                                          "limit)")
+                if (
+                    num_blocks - self._blocks.num_free_blocks
+                    > self.free_block_queue.num_free_blocks
+                ):
+                    raise DeviceFullError(
+                        f"Cannot get {num_blocks} free blocks from the pool: "
+                        "the device is out of memory (lower another engine's "
+                        "limit)"
+                    )
                 return self.get_new_blocks(num_blocks)  # the headroom is what is mapped now
             all_blocks = self.blocks
             ret = [all_blocks[i] for i in ids]
@@ -323,8 +335,11 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         """Evict evictable blocks that sit on retired pages (after a lower target)."""
         if not self._backing.reclaim or not self._blocks.num_retired_blocks:
             return 0
-        victims = [b.block_id for b in self.free_block_queue.get_all_free_blocks()
-                   if self._on_retired_page(b)]  # fmt: skip
+        victims = [
+            b.block_id
+            for b in self.free_block_queue.get_all_free_blocks()
+            if self._on_retired_page(b)
+        ]
         return self.evict(victims)
 
     def reset_prefix_cache(self) -> bool:

@@ -140,8 +140,10 @@ def kv_geometry(
 
     groups = config.kv_cache_groups
     if len(groups) != 1:
-        raise _refuse(f"{len(groups)} KV cache groups (hybrid, sliding-window or multi-spec "
-                      "models); only one full-attention group")  # fmt: skip
+        raise _refuse(
+            f"{len(groups)} KV cache groups (hybrid, sliding-window or multi-spec "
+            "models); only one full-attention group"
+        )
     group = groups[0]
     spec = group.kv_cache_spec
     if type(spec) is not FullAttentionSpec:
@@ -151,8 +153,10 @@ def kv_geometry(
     if group.host_resident or config.hisparse_host_num_blocks is not None:
         raise _refuse("host-resident (HiSparse) KV cache groups")
     if not (layout.is_layer_compact and layout.is_block_compact):
-        raise _refuse(f"the KV cache layout {layout.name} (a page must cover whole blocks of "
-                      "each layer); set VLLM_KV_CACHE_LAYOUT=LBNHC")  # fmt: skip
+        raise _refuse(
+            f"the KV cache layout {layout.name} (a page must cover whole blocks of "
+            "each layer); set VLLM_KV_CACHE_LAYOUT=LBNHC"
+        )
     if len(config.kv_cache_tensors) != 1:
         raise _refuse(f"{len(config.kv_cache_tensors)} KV cache tensors; only one")
     tensor = config.kv_cache_tensors[0]
@@ -163,8 +167,10 @@ def kv_geometry(
         block_bytes != spec.page_size_bytes
         or tensor.layer_stride != block_bytes * config.num_blocks
     ):
-        raise _refuse(f"KV strides layer={tensor.layer_stride} block={block_bytes} (expected "
-                      f"block={spec.page_size_bytes}, layer=block x {config.num_blocks})")  # fmt: skip
+        raise _refuse(
+            f"KV strides layer={tensor.layer_stride} block={block_bytes} (expected "
+            f"block={spec.page_size_bytes}, layer=block x {config.num_blocks})"
+        )
     if granularity <= 0 or block_bytes <= 0:
         raise _refuse(f"granularity {granularity} / block bytes {block_bytes}")
     return KvGeometry(
@@ -196,8 +202,11 @@ def whole_page_config(
     tensor = config.kv_cache_tensors[0]
     if tensor.size % config.num_blocks:
         raise _refuse(f"a KV tensor of {tensor.size} bytes for {config.num_blocks} blocks")
-    rounded = replace(tensor, size=tensor.size // config.num_blocks * num_blocks,
-                      layer_stride=tensor.block_stride * num_blocks)  # fmt: skip
+    rounded = replace(
+        tensor,
+        size=tensor.size // config.num_blocks * num_blocks,
+        layer_stride=tensor.block_stride * num_blocks,
+    )
     planned = replace(config, num_blocks=num_blocks, kv_cache_tensors=[rounded])
     return planned, replace(before, num_blocks=num_blocks)
 
@@ -208,15 +217,19 @@ def engine_refusal(vllm_config: VllmConfig, executor_class: type) -> str | None:
 
     parallel = vllm_config.parallel_config
     if parallel.world_size != 1:
-        return (f"world size {parallel.world_size} (tensor/pipeline parallel); use "
-                "--tensor-parallel-size 1 --pipeline-parallel-size 1")  # fmt: skip
+        return (
+            f"world size {parallel.world_size} (tensor/pipeline parallel); use "
+            "--tensor-parallel-size 1 --pipeline-parallel-size 1"
+        )
     if parallel.data_parallel_size != 1:
         return f"data parallel size {parallel.data_parallel_size}"
     if not issubclass(executor_class, UniProcExecutor) or issubclass(
         executor_class, ExecutorWithExternalLauncher
     ):
-        return (f"the executor {executor_class.__name__} (the worker must run in the EngineCore "
-                "process); use --distributed-executor-backend uni")  # fmt: skip
+        return (
+            f"the executor {executor_class.__name__} (the worker must run in the EngineCore "
+            "process); use --distributed-executor-backend uni"
+        )
     if vllm_config.model_config is not None and vllm_config.model_config.enable_sleep_mode:
         return "sleep mode (--enable-sleep-mode unmaps the KV cache itself)"
     if vllm_config.kv_transfer_config is not None:
@@ -311,8 +324,9 @@ def _reserve_cuda(layout: PageLayout, device: torch.device) -> ReservedBackend:
     return CudaBackend.reserve(layout, device=index)
 
 
-def _prime_warmup(primed: PrimedBackend, pages: int, empty_cache: Callable[[], None] | None
-                  ) -> None:
+def _prime_warmup(
+    primed: PrimedBackend, pages: int, empty_cache: Callable[[], None] | None
+) -> None:
     """Map the warm-up's ``pages``; a device still full after emptying torch's cache refuses."""
     from allocator import DeviceOutOfMemory
 
@@ -322,7 +336,8 @@ def _prime_warmup(primed: PrimedBackend, pages: int, empty_cache: Callable[[], N
         raise UnsupportedKvCache(
             f"kvsidecar: the device has no memory for the {pages} KV pages vLLM's warm-up "
             f"writes ({exc}); lower --max-num-seqs / --max-num-batched-tokens, or lower the "
-            "limits of the other engines on this GPU (docs/overcommit.md)") from exc
+            "limits of the other engines on this GPU (docs/overcommit.md)"
+        ) from exc
 
 
 def _cuda_fence(device: torch.device) -> UnmapFence:
@@ -403,8 +418,9 @@ def allocate_on_reservation(
 
     geometry = kv_geometry(config, layout, granularity)
     if geometry != plan:
-        raise _refuse(f"a worker KV cache ({geometry}) that differs from the EngineCore's plan "
-                      f"({plan})")  # fmt: skip
+        raise _refuse(
+            f"a worker KV cache ({geometry}) that differs from the EngineCore's plan ({plan})"
+        )
     backend = reserve(geometry.layout, device)
     try:
         fence = None if synchronize is not None else _cuda_fence(device)
@@ -416,18 +432,26 @@ def allocate_on_reservation(
         tensor = config.kv_cache_tensors[0]
         spec = config.kv_cache_groups[0].kv_cache_spec
         kernel_block_size = kernel_block_sizes[0] if kernel_block_sizes else None
-        views = create_kv_cache_views(raw, spec, config.num_blocks, layout,
-                                      geometry.placement(tensor), kernel_block_size)  # fmt: skip
+        views = create_kv_cache_views(
+            raw, spec, config.num_blocks, layout, geometry.placement(tensor), kernel_block_size
+        )
     except BaseException:
         backend.release()
         raise
-    publish_kv_memory(KVMemory(primed, geometry.layout, geometry.block_bytes, config.num_blocks,
-                               fence=fence))
-    _log.info("kvsidecar: KV cache of %d blocks x %d layers on a reservation of %d pages of %d "
-              "bytes (%d blocks/page); %d pages mapped for the warm-up until the block pool "
-              "takes over", config.num_blocks, len(geometry.layer_names), geometry.num_pages,
-              geometry.page_bytes, geometry.blocks_per_page,
-              warmup_pages(geometry, warmup_blocks))  # fmt: skip
+    publish_kv_memory(
+        KVMemory(primed, geometry.layout, geometry.block_bytes, config.num_blocks, fence=fence)
+    )
+    _log.info(
+        "kvsidecar: KV cache of %d blocks x %d layers on a reservation of %d pages of %d "
+        "bytes (%d blocks/page); %d pages mapped for the warm-up until the block pool "
+        "takes over",
+        config.num_blocks,
+        len(geometry.layer_names),
+        geometry.num_pages,
+        geometry.page_bytes,
+        geometry.blocks_per_page,
+        warmup_pages(geometry, warmup_blocks),
+    )
     return dict(zip(tensor.layers, views, strict=True))
 
 
@@ -487,13 +511,18 @@ def plan_kv_cache(
         if reason is not None:
             raise _refuse(reason)
         virtual = virtual_kv_bytes(vllm_config, setting(), device_total)
-        _log.info("kvsidecar: KV cache planned for %d virtual bytes (vLLM measured %s bytes "
-                  "free for KV); physical memory follows the limit", virtual,
-                  list(available_memory))  # fmt: skip
+        _log.info(
+            "kvsidecar: KV cache planned for %d virtual bytes (vLLM measured %s bytes "
+            "free for KV); physical memory follows the limit",
+            virtual,
+            list(available_memory),
+        )
         configs: list[KVCacheConfig] = original(
-            vllm_config, kv_cache_specs, [virtual] * len(available_memory),
+            vllm_config,
+            kv_cache_specs,
+            [virtual] * len(available_memory),
             global_kv_cache_groups,
-        )  # fmt: skip
+        )
         if len(configs) != 1:
             raise _refuse(f"{len(configs)} workers")
         layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
@@ -507,8 +536,12 @@ def plan_kv_cache(
                 f"{needed}); lower --max-model-len or give vLLM more KV memory"
             )
         if planned.num_blocks != configs[0].num_blocks:
-            _log.info("kvsidecar: KV blocks %d -> %d (whole pages of %d blocks)",
-                      configs[0].num_blocks, planned.num_blocks, geometry.blocks_per_page)  # fmt: skip
+            _log.info(
+                "kvsidecar: KV blocks %d -> %d (whole pages of %d blocks)",
+                configs[0].num_blocks,
+                planned.num_blocks,
+                geometry.blocks_per_page,
+            )
         _state.plan = geometry
         _state.warmup_blocks = warmup_block_bound(vllm_config, spec.block_size)
         return [planned]
@@ -538,8 +571,14 @@ def place_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
             return result
         if device.type != "cuda":
             raise _refuse(f"KV tensors on device {device}")
-        return allocate_on_reservation(kv_cache_config, device, layout, kernel_block_sizes,
-                                       plan=plan, warmup_blocks=warmup_blocks)  # fmt: skip
+        return allocate_on_reservation(
+            kv_cache_config,
+            device,
+            layout,
+            kernel_block_sizes,
+            plan=plan,
+            warmup_blocks=warmup_blocks,
+        )
 
     allocate_kv_cache.__wrapped__ = original  # type: ignore[attr-defined]
     return allocate_kv_cache

@@ -38,7 +38,9 @@ class KVMemory:
     block_bytes: int  # bytes of one block in ONE region
     num_blocks: int  # vLLM's block count (block 0 is vLLM's null block)
     claimed: bool = field(default=False)  # True once an elastic block pool owns mapping
-    rank_barrier: Any = field(default=None)  # TP/PP ranks (CPU harness): the coordinator's RankBarrier
+    rank_barrier: Any = field(
+        default=None
+    )  # TP/PP ranks (CPU harness): the coordinator's RankBarrier
     # GPU: the fence the backend's unmaps wait on (allocator.UnmapFence); the runtime
     # records it after each forward pass (Scheduler.update_from_output)
     fence: Any = field(default=None)

@@ -163,68 +163,91 @@ _V033 = SpecifierSet(">=0.33.0,<0.34")
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
-        "vllm.v1.core.kv_cache_coordinator:BlockPool", _V033, _block_pool,
+        "vllm.v1.core.kv_cache_coordinator:BlockPool",
+        _V033,
+        _block_pool,
         "KVCacheCoordinator builds its BlockPool by this module-level name (docs/engine-hooks.md 1.5)",
     ),
     Patch(
-        "vllm.v1.engine.core:EngineCoreProc.run_busy_loop", _V033, _run_busy_loop,
+        "vllm.v1.engine.core:EngineCoreProc.run_busy_loop",
+        _V033,
+        _run_busy_loop,
         "start the control socket/registration on the busy-loop thread (after any fork); "
         "close them when the loop ends",
     ),
     Patch(
-        "vllm.v1.core.sched.scheduler:Scheduler.schedule", _V033, _schedule,
+        "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+        _V033,
+        _schedule,
         "safe points: limit passes (take target, evict, unmap) run only before and after "
         "schedule(), never between a prefix lookup and its touch (docs/vllm.md)",
     ),
     Patch(
-        "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", _V033, _allocate_slots,
+        "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
+        _V033,
+        _allocate_slots,
         "liveness: a RUNNING request's blocks may go above the target (never preempted by a "
         "limit); admissions the limit keeps out are reported as waiting_for_memory",
     ),
     Patch(
-        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output", _V033, _update_from_output,
+        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+        _V033,
+        _update_from_output,
         "device ordering: record the unmap fence after each forward pass, so GPU unmaps wait "
         "on that event, not on a device-wide sync (allocator.UnmapFence)",
     ),
     Patch(
-        "vllm.v1.core.sched.scheduler:Scheduler._preempt_request", _V033, _preempt_request,
+        "vllm.v1.core.sched.scheduler:Scheduler._preempt_request",
+        _V033,
+        _preempt_request,
         "num_preemptions: every preemption vLLM makes, counted exactly (the demand fields)",
     ),
     Patch(
-        "vllm.v1.engine.core:DPEngineCoreProc.run_busy_loop", _V033, _refuse_dp_busy_loop,
+        "vllm.v1.engine.core:DPEngineCoreProc.run_busy_loop",
+        _V033,
+        _refuse_dp_busy_loop,
         "refuse data parallel with the extension on: its loop never applies a limit",
     ),
     Patch(
-        "vllm.v1.engine.core:get_kv_cache_configs", _V033, _plan_kv_cache,
+        "vllm.v1.engine.core:get_kv_cache_configs",
+        _V033,
+        _plan_kv_cache,
         "GPU path (CUDA, uni executor): refuse unsupported set-ups, round num_blocks down to "
         "whole CudaBackend pages before the scheduler is built (docs/engine-hooks.md 1.10)",
     ),
     Patch(
-        "vllm.v1.worker.gpu_model_runner:allocate_kv_cache", _V033, _place_kv_cache,
+        "vllm.v1.worker.gpu_model_runner:allocate_kv_cache",
+        _V033,
+        _place_kv_cache,
         "GPU path: KV tensors as vLLM's own views over a CudaBackend reservation, published "
         "for the ElasticBlockPool, which maps pages on demand (docs/engine-hooks.md 1.10)",
     ),
     Patch(
-        "vllm.v1.worker.gpu.attn_utils:allocate_kv_cache", _V033, _place_kv_cache,
+        "vllm.v1.worker.gpu.attn_utils:allocate_kv_cache",
+        _V033,
+        _place_kv_cache,
         "the same for model runner V2 (vLLM 0.33's default), which calls it by this name",
     ),
-)  # fmt: skip
+)
 
 
 TOUCHES: tuple[Touch, ...] = (
     Touch(
-        "vllm.v1.engine.core:EngineCore._idle_state_callbacks", _V033,
+        "vllm.v1.engine.core:EngineCore._idle_state_callbacks",
+        _V033,
         "_runtime arms a one-shot idle callback there so an idle engine applies a limit",
     ),
     Touch(
-        "vllm.v1.engine.core:EngineCoreProc.input_queue", _V033,
+        "vllm.v1.engine.core:EngineCoreProc.input_queue",
+        _V033,
         "_runtime puts a WAKEUP request there to wake a blocked busy loop",
     ),
     Touch(
-        "vllm.v1.engine:EngineCoreRequestType.WAKEUP", _V033,
+        "vllm.v1.engine:EngineCoreRequestType.WAKEUP",
+        _V033,
         "the request type _runtime puts on input_queue to wake the busy loop",
     ),
-)  # fmt: skip
+)
 
 _lock = threading.Lock()
 _applied: list[AppliedPatches] = []  # every apply in this process, for remove_patches

@@ -102,27 +102,34 @@ class VllmRuntime:
             )
         guard = self.engine_settings.new_thread_guard("vllm-block-pool")
         guard.bind_current()
-        pages = PageAllocator(memory.backend, reserve_pages=self.engine_settings.reserve_pages,
-                              guard=guard)  # fmt: skip
+        pages = PageAllocator(
+            memory.backend, reserve_pages=self.engine_settings.reserve_pages, guard=guard
+        )
         blocks = BlockAllocator(pages, memory.blocks_per_page, guard=guard)
         self.pool = pool
         self._fence = memory.fence
         self._blocks = blocks
         binding = EngineBinding(
-            engine="vllm", engine_version=vllm.__version__, blocks=blocks,
-            reclaimers=(pool,), wake=self.wake,
+            engine="vllm",
+            engine_version=vllm.__version__,
+            blocks=blocks,
+            reclaimers=(pool,),
+            wake=self.wake,
             floor_pages=1,  # vLLM's null block 0 keeps page 0 mapped for the engine's life
-        )  # fmt: skip
+        )
         self.instance = ElasticInstance(self.engine_settings, binding)
         self.instance.coordinator.set_demand_probe(self._demand)
         if memory.rank_barrier is not None:  # rank processes (the CPU harness's TP/PP ranks)
             memory.rank_barrier.set_wake(self.wake)
             self.instance.coordinator.set_rank_barrier(memory.rank_barrier)
         return PoolBacking(
-            blocks=blocks, guard=guard, hooks=self, mailbox=self.instance.mailbox,
+            blocks=blocks,
+            guard=guard,
+            hooks=self,
+            mailbox=self.instance.mailbox,
             reclaim=self.engine_settings.reclaim,
             max_cached_tokens=self.vllm_settings.max_cached_tokens,
-        )  # fmt: skip
+        )
 
     def attach_engine(self, engine_core: Any) -> None:
         """Busy-loop thread, before the loop starts: socket, registration, first pass."""
@@ -132,8 +139,11 @@ class VllmRuntime:
         self.instance.start()
         if threading.current_thread() is threading.main_thread():
             self.instance.install_signal_cleanup()  # removes the socket first (RuntimeDir)
-        _log.info("kvsidecar: instance %s, control socket %s", self.instance.instance_id,
-                  self.instance.socket_path)  # fmt: skip
+        _log.info(
+            "kvsidecar: instance %s, control socket %s",
+            self.instance.instance_id,
+            self.instance.socket_path,
+        )
         self._pass()
 
     def close(self) -> None:
@@ -179,8 +189,14 @@ class VllmRuntime:
             self.pool.in_schedule = False
         self.safe_point()
 
-    def allocating(self, original: Any, manager: Any, request: Any, args: tuple[Any, ...],
-                   kwargs: dict[str, Any]) -> Any:
+    def allocating(
+        self,
+        original: Any,
+        manager: Any,
+        request: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         """``KVCacheManager.allocate_slots``: running requests may go above the target.
 
         A RUNNING request is extending: vLLM would preempt it if we said no, so its
@@ -214,8 +230,9 @@ class VllmRuntime:
             device = device or pool.device_full()
             if not running and (device or pool.blocks_target() is not None):
                 self._device_refused = device
-                self._refused_blocks = self._waiting_blocks(request, args, kwargs,
-                                                            pool.hash_block_size)
+                self._refused_blocks = self._waiting_blocks(
+                    request, args, kwargs, pool.hash_block_size
+                )
         elif not running:  # an admission: its prefix lookup feeds prefix_hit_rate
             self._hits.record(_hit_tokens(args, kwargs), int(request.num_tokens))
         return result
@@ -232,8 +249,9 @@ class VllmRuntime:
         """``Scheduler._preempt_request`` (patched): one running request went back to waiting."""
         self._num_preemptions += 1
 
-    def _waiting_blocks(self, refused: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                        block_tokens: int) -> int:
+    def _waiting_blocks(
+        self, refused: Any, args: tuple[Any, ...], kwargs: dict[str, Any], block_tokens: int
+    ) -> int:
         """Blocks every waiting request needs to start, at a refused admission.
 
         The refused request: its whole sequence less its prefix hits (known from
@@ -273,8 +291,10 @@ class VllmRuntime:
         # Frees outside schedule() (finished requests, aborts, resets) happen with no
         # prefix lookup pending: a safe point, so the state follows /proc at once.
         blocks = self._blocks
-        if (blocks.pages.num_mapped != self._last_mapped
-                or blocks.num_reclaimable_pages != self._last_reclaimable):
+        if (
+            blocks.pages.num_mapped != self._last_mapped
+            or blocks.num_reclaimable_pages != self._last_reclaimable
+        ):
             self.safe_point()  # pages or evictable/pinned figures moved: report them now
         if self._armed or self._engine_core is None:
             return  # an idle pass is already due, or not serving yet
@@ -336,8 +356,9 @@ def _running_status() -> Any:
 
 def _holds_blocks(manager: Any, request_id: str) -> bool:
     """Whether ``request_id`` holds blocks in any of the manager's KV cache groups."""
-    return any(single.req_to_blocks.get(request_id)
-               for single in manager.coordinator.single_type_managers)
+    return any(
+        single.req_to_blocks.get(request_id) for single in manager.coordinator.single_type_managers
+    )
 
 
 def _hit_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -345,8 +366,9 @@ def _hit_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return int(args[1]) if len(args) > 1 else int(kwargs.get("num_new_computed_tokens", 0))
 
 
-def _blocks_needed(request: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   block_tokens: int) -> int:
+def _blocks_needed(
+    request: Any, args: tuple[Any, ...], kwargs: dict[str, Any], block_tokens: int
+) -> int:
     """Blocks a refused admission needs for its whole prompt (its hit blocks excluded).
 
     Not only the chunk ``allocate_slots`` was asked for: once started, a request

@@ -40,4 +40,6 @@ def register() -> None:
         engine = load_engine_settings()
     configure(engine, vllm_settings)
     if changed:
-        _log.info("kvsidecar enabled for vLLM %s (patched %s)", vllm.__version__, ", ".join(changed))
+        _log.info(
+            "kvsidecar enabled for vLLM %s (patched %s)", vllm.__version__, ", ".join(changed)
+        )

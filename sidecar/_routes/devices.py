@@ -39,8 +39,9 @@ class BudgetBody(_Strict):
 
     budget: Size = Field(description="bytes the device's instances may map together, e.g. '8G'")
     revision: int | None = Field(default=None, ge=1, le=MAX_CLIENT_REVISION, strict=True)
-    dry_run: bool | None = Field(default=None,
-                                 description="compute and show the plan, write no limit")
+    dry_run: bool | None = Field(
+        default=None, description="compute and show the plan, write no limit"
+    )
 
 
 class DeviceLimitsBody(_Strict):
@@ -68,50 +69,74 @@ class PolicyBody(_Strict):
         return {names[k]: getattr(self, k) for k in self.model_fields_set}
 
 
-@router.get("/devices", response_model=DeviceList,
-            summary="Every known device: budget, sum of limits, sum of mapped, instances")
+@router.get(
+    "/devices",
+    response_model=DeviceList,
+    summary="Every known device: budget, sum of limits, sum of mapped, instances",
+)
 async def list_devices(autopilot: AutopilotDep) -> Response:
     return _json(DeviceList(devices=autopilot.devices()))
 
 
-@router.get("/devices/{device_id}", response_model=DeviceView,
-            summary="One device: budget, sum of limits and mapped, free, its instances")
+@router.get(
+    "/devices/{device_id}",
+    response_model=DeviceView,
+    summary="One device: budget, sum of limits and mapped, free, its instances",
+)
 async def get_device(device_id: DeviceId, autopilot: AutopilotDep) -> Response:
     return _json(autopilot.device(device_id))
 
 
-@router.put("/devices/{device_id}/budget", response_model=DeviceView,
-            dependencies=[Authorized],
-            summary="Set the device's budget: the autopilot shares it among the instances")
-async def put_budget(device_id: DeviceId, body: BudgetBody, autopilot: AutopilotDep,
-                     request: Request) -> Response:
-    return _json(await autopilot.set_budget(device_id, body.budget, body.revision, body.dry_run,
-                                            source=_source(request, "PUT")))
+@router.put(
+    "/devices/{device_id}/budget",
+    response_model=DeviceView,
+    dependencies=[Authorized],
+    summary="Set the device's budget: the autopilot shares it among the instances",
+)
+async def put_budget(
+    device_id: DeviceId, body: BudgetBody, autopilot: AutopilotDep, request: Request
+) -> Response:
+    return _json(
+        await autopilot.set_budget(
+            device_id, body.budget, body.revision, body.dry_run, source=_source(request, "PUT")
+        )
+    )
 
 
-@router.delete("/devices/{device_id}/budget", response_model=DeviceView,
-               dependencies=[Authorized],
-               summary="Remove the budget: the autopilot stops; the limits stay as they are")
-async def delete_budget(device_id: DeviceId, autopilot: AutopilotDep,
-                        request: Request) -> Response:
-    return _json(await autopilot.set_budget(device_id, None, None, None,
-                                            source=_source(request, "DELETE")))
+@router.delete(
+    "/devices/{device_id}/budget",
+    response_model=DeviceView,
+    dependencies=[Authorized],
+    summary="Remove the budget: the autopilot stops; the limits stay as they are",
+)
+async def delete_budget(device_id: DeviceId, autopilot: AutopilotDep, request: Request) -> Response:
+    return _json(
+        await autopilot.set_budget(device_id, None, None, None, source=_source(request, "DELETE"))
+    )
 
 
-@router.put("/devices/{device_id}/limits", response_model=DeviceView,
-            dependencies=[Authorized],
-            summary="Pin several instances' limits at once, applied shrink before grow")
-async def put_device_limits(device_id: DeviceId, body: DeviceLimitsBody,
-                            autopilot: AutopilotDep, request: Request) -> Response:
-    return _json(await autopilot.set_device_limits(device_id, body.limits,
-                                                   source=_source(request, "PUT")))
+@router.put(
+    "/devices/{device_id}/limits",
+    response_model=DeviceView,
+    dependencies=[Authorized],
+    summary="Pin several instances' limits at once, applied shrink before grow",
+)
+async def put_device_limits(
+    device_id: DeviceId, body: DeviceLimitsBody, autopilot: AutopilotDep, request: Request
+) -> Response:
+    return _json(
+        await autopilot.set_device_limits(device_id, body.limits, source=_source(request, "PUT"))
+    )
 
 
-@router.put("/instances/{instance_id}/policy", response_model=InstanceView,
-            dependencies=[Authorized], tags=["instances"],
-            summary="Set an instance's autopilot fields: min, max, weight")
-async def put_policy(instance_id: InstanceId, body: PolicyBody,
-                     autopilot: AutopilotDep) -> Response:
+@router.put(
+    "/instances/{instance_id}/policy",
+    response_model=InstanceView,
+    dependencies=[Authorized],
+    tags=["instances"],
+    summary="Set an instance's autopilot fields: min, max, weight",
+)
+async def put_policy(
+    instance_id: InstanceId, body: PolicyBody, autopilot: AutopilotDep
+) -> Response:
     return _json(await autopilot.set_policy(instance_id, body.fields()))
-
-

@@ -19,8 +19,11 @@ async def healthz() -> dict[str, str | dict[str, str]]:
     return {"status": "ok", "version": info["version"], "build": info}
 
 
-@router.get("/readyz", summary="Readiness: the database takes a write",
-            responses={503: {"description": "the database is not writable"}})
+@router.get(
+    "/readyz",
+    summary="Readiness: the database takes a write",
+    responses={503: {"description": "the database is not writable"}},
+)
 async def readyz(service: Service) -> dict[str, str]:
     await service.check_ready()
     return {"status": "ready"}

@@ -27,65 +27,110 @@ _PROBLEMS: dict[int | str, dict[str, Any]] = {
 
 def _json(model: BaseModel, status_code: int = 200) -> Response:
     """Serialize once (``response_model`` stays for the schema; FastAPI would validate again)."""
-    return Response(model.model_dump_json(), status_code=status_code,
-                    media_type="application/json")
+    return Response(model.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
-@router.get("", response_model=InstanceList,
-            responses={200: {"content": {watch_events.MEDIA_TYPE: {}},
-                             "description": "the list; with ?watch=1 an event stream of it"}},
-            summary="Every known instance; ?watch=1 streams the list (server-sent events)")
-async def list_instances(service: Service, settings: Settings, request: Request,
-                         watch: Annotated[bool, Query(
-                             description="stream the list as server-sent events, one event "
-                                         "per change, for up to KVSIDECAR_MAX_WAIT_S")] = False
-                         ) -> Response:
+@router.get(
+    "",
+    response_model=InstanceList,
+    responses={
+        200: {
+            "content": {watch_events.MEDIA_TYPE: {}},
+            "description": "the list; with ?watch=1 an event stream of it",
+        }
+    },
+    summary="Every known instance; ?watch=1 streams the list (server-sent events)",
+)
+async def list_instances(
+    service: Service,
+    settings: Settings,
+    request: Request,
+    watch: Annotated[
+        bool,
+        Query(
+            description="stream the list as server-sent events, one event "
+            "per change, for up to KVSIDECAR_MAX_WAIT_S"
+        ),
+    ] = False,
+) -> Response:
     if watch:
         return watch_events.instance_events(request, service, settings.max_wait_s)
     return _json(InstanceList(instances=service.list()))
 
 
-@router.get("/{instance_id}", response_model=InstanceView, responses=_PROBLEMS,
-            summary="One instance; ?wait=S long-polls until it is applied")
-async def get_instance(instance_id: InstanceId, service: Service, request: Request,
-                       wait: WaitSeconds = None) -> Response:
+@router.get(
+    "/{instance_id}",
+    response_model=InstanceView,
+    responses=_PROBLEMS,
+    summary="One instance; ?wait=S long-polls until it is applied",
+)
+async def get_instance(
+    instance_id: InstanceId, service: Service, request: Request, wait: WaitSeconds = None
+) -> Response:
     view = service.get(instance_id)  # 404 before any waiting
     if wait:
         view = await _wait_or_disconnect(
-            request, service, instance_id, lambda v: v.status is Status.APPLIED, wait)
+            request, service, instance_id, lambda v: v.status is Status.APPLIED, wait
+        )
     return _json(view)
 
 
-@router.put("/{instance_id}/limit", response_model=InstanceView, dependencies=[Authorized],
-            responses={202: {"model": InstanceView,
-                             "description": "?wait deadline passed before 'applied'"},
-                       **_PROBLEMS},
-            summary="Set the desired limit (stored durably before the answer)")
-async def put_limit(instance_id: InstanceId, body: LimitBody, service: Service,
-                    autopilot: AutopilotDep, request: Request,
-                    wait: WaitSeconds = None) -> Response:
+@router.put(
+    "/{instance_id}/limit",
+    response_model=InstanceView,
+    dependencies=[Authorized],
+    responses={
+        202: {"model": InstanceView, "description": "?wait deadline passed before 'applied'"},
+        **_PROBLEMS,
+    },
+    summary="Set the desired limit (stored durably before the answer)",
+)
+async def put_limit(
+    instance_id: InstanceId,
+    body: LimitBody,
+    service: Service,
+    autopilot: AutopilotDep,
+    request: Request,
+    wait: WaitSeconds = None,
+) -> Response:
     # an operator's limit pins the instance (docs/autopilot.md, "Precedence")
-    view = await autopilot.operator_limit(instance_id, body.limit, body.revision,
-                                          source=_source(request, "PUT"))
+    view = await autopilot.operator_limit(
+        instance_id, body.limit, body.revision, source=_source(request, "PUT")
+    )
     return await _finish(request, service, view, wait)
 
 
-@router.delete("/{instance_id}/limit", response_model=InstanceView, dependencies=[Authorized],
-               responses={202: {"model": InstanceView}, **_PROBLEMS},
-               summary="Back to unlimited, as a new revision")
-async def delete_limit(instance_id: InstanceId, service: Service, autopilot: AutopilotDep,
-                       request: Request, wait: WaitSeconds = None) -> Response:
+@router.delete(
+    "/{instance_id}/limit",
+    response_model=InstanceView,
+    dependencies=[Authorized],
+    responses={202: {"model": InstanceView}, **_PROBLEMS},
+    summary="Back to unlimited, as a new revision",
+)
+async def delete_limit(
+    instance_id: InstanceId,
+    service: Service,
+    autopilot: AutopilotDep,
+    request: Request,
+    wait: WaitSeconds = None,
+) -> Response:
     # on a budgeted device: back to the autopilot; elsewhere: back to unlimited
     service.get(instance_id)  # 404 before anything
     view = await autopilot.unpin(instance_id, source=_source(request, "DELETE"))
     return await _finish(request, service, view, wait)
 
 
-@router.delete("/{instance_id}", status_code=204, dependencies=[Authorized],
-               responses=_PROBLEMS, response_class=Response,
-               summary="Forget the instance: its desired limit, registration and metrics")
-async def forget_instance(instance_id: InstanceId, service: Service, autopilot: AutopilotDep,
-                          request: Request) -> Response:
+@router.delete(
+    "/{instance_id}",
+    status_code=204,
+    dependencies=[Authorized],
+    responses=_PROBLEMS,
+    response_class=Response,
+    summary="Forget the instance: its desired limit, registration and metrics",
+)
+async def forget_instance(
+    instance_id: InstanceId, service: Service, autopilot: AutopilotDep, request: Request
+) -> Response:
     await service.forget(instance_id, source=_source(request, "DELETE"))
     await autopilot.forget(instance_id)
     return Response(status_code=204)
@@ -97,22 +142,29 @@ def _source(request: Request, method: str) -> str:
     return f"{method} from {client.host if client else 'unknown'}"
 
 
-async def _finish(request: Request, service: InstanceService, view: InstanceView,
-                  wait: float | None) -> Response:
+async def _finish(
+    request: Request, service: InstanceService, view: InstanceView, wait: float | None
+) -> Response:
     """Without ``wait``: 200 (stored). With it: 200 once applied, 202 at the deadline."""
     if wait is None:
         return _json(view)
     revision = view.desired.revision
     view = await _wait_or_disconnect(
-        request, service, view.id,
-        lambda v: v.status is Status.APPLIED and (v.observed is not None
-                                                  and v.observed.revision >= revision),
-        wait)
+        request,
+        service,
+        view.id,
+        lambda v: (
+            v.status is Status.APPLIED
+            and (v.observed is not None and v.observed.revision >= revision)
+        ),
+        wait,
+    )
     return _json(view, 200 if view.status is Status.APPLIED else 202)
 
 
-async def _wait_or_disconnect(request: Request, service: InstanceService, instance_id: str,
-                              until: Any, wait: float) -> InstanceView:
+async def _wait_or_disconnect(
+    request: Request, service: InstanceService, instance_id: str, until: Any, wait: float
+) -> InstanceView:
     """Long-poll, but stop as soon as the client hangs up (no waiting for nobody)."""
     waiter = asyncio.ensure_future(service.wait(instance_id, until, wait))
     gone = asyncio.ensure_future(_disconnected(request))

@@ -31,8 +31,7 @@ def _comparable(listing: InstanceList) -> list[dict[str, Any]]:
     return [view.model_dump(exclude={"last_seen_s_ago"}) for view in listing.instances]
 
 
-async def _events(request: Request, service: InstanceService,
-                  max_s: float) -> AsyncIterator[str]:
+async def _events(request: Request, service: InstanceService, max_s: float) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     end = loop.time() + max_s
     last: list[dict[str, Any]] | None = None
@@ -55,5 +54,8 @@ async def _events(request: Request, service: InstanceService,
 
 def instance_events(request: Request, service: InstanceService, max_s: float) -> StreamingResponse:
     """The event stream response (no caching, no proxy buffering)."""
-    return StreamingResponse(_events(request, service, max_s), media_type=MEDIA_TYPE,
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        _events(request, service, max_s),
+        media_type=MEDIA_TYPE,
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -25,28 +25,42 @@ __all__ = ["missing_dependencies", "run_demo"]
 
 # what the demo imports beyond kvsidecar's own dependencies, and where it comes from
 _DEMO_MODULES = (("vllm", "vLLM 0.33"), ("torch", "PyTorch"))
-_INSTALL_HINT = ("from a checkout, 'bash scripts/dev.sh demo' builds an environment with the "
-                 "CPU builds of both and runs the demo; or install them: "
-                 "pip install 'kvsidecar[vllm]'")
+_INSTALL_HINT = (
+    "from a checkout, 'bash scripts/dev.sh demo' builds an environment with the "
+    "CPU builds of both and runs the demo; or install them: "
+    "pip install 'kvsidecar[vllm]'"
+)
 
 
 def _parse(argv: tuple[str, ...]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="kvsidecar demo",
         description="The CPU colocation demo: a sidecar and two vLLM CPU-harness engines on "
-                    "loopback share one KV budget; prints the limit table, writes "
-                    "demo-results.json and demo-mapped.png, exits 1 if a check failed. "
-                    "Needs vLLM and torch (bash scripts/dev.sh demo installs them).")
-    parser.add_argument("--out", type=Path, default=Path("demo-out"),
-                        help="where demo-results.json and the plot go [./demo-out]")  # fmt: skip
-    parser.add_argument("--idle-s", type=float, default=10.0,
-                        help="seconds to stay idle after lowering a limit [10]")  # fmt: skip
+        "loopback share one KV budget; prints the limit table, writes "
+        "demo-results.json and demo-mapped.png, exits 1 if a check failed. "
+        "Needs vLLM and torch (bash scripts/dev.sh demo installs them).",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("demo-out"),
+        help="where demo-results.json and the plot go [./demo-out]",
+    )
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=10.0,
+        help="seconds to stay idle after lowering a limit [10]",
+    )
     parser.add_argument("--quick", action="store_true", help="smaller workload (tests)")
     parser.add_argument("--keep-workdir", action="store_true", help="keep logs and the DB")
-    parser.add_argument("--autopilot", action="store_true",
-                        help="run the autopilot scenario instead: three engines on one "
-                             "budgeted host device, load moving A->B->C, against a static "
-                             "equal split (heavier: three vLLM engines)")  # fmt: skip
+    parser.add_argument(
+        "--autopilot",
+        action="store_true",
+        help="run the autopilot scenario instead: three engines on one "
+        "budgeted host device, load moving A->B->C, against a static "
+        "equal split (heavier: three vLLM engines)",
+    )
     return parser.parse_args(list(argv))
 
 
@@ -57,8 +71,10 @@ def run_demo(*argv: str) -> None:
         sys.exit("kvsidecar demo: --idle-s must be >= 0")
     missing = missing_dependencies()
     if missing:  # before anything is created: no output dir, no temp dir, no process
-        sys.exit(f"kvsidecar demo: needs {' and '.join(missing)}, not installed in "
-                 f"{sys.prefix}; {_INSTALL_HINT}")
+        sys.exit(
+            f"kvsidecar demo: needs {' and '.join(missing)}, not installed in "
+            f"{sys.prefix}; {_INSTALL_HINT}"
+        )
     console = Console()
     sys.exit(0 if _run(args, console) else 1)
 
@@ -99,12 +115,17 @@ def _run(args: argparse.Namespace, console: Console) -> bool:
         with console.status("starting the sidecar and two vLLM engines (CPU harness)…"):
             cluster.start_sidecar()
             sampler.start()
-            cluster.start_engines([EngineSpec("without-reclaim", False, 64 << 20),
-                                   EngineSpec("with-reclaim", True, 64 << 20)])  # fmt: skip
+            cluster.start_engines(
+                [
+                    EngineSpec("without-reclaim", False, 64 << 20),
+                    EngineSpec("with-reclaim", True, 64 << 20),
+                ]
+            )
         console.print(f"engines up in {time.monotonic() - t0:.0f}s; sidecar {cluster.sidecar_url}")
         with console.status("scenario 1: fill, lower the limit, idle, traffic…"):
             results["limit_table"] = limit_table(
-                cluster, sampler, "without-reclaim", "with-reclaim", cfg, t0)
+                cluster, sampler, "without-reclaim", "with-reclaim", cfg, t0
+            )
         print_limit_table(console, results["limit_table"])
         with console.status("scenario 2: elastic colocation on one budget…"):
             cluster.stop_engine("without-reclaim")
@@ -125,8 +146,10 @@ def _run(args: argparse.Namespace, console: Console) -> bool:
         results["samples"] = [asdict(s) for s in sampler.samples]
         write_json(out / "demo-results.json", results)
         plotted = write_plot(out / "demo-mapped.png", sampler.samples)
-        console.print(f"results: {out / 'demo-results.json'}"
-                      + (f"; plot: {out / 'demo-mapped.png'}" if plotted else ""))  # fmt: skip
+        console.print(
+            f"results: {out / 'demo-results.json'}"
+            + (f"; plot: {out / 'demo-mapped.png'}" if plotted else "")
+        )
         if not args.keep_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     return ok
@@ -159,12 +182,15 @@ def _run_autopilot(args: argparse.Namespace, console: Console) -> bool:
         console.print(f"engines up in {time.monotonic() - t0:.0f}s; sidecar {cluster.sidecar_url}")
         with console.status("load A->B->C: static equal split, then the autopilot…"):
             results["autopilot"] = autopilot_vs_static(
-                cluster, ids, budget, per_engine=12 if args.quick else 24, words=1200)
+                cluster, ids, budget, per_engine=12 if args.quick else 24, words=1200
+            )
         a = results["autopilot"]
-        console.print(f"completion: static split {a['static_split']['completion_s']}s, "
-                      f"autopilot {a['autopilot']['completion_s']}s; p99 latency: static "
-                      f"{a['static_split']['p99_latency_s']}s, autopilot "
-                      f"{a['autopilot']['p99_latency_s']}s")
+        console.print(
+            f"completion: static split {a['static_split']['completion_s']}s, "
+            f"autopilot {a['autopilot']['completion_s']}s; p99 latency: static "
+            f"{a['static_split']['p99_latency_s']}s, autopilot "
+            f"{a['autopilot']['p99_latency_s']}s"
+        )
         checks = a["checks"]
         print_checks(console, checks)
         ok = all(c["ok"] for c in checks)
@@ -180,8 +206,10 @@ def _run_autopilot(args: argparse.Namespace, console: Console) -> bool:
         results["samples"] = [asdict(s) for s in sampler.samples]
         write_json(out / "demo-results.json", results)
         plotted = write_plot(out / "demo-mapped.png", sampler.samples)
-        console.print(f"results: {out / 'demo-results.json'}"
-                      + (f"; plot: {out / 'demo-mapped.png'}" if plotted else ""))  # fmt: skip
+        console.print(
+            f"results: {out / 'demo-results.json'}"
+            + (f"; plot: {out / 'demo-mapped.png'}" if plotted else "")
+        )
         if not args.keep_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     return ok

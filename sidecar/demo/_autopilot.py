@@ -43,8 +43,7 @@ class _Watch:
         self.budget = budget
         self.samples: list[dict[str, Any]] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="demo-autopilot-watch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="demo-autopilot-watch", daemon=True)
         self.t0 = time.monotonic()
         self._fds: dict[str, list[str]] = {}  # instance -> /proc/<pid>/fd/<n> of its KV memfd
 
@@ -52,7 +51,9 @@ class _Watch:
         """The engine's KV memfd blocks from /proc (fd paths found once, then one stat)."""
         paths = self._fds.get(instance_id)
         if not paths:
-            paths = self._fds[instance_id] = _memfd_paths(self.cluster.engines[instance_id].proc.pid)
+            paths = self._fds[instance_id] = _memfd_paths(
+                self.cluster.engines[instance_id].proc.pid
+            )
         total = 0
         for path in paths:
             try:
@@ -113,8 +114,9 @@ def _memfd_paths(pid: int, name: str = "kvsidecar-stub-kv") -> list[str]:
     return out
 
 
-def _load(cluster: Cluster, ids: list[str], per_engine: int, words: int, seed: int,
-          watch: _Watch | None) -> dict[str, Any]:
+def _load(
+    cluster: Cluster, ids: list[str], per_engine: int, words: int, seed: int, watch: _Watch | None
+) -> dict[str, Any]:
     """A->B->C: each engine's burst starts when 3/4 of the previous one is answered."""
     latencies: list[float] = []
     failures: list[str] = []
@@ -141,8 +143,10 @@ def _load(cluster: Cluster, ids: list[str], per_engine: int, words: int, seed: i
         futures = []
         for n, instance_id in enumerate(ids):
             started[instance_id] = round(time.monotonic() - (watch.t0 if watch else t0), 3)
-            prompts = [f"{instance_id} {make_document(words, seed=seed + 100 * n + k)}"
-                       for k in range(per_engine)]
+            prompts = [
+                f"{instance_id} {make_document(words, seed=seed + 100 * n + k)}"
+                for k in range(per_engine)
+            ]
             futures += [pool.submit(one, instance_id, p) for p in prompts]
             half_done[instance_id].wait(300)
         for f in futures:
@@ -150,12 +154,18 @@ def _load(cluster: Cluster, ids: list[str], per_engine: int, words: int, seed: i
     total = time.monotonic() - t0
     ordered = sorted(latencies)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0
-    return {"completion_s": round(total, 2), "p99_latency_s": round(p99, 3),
-            "requests": len(latencies), "failures": failures, "load_started_s": started}
+    return {
+        "completion_s": round(total, 2),
+        "p99_latency_s": round(p99, 3),
+        "requests": len(latencies),
+        "failures": failures,
+        "load_started_s": started,
+    }
 
 
-def autopilot_vs_static(cluster: Cluster, ids: list[str], budget: int, *, per_engine: int,
-                        words: int) -> dict[str, Any]:
+def autopilot_vs_static(
+    cluster: Cluster, ids: list[str], budget: int, *, per_engine: int, words: int
+) -> dict[str, Any]:
     """Both runs on the same engines; returns figures and checks."""
     http = cluster.http
     base = cluster.sidecar_url
@@ -190,27 +200,37 @@ def autopilot_vs_static(cluster: Cluster, ids: list[str], budget: int, *, per_en
     peak = max((sum(s["proc_bytes"].values()) for s in watch.samples), default=0)
     device = http.get(f"{base}/devices/{DEVICE}").json()
     checks = [
-        _check("every request succeeded (static split and autopilot)",
-               not static["failures"] and not auto["failures"],
-               f"static {static['requests']} requests, {len(static['failures'])} failed; "
-               f"autopilot {auto['requests']}, {len(auto['failures'])} failed"),
-        _check("autopilot: /proc sum of the three engines <= budget at every 50 ms sample",
-               not over and len(watch.samples) > 0,
-               f"{len(watch.samples)} samples, peak {peak / MiB:.2f} MiB of "
-               f"{budget / MiB:.2f} MiB, {len(over)} over"),
-        _check(f"the busy engine holds >= {MOST:.0%} of the budget within {SHARE_WITHIN_S:g}s "
-               "of its load starting",
-               all(v is not None and v <= SHARE_WITHIN_S for v in reached.values()),
-               f"seconds: {reached}"),
+        _check(
+            "every request succeeded (static split and autopilot)",
+            not static["failures"] and not auto["failures"],
+            f"static {static['requests']} requests, {len(static['failures'])} failed; "
+            f"autopilot {auto['requests']}, {len(auto['failures'])} failed",
+        ),
+        _check(
+            "autopilot: /proc sum of the three engines <= budget at every 50 ms sample",
+            not over and len(watch.samples) > 0,
+            f"{len(watch.samples)} samples, peak {peak / MiB:.2f} MiB of "
+            f"{budget / MiB:.2f} MiB, {len(over)} over",
+        ),
+        _check(
+            f"the busy engine holds >= {MOST:.0%} of the budget within {SHARE_WITHIN_S:g}s "
+            "of its load starting",
+            all(v is not None and v <= SHARE_WITHIN_S for v in reached.values()),
+            f"seconds: {reached}",
+        ),
     ]
     return {
-        "budget_mib": round(budget / MiB, 3), "per_engine_requests": per_engine,
+        "budget_mib": round(budget / MiB, 3),
+        "per_engine_requests": per_engine,
         "static_split": {k: v for k, v in static.items() if k != "failures"},
         "autopilot": {k: v for k, v in auto.items() if k != "failures"},
-        "share_reached_s": reached, "share_within_s": SHARE_WITHIN_S,
+        "share_reached_s": reached,
+        "share_within_s": SHARE_WITHIN_S,
         "peak_proc_mib": round(peak / MiB, 3),
         "speedup_completion": round(static["completion_s"] / max(auto["completion_s"], 1e-9), 2),
-        "device_at_end": device, "proc_samples": watch.samples, "checks": checks,
+        "device_at_end": device,
+        "proc_samples": watch.samples,
+        "checks": checks,
     }
 
 

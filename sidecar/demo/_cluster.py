@@ -50,17 +50,33 @@ class Cluster:
 
     # -- sidecar -----------------------------------------------------------
     def start_sidecar(self, timeout_s: float = 30.0) -> None:
-        env = {**os.environ, "KVSIDECAR_HEARTBEAT_TIMEOUT_S": "30",
-               # the autopilot scenario's bursts last seconds: react within a few passes
-               "KVSIDECAR_AUTOPILOT_INTERVAL_S": "0.1",
-               "KVSIDECAR_AUTOPILOT_BUSY_HOLD_S": "0.5"}
+        env = {
+            **os.environ,
+            "KVSIDECAR_HEARTBEAT_TIMEOUT_S": "30",
+            # the autopilot scenario's bursts last seconds: react within a few passes
+            "KVSIDECAR_AUTOPILOT_INTERVAL_S": "0.1",
+            "KVSIDECAR_AUTOPILOT_BUSY_HOLD_S": "0.5",
+        }
         env.pop("KVSIDECAR_TOKEN", None)
         with (self.workdir / "sidecar.log").open("wb") as log:  # the child keeps its own fd
             self._sidecar = subprocess.Popen(
-                [sys.executable, "-m", "sidecar.cli", "serve", "--host", "127.0.0.1",
-                 "--port", str(self.sidecar_port), "--db", str(self.workdir / "sidecar.db")],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "sidecar.cli",
+                    "serve",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.sidecar_port),
+                    "--db",
+                    str(self.workdir / "sidecar.db"),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._sidecar.poll() is not None:
@@ -133,7 +149,8 @@ class Cluster:
         """PUT a limit; with ``wait_s`` long-poll until applied (202 at the deadline is fine)."""
         params = {"wait": str(wait_s)} if wait_s else None
         reply = self.http.put(
-            f"{self.sidecar_url}/instances/{instance_id}/limit", json={"limit": limit},
+            f"{self.sidecar_url}/instances/{instance_id}/limit",
+            json={"limit": limit},
             params=params,
         )
         if reply.status_code >= 400:
@@ -145,11 +162,17 @@ class Cluster:
         server = self.engines[instance_id]
         reply = self.http.post(
             server.base_url + "/v1/completions",
-            json={"model": str(self.model_dir), "prompt": prompt, "max_tokens": max_tokens,
-                  "temperature": 0.0},
-        )  # fmt: skip
+            json={
+                "model": str(self.model_dir),
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+            },
+        )
         if reply.status_code != 200:
-            raise RuntimeError(f"{instance_id}: completion failed {reply.status_code}: {reply.text}")
+            raise RuntimeError(
+                f"{instance_id}: completion failed {reply.status_code}: {reply.text}"
+            )
         body: dict[str, Any] = reply.json()
         return body
 
@@ -157,7 +180,9 @@ class Cluster:
         server = self.engines[instance_id]
         reply = self.http.post(server.base_url + "/reset_prefix_cache")
         if reply.status_code != 200:
-            raise RuntimeError(f"{instance_id}: reset_prefix_cache {reply.status_code}: {reply.text}")
+            raise RuntimeError(
+                f"{instance_id}: reset_prefix_cache {reply.status_code}: {reply.text}"
+            )
 
     def close(self) -> None:
         for instance_id in list(self.engines):

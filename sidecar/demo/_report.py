@@ -16,16 +16,22 @@ __all__ = ["print_checks", "print_limit_table", "write_json", "write_plot"]
 
 def print_limit_table(console: Console, table1: dict[str, Any]) -> None:
     table = Table(title="mapped KV MiB after a lowered limit (CPU, host backend)")
-    for col in ("limit", "without reclaim, idle", "with reclaim, idle",
-                "without, after traffic", "with, after traffic"):  # fmt: skip
+    for col in (
+        "limit",
+        "without reclaim, idle",
+        "with reclaim, idle",
+        "without, after traffic",
+        "with, after traffic",
+    ):
         table.add_column(col, justify="right")
     for r in table1["rows"]:
         table.add_row(
-            f"{r['limit_mib']:.2f}", f"{r['without_idle_mib']:.2f}",
+            f"{r['limit_mib']:.2f}",
+            f"{r['without_idle_mib']:.2f}",
             f"{r['with_idle_mib']:.2f} ({r['with_idle_status']})",
             f"{r['without_after_traffic_mib']:.2f}",
             f"{r['with_after_traffic_mib']:.2f} ({r['with_after_traffic_status']})",
-        )  # fmt: skip
+        )
     console.print(table)
     for row_name, per_instance in table1["status_timelines"].items():
         for instance_id, steps in per_instance.items():
@@ -57,11 +63,20 @@ def write_plot(path: Path, samples: list[Sample]) -> bool:
     for n, instance_id in enumerate(ids):
         own = [s for s in samples if s.instance_id == instance_id]
         color = f"C{n}"
-        ax.plot([s.t_s for s in own], [s.mapped_bytes / 2**20 for s in own],
-                color=color, label=f"{instance_id} mapped")  # fmt: skip
-        ax.step([s.t_s for s in own],
-                [s.limit_bytes / 2**20 if s.limit_bytes is not None else float("nan") for s in own],
-                where="post", color=color, linestyle="--", label=f"{instance_id} limit")  # fmt: skip
+        ax.plot(
+            [s.t_s for s in own],
+            [s.mapped_bytes / 2**20 for s in own],
+            color=color,
+            label=f"{instance_id} mapped",
+        )
+        ax.step(
+            [s.t_s for s in own],
+            [s.limit_bytes / 2**20 if s.limit_bytes is not None else float("nan") for s in own],
+            where="post",
+            color=color,
+            linestyle="--",
+            label=f"{instance_id} limit",
+        )
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("MiB mapped (KV cache)")
     ax.set_title("kvsidecar demo: mapped KV memory per instance")

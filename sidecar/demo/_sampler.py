@@ -51,11 +51,16 @@ class Sampler:
                 except (httpx.HTTPError, ValueError):
                     continue
                 for view in body.get("instances", []):
-                    self.samples.append(Sample(
-                        t_s=sent, instance_id=view["id"], status=view["status"],
-                        mapped_bytes=int(view["mapped_bytes"]),
-                        limit_bytes=view["desired"]["limit_bytes"], reason=view.get("reason"),
-                    ))  # fmt: skip
+                    self.samples.append(
+                        Sample(
+                            t_s=sent,
+                            instance_id=view["id"],
+                            status=view["status"],
+                            mapped_bytes=int(view["mapped_bytes"]),
+                            limit_bytes=view["desired"]["limit_bytes"],
+                            reason=view.get("reason"),
+                        )
+                    )
 
     def transitions(self, instance_id: str, since_s: float) -> list[dict[str, Any]]:
         """Status changes of one instance in samples sent at or after ``since_s``.
@@ -69,7 +74,13 @@ class Sampler:
             if s.instance_id != instance_id or s.t_s < since_s:
                 continue
             if s.status != last:
-                out.append({"t_s": round(s.t_s - since_s, 3), "status": s.status,
-                            "reason": s.reason, "mapped_mib": round(s.mapped_bytes / 2**20, 3)})
+                out.append(
+                    {
+                        "t_s": round(s.t_s - since_s, 3),
+                        "status": s.status,
+                        "reason": s.reason,
+                        "mapped_mib": round(s.mapped_bytes / 2**20, 3),
+                    }
+                )
                 last = s.status
         return out

@@ -55,8 +55,9 @@ def _run_all(cluster: Cluster, instance_id: str, prompts: list[str], workers: in
 
 def _fill(cluster: Cluster, instance_id: str, cfg: DemoConfig, seed: int) -> None:
     doc = make_document(cfg.doc_words, seed=1)
-    questions = [f"{doc} question {i} {make_document(12, seed=100 + i)}"
-                 for i in range(cfg.num_questions)]  # fmt: skip
+    questions = [
+        f"{doc} question {i} {make_document(12, seed=100 + i)}" for i in range(cfg.num_questions)
+    ]
     for q in questions[:1]:  # first alone: the others then hit its cached prefix
         cluster.complete(instance_id, q)
     _run_all(cluster, instance_id, questions[1:])
@@ -76,8 +77,9 @@ def _mib(num_bytes: int) -> float:
     return round(num_bytes / MiB, 3)
 
 
-def limit_table(cluster: Cluster, sampler: Sampler, without: str, with_: str,
-                cfg: DemoConfig, t0: float) -> dict[str, Any]:  # fmt: skip
+def limit_table(
+    cluster: Cluster, sampler: Sampler, without: str, with_: str, cfg: DemoConfig, t0: float
+) -> dict[str, Any]:
     """Scenario 1. ``without``/``with_`` are the instance ids (reclaim off/on)."""
     ids = (without, with_)
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -94,7 +96,9 @@ def limit_table(cluster: Cluster, sampler: Sampler, without: str, with_: str,
         since = time.monotonic() - t0
         time.sleep(cfg.idle_s)
         idle = {i: cluster.instance(i) for i in ids}
-        traffic = _prompts(f"burst{n}", cfg.traffic_requests, cfg.traffic_words, seed=5000 + 100 * n)
+        traffic = _prompts(
+            f"burst{n}", cfg.traffic_requests, cfg.traffic_words, seed=5000 + 100 * n
+        )
         with ThreadPoolExecutor(max_workers=2) as pool:
             list(pool.map(lambda i, t=traffic: _run_all(cluster, i, t), ids))
         _wait_until(lambda: cluster.instance(with_)["status"] == "applied", timeout_s=10)
@@ -102,36 +106,60 @@ def limit_table(cluster: Cluster, sampler: Sampler, without: str, with_: str,
         after = {i: cluster.instance(i) for i in ids}
         # the PUT's own answer is the first step (the engine may apply within one sample)
         timelines[f"row{n}"] = {
-            i: _dedupe([{"t_s": 0.0, "status": put[i]["status"], "reason": put[i].get("reason"),
-                         "mapped_mib": _mib(put[i]["mapped_bytes"])},
-                        *sampler.transitions(i, since)])
+            i: _dedupe(
+                [
+                    {
+                        "t_s": 0.0,
+                        "status": put[i]["status"],
+                        "reason": put[i].get("reason"),
+                        "mapped_mib": _mib(put[i]["mapped_bytes"]),
+                    },
+                    *sampler.transitions(i, since),
+                ]
+            )
             for i in ids
-        }  # fmt: skip
-        rows.append({
-            "limit_bytes": limit, "limit_mib": _mib(limit),
-            "put_status": {i: put[i]["status"] for i in ids},
-            "without_idle_mib": _mib(idle[without]["mapped_bytes"]),
-            "with_idle_mib": _mib(idle[with_]["mapped_bytes"]),
-            "without_after_traffic_mib": _mib(after[without]["mapped_bytes"]),
-            "with_after_traffic_mib": _mib(after[with_]["mapped_bytes"]),
-            "with_idle_status": idle[with_]["status"],
-            "with_after_traffic_status": after[with_]["status"],
-            "without_idle_status": idle[without]["status"],
-        })  # fmt: skip
+        }
+        rows.append(
+            {
+                "limit_bytes": limit,
+                "limit_mib": _mib(limit),
+                "put_status": {i: put[i]["status"] for i in ids},
+                "without_idle_mib": _mib(idle[without]["mapped_bytes"]),
+                "with_idle_mib": _mib(idle[with_]["mapped_bytes"]),
+                "without_after_traffic_mib": _mib(after[without]["mapped_bytes"]),
+                "with_after_traffic_mib": _mib(after[with_]["mapped_bytes"]),
+                "with_idle_status": idle[with_]["status"],
+                "with_after_traffic_status": after[with_]["status"],
+                "without_idle_status": idle[without]["status"],
+            }
+        )
     checks = []
     for r in rows:
         lim = r["limit_mib"]
         checks += [
-            _check(f"with reclaim, idle, limit {lim} MiB: mapped <= limit and applied",
-                   r["with_idle_mib"] <= lim and r["with_idle_status"] == "applied",
-                   f"{r['with_idle_mib']} MiB, {r['with_idle_status']}"),
-            _check(f"with reclaim, after traffic, limit {lim} MiB: mapped <= limit",
-                   r["with_after_traffic_mib"] <= lim, f"{r['with_after_traffic_mib']} MiB"),
-            _check(f"without reclaim, idle, limit {lim} MiB: mapped stays > limit",
-                   r["without_idle_mib"] > lim, f"{r['without_idle_mib']} MiB"),
-        ]  # fmt: skip
-    return {"filled_mib": {i: _mib(b) for i, b in filled.items()}, "page_bundle_bytes": bundle,
-            "rows": rows, "status_timelines": timelines, "checks": checks}  # fmt: skip
+            _check(
+                f"with reclaim, idle, limit {lim} MiB: mapped <= limit and applied",
+                r["with_idle_mib"] <= lim and r["with_idle_status"] == "applied",
+                f"{r['with_idle_mib']} MiB, {r['with_idle_status']}",
+            ),
+            _check(
+                f"with reclaim, after traffic, limit {lim} MiB: mapped <= limit",
+                r["with_after_traffic_mib"] <= lim,
+                f"{r['with_after_traffic_mib']} MiB",
+            ),
+            _check(
+                f"without reclaim, idle, limit {lim} MiB: mapped stays > limit",
+                r["without_idle_mib"] > lim,
+                f"{r['without_idle_mib']} MiB",
+            ),
+        ]
+    return {
+        "filled_mib": {i: _mib(b) for i, b in filled.items()},
+        "page_bundle_bytes": bundle,
+        "rows": rows,
+        "status_timelines": timelines,
+        "checks": checks,
+    }
 
 
 def elastic_colocation(cluster: Cluster, a: str, b: str, cfg: DemoConfig) -> dict[str, Any]:
@@ -168,26 +196,48 @@ def elastic_colocation(cluster: Cluster, a: str, b: str, cfg: DemoConfig) -> dic
             failures.append(str(exc))
             completed = {a: 0, b: 0}
     settled = _wait_until(
-        lambda: all(cluster.instance(i)["status"] == "applied" for i in (a, b)), 20)
+        lambda: all(cluster.instance(i)["status"] == "applied" for i in (a, b)), 20
+    )
     end_mapped = {i: int(cluster.instance(i)["mapped_bytes"]) for i in (a, b)}
     after = {i: [cluster.complete(i, p)["choices"][0]["text"] for p in probes] for i in (a, b)}
     checks = [
-        _check("A's memory released after its prefix cache was reset", released,
-               f"peak {_mib(peak_a)} MiB -> {_mib(a_after_reset)} MiB"),
-        _check("B grew past what was free at A's peak", peak_b > free_at_peak,
-               f"B peak {_mib(peak_b)} MiB > {_mib(free_at_peak)} MiB free at A's peak"),
-        _check("every contended request succeeded", not failures and min(completed.values()) == 16,
-               f"completed {completed}; failures {failures[:1]}"),
-        _check("both engines applied, together within the budget",
-               settled and sum(end_mapped.values()) <= budget,
-               f"{ {i: _mib(v) for i, v in end_mapped.items()} } of {_mib(budget)} MiB"),
-        _check("probe prompts give identical tokens before and after", before == after,
-               "identical" if before == after else f"before {before} after {after}"),
-    ]  # fmt: skip
-    return {"budget_mib": _mib(budget), "peak_a_mib": _mib(peak_a),
-            "free_at_a_peak_mib": _mib(free_at_peak), "a_after_reset_mib": _mib(a_after_reset),
-            "peak_b_mib": _mib(peak_b), "end_mapped_mib": {i: _mib(v) for i, v in end_mapped.items()},
-            "completed": completed, "probes_identical": before == after, "checks": checks}  # fmt: skip
+        _check(
+            "A's memory released after its prefix cache was reset",
+            released,
+            f"peak {_mib(peak_a)} MiB -> {_mib(a_after_reset)} MiB",
+        ),
+        _check(
+            "B grew past what was free at A's peak",
+            peak_b > free_at_peak,
+            f"B peak {_mib(peak_b)} MiB > {_mib(free_at_peak)} MiB free at A's peak",
+        ),
+        _check(
+            "every contended request succeeded",
+            not failures and min(completed.values()) == 16,
+            f"completed {completed}; failures {failures[:1]}",
+        ),
+        _check(
+            "both engines applied, together within the budget",
+            settled and sum(end_mapped.values()) <= budget,
+            f"{ {i: _mib(v) for i, v in end_mapped.items()} } of {_mib(budget)} MiB",
+        ),
+        _check(
+            "probe prompts give identical tokens before and after",
+            before == after,
+            "identical" if before == after else f"before {before} after {after}",
+        ),
+    ]
+    return {
+        "budget_mib": _mib(budget),
+        "peak_a_mib": _mib(peak_a),
+        "free_at_a_peak_mib": _mib(free_at_peak),
+        "a_after_reset_mib": _mib(a_after_reset),
+        "peak_b_mib": _mib(peak_b),
+        "end_mapped_mib": {i: _mib(v) for i, v in end_mapped.items()},
+        "completed": completed,
+        "probes_identical": before == after,
+        "checks": checks,
+    }
 
 
 def _dedupe(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -21,8 +21,15 @@ PAGE = 64 << 20  # one page bundle
 class SimEngine:
     """One stand-in engine on one device (test thread only)."""
 
-    def __init__(self, client: httpx.Client, iid: str, device: str | None, *,
-                 mapped: int = 0, capacity: int = 16 * GiB) -> None:
+    def __init__(
+        self,
+        client: httpx.Client,
+        iid: str,
+        device: str | None,
+        *,
+        mapped: int = 0,
+        capacity: int = 16 * GiB,
+    ) -> None:
         self.client = client
         self.iid = iid
         self.device = device
@@ -40,20 +47,34 @@ class SimEngine:
         over = 0 if limit is None else max(0, self.mapped - limit)
         busy = self.pinned or self.waiting
         return EngineState(
-            status=Status.DEFERRED if over else Status.APPLIED, revision=self.revision,
-            limit_bytes=limit, mapped_bytes=self.mapped, overage_bytes=over,
-            reason="running_requests" if over else None, capacity_bytes=self.capacity,
-            page_bundle_bytes=PAGE, pinned_bytes=min(self.pinned, self.mapped),
+            status=Status.DEFERRED if over else Status.APPLIED,
+            revision=self.revision,
+            limit_bytes=limit,
+            mapped_bytes=self.mapped,
+            overage_bytes=over,
+            reason="running_requests" if over else None,
+            capacity_bytes=self.capacity,
+            page_bundle_bytes=PAGE,
+            pinned_bytes=min(self.pinned, self.mapped),
             num_running_requests=1 if busy else 0,
-            num_waiting_requests=1 if self.waiting else 0, waiting_bytes=self.waiting)
+            num_waiting_requests=1 if self.waiting else 0,
+            waiting_bytes=self.waiting,
+        )
 
     def register(self, device: str | None = None) -> httpx.Response:
-        body = RegisterBody(engine="sim", engine_version="0", socket_path=None,
-                            device_total_bytes=self.capacity, state=self.state(apply=False),
-                            device_id=device or self.device)
-        r = self.client.post(f"/instances/{self.iid}/register",
-                             content=body.model_dump_json(),
-                             headers={"content-type": "application/json"})
+        body = RegisterBody(
+            engine="sim",
+            engine_version="0",
+            socket_path=None,
+            device_total_bytes=self.capacity,
+            state=self.state(apply=False),
+            device_id=device or self.device,
+        )
+        r = self.client.post(
+            f"/instances/{self.iid}/register",
+            content=body.model_dump_json(),
+            headers={"content-type": "application/json"},
+        )
         if r.status_code == 200:
             self._take(r.json())
         return r
@@ -61,17 +82,20 @@ class SimEngine:
     def sync(self, *, apply: bool = True, grow: bool = True) -> dict[str, Any]:
         """Take the desired limit, report; ``grow``: map up to the demand under the limit."""
         view = self.client.get(f"/instances/{self.iid}").json()
-        self._take({"limit": view["desired"]["limit_bytes"],
-                    "revision": view["desired"]["revision"]})
+        self._take(
+            {"limit": view["desired"]["limit_bytes"], "revision": view["desired"]["revision"]}
+        )
         if grow and apply:
             want = self.pinned + self.waiting
             cap = self.capacity if self.limit is None else self.limit
             self.mapped = max(self.mapped, min(want, cap))
             if self.mapped >= self.pinned + self.waiting:
                 self.pinned, self.waiting = self.pinned + self.waiting, 0
-        r = self.client.post(f"/instances/{self.iid}/report",
-                             content=self.state(apply=apply).model_dump_json(),
-                             headers={"content-type": "application/json"})
+        r = self.client.post(
+            f"/instances/{self.iid}/report",
+            content=self.state(apply=apply).model_dump_json(),
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 200, r.text
         return view
 

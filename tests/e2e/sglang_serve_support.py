@@ -62,7 +62,10 @@ class Engine:
         while time.monotonic() < deadline:
             time.sleep(0.3)
             again = self.state()
-            if again["passes"] == state["passes"] and again["mapped_bytes"] == state["mapped_bytes"]:
+            if (
+                again["passes"] == state["passes"]
+                and again["mapped_bytes"] == state["mapped_bytes"]
+            ):
                 return again
             state = again
         raise AssertionError(f"the scheduler never settled: {state}")
@@ -71,8 +74,10 @@ class Engine:
         """SGLang's native ``/generate``; returns ``(output_ids, meta_info)``."""
         response = httpx.post(
             self.server.base_url + "/generate",
-            json={"text": text, "sampling_params": {"max_new_tokens": max_new_tokens,
-                                                     "ignore_eos": True}},
+            json={
+                "text": text,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+            },
             timeout=timeout_s,
         )
         assert response.status_code == 200, response.text
@@ -105,13 +110,18 @@ class Engine:
         return httpx.get(self.server.base_url + "/health", timeout=10).status_code == 200
 
 
-def start_engine(tmp: Path, model_dir: Path, name: str, env: dict[str, str],
-                 extra_args: list[str]) -> Engine:
+def start_engine(
+    tmp: Path, model_dir: Path, name: str, env: dict[str, str], extra_args: list[str]
+) -> Engine:
     runtime_dir = tmp / "run"
     server = launch_sglang_server(
         model_dir,
-        env={"KVSIDECAR_THREAD_GUARD": "1", "KVSIDECAR_INSTANCE_ID": name,
-             "KVSIDECAR_RUNTIME_DIR": str(runtime_dir), **env},
+        env={
+            "KVSIDECAR_THREAD_GUARD": "1",
+            "KVSIDECAR_INSTANCE_ID": name,
+            "KVSIDECAR_RUNTIME_DIR": str(runtime_dir),
+            **env,
+        },
         extra_args=["--served-model-name", name, *extra_args],
         log_path=tmp / f"{name}.log",
         max_total_tokens=MAX_TOTAL_TOKENS,
@@ -122,6 +132,11 @@ def start_engine(tmp: Path, model_dir: Path, name: str, env: dict[str, str],
 
 def log_problems(log: str) -> list[str]:
     """Lines of a server log that mean the extension broke SGLang."""
-    needles = ("Prefill out of memory", "Traceback", "ForeignThreadError", "memory leak",
-               "Scheduler hit an exception")
+    needles = (
+        "Prefill out of memory",
+        "Traceback",
+        "ForeignThreadError",
+        "memory leak",
+        "Scheduler hit an exception",
+    )
     return [line for line in log.splitlines() if any(n in line for n in needles)]

@@ -55,15 +55,18 @@ def _settle(c: httpx.Client, *engines: SimEngine, rounds: int = 100) -> None:
         for e in engines:
             e.sync()
         dev = c.get(f"/devices/{DEV}").json()
-        if all(m["limit_bytes"] == m["target_bytes"] and m["status"] == "applied"
-               for m in dev["instances"]):
+        if all(
+            m["limit_bytes"] == m["target_bytes"] and m["status"] == "applied"
+            for m in dev["instances"]
+        ):
             return
         time.sleep(0.05)
     raise AssertionError(f"the limits did not settle: {dev}")
 
 
 def test_budget_shares_the_device_and_grows_only_after_the_shrink_is_applied(
-        c: httpx.Client) -> None:
+    c: httpx.Client,
+) -> None:
     a = SimEngine(c, "a", DEV)
     b = SimEngine(c, "b", DEV, mapped=3 * GiB)  # B's prefix cache holds 3G
     assert a.register().status_code == 200 and b.register().status_code == 200
@@ -99,8 +102,10 @@ def test_reports_run_the_pass_the_timer_is_only_a_fallback(tmp_path: Path) -> No
     """With a 60 s timer (longer than the test waits), the reports alone move memory: A's new
     demand makes B shrink, and B's ``applied`` report makes A grow, with no report from A
     in between."""
-    with ThreadedSidecar(_settings(tmp_path / "s.db", autopilot_interval_s=60)) as s, \
-            httpx.Client(base_url=s.url, timeout=30) as c:
+    with (
+        ThreadedSidecar(_settings(tmp_path / "s.db", autopilot_interval_s=60)) as s,
+        httpx.Client(base_url=s.url, timeout=30) as c,
+    ):
         a = SimEngine(c, "a", DEV)
         b = SimEngine(c, "b", DEV, mapped=3 * GiB)
         assert a.register().status_code == 200 and b.register().status_code == 200
@@ -181,9 +186,11 @@ def test_bad_input_is_a_clear_4xx_and_changes_nothing(c: httpx.Client) -> None:
     r = c.put("/instances/a/policy", json={"weight": 0})
     assert r.status_code == 422
     assert c.put("/instances/zz/policy", json={"weight": 2}).status_code == 404
-    for method, path, body in (("GET", "/devices/nope", None),
-                               ("PUT", "/devices/nope/budget", {"budget": "1G"}),
-                               ("PUT", "/devices/nope/limits", {"limits": {"a": "1G"}})):
+    for method, path, body in (
+        ("GET", "/devices/nope", None),
+        ("PUT", "/devices/nope/budget", {"budget": "1G"}),
+        ("PUT", "/devices/nope/limits", {"limits": {"a": "1G"}}),
+    ):
         r = c.request(method, path, json=body)
         assert r.status_code == 404 and "KVSIDECAR_DEVICE_ID" in r.json()["detail"], r.text
     r = c.put(f"/devices/{DEV}/limits", json={"limits": {"a": "1G", "ghost": "1G"}})
@@ -199,9 +206,13 @@ def test_bad_input_is_a_clear_4xx_and_changes_nothing(c: httpx.Client) -> None:
     assert r.status_code == 409 and "cannot move devices" in r.json()["detail"]
     assert c.get("/instances/a").json()["policy"]["device_id"] == DEV
     after = c.get(f"/devices/{DEV}").json()
-    assert (after["budget_bytes"], after["revision"]) == (before["budget_bytes"], before["revision"])
-    assert [(m["id"], m["pinned"], m["min_bytes"]) for m in after["instances"]] == \
-        [(m["id"], m["pinned"], m["min_bytes"]) for m in before["instances"]]
+    assert (after["budget_bytes"], after["revision"]) == (
+        before["budget_bytes"],
+        before["revision"],
+    )
+    assert [(m["id"], m["pinned"], m["min_bytes"]) for m in after["instances"]] == [
+        (m["id"], m["pinned"], m["min_bytes"]) for m in before["instances"]
+    ]
     assert "gpu-1" not in [d["id"] for d in c.get("/devices").json()["devices"]]
 
 

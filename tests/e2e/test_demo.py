@@ -22,26 +22,52 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any]]:
     out = tmp_path_factory.mktemp("demo-out")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_TARGET_DEVICE": "cpu",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "VLLM_TARGET_DEVICE": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "demo", "--quick", "--idle-s", "2", "--out", str(out)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "sidecar.cli",
+            "demo",
+            "--quick",
+            "--idle-s",
+            "2",
+            "--out",
+            str(out),
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     results_path = out / "demo-results.json"
-    assert results_path.exists(), f"no demo-results.json; output:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    assert results_path.exists(), (
+        f"no demo-results.json; output:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    )
     assert (out / "demo-mapped.png").stat().st_size > 0
     return proc.returncode, json.loads(results_path.read_text())
 
 
 def test_demo_exits_zero_and_every_check_passes(demo: tuple[int, dict[str, Any]]) -> None:
     code, results = demo
-    failed = [c for part in ("limit_table", "elastic") for c in results[part]["checks"] if not c["ok"]]
+    failed = [
+        c for part in ("limit_table", "elastic") for c in results[part]["checks"] if not c["ok"]
+    ]
     assert not failed
     assert results["ok"] is True and code == 0
 
 
-def test_limit_table_with_reclaim_fits_and_without_does_not(demo: tuple[int, dict[str, Any]]) -> None:
+def test_limit_table_with_reclaim_fits_and_without_does_not(
+    demo: tuple[int, dict[str, Any]],
+) -> None:
     rows = demo[1]["limit_table"]["rows"]
     assert len(rows) >= 2
     for r in rows:

@@ -25,12 +25,22 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any]]:
     out = tmp_path_factory.mktemp("demo-autopilot")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_TARGET_DEVICE": "cpu",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "VLLM_TARGET_DEVICE": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "sidecar.cli", "demo", "--autopilot", "--quick", "--out", str(out)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
-    )  # fmt: skip
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     path = out / "demo-results.json"
     assert path.exists(), f"no demo-results.json:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     return proc.returncode, json.loads(path.read_text())

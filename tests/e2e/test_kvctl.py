@@ -24,17 +24,22 @@ runner = CliRunner()
 
 @pytest.fixture
 def sidecar(tmp_path: Path) -> Iterator[ThreadedSidecar]:
-    with ThreadedSidecar(SidecarSettings(db_path=tmp_path / "s.db", token="tok",
-                                         max_wait_s=30)) as server:
+    with ThreadedSidecar(
+        SidecarSettings(db_path=tmp_path / "s.db", token="tok", max_wait_s=30)
+    ) as server:
         yield server
 
 
 @pytest.fixture
 def engine(tmp_path: Path, sidecar: ThreadedSidecar) -> Iterator[SocketEngine]:
-    with SocketEngine(tmp_path / "e.sock", mapped_bytes=6 * GiB,
-                      device_total_bytes=80 * GiB) as eng:
-        r = httpx.post(f"{sidecar.url}/instances/llama-a/register", json=eng.register_body(),
-                       headers={"Authorization": "Bearer tok"})
+    with SocketEngine(
+        tmp_path / "e.sock", mapped_bytes=6 * GiB, device_total_bytes=80 * GiB
+    ) as eng:
+        r = httpx.post(
+            f"{sidecar.url}/instances/llama-a/register",
+            json=eng.register_body(),
+            headers={"Authorization": "Bearer tok"},
+        )
         assert r.status_code == 200
         yield eng
 
@@ -47,8 +52,11 @@ def kvctl(sidecar: ThreadedSidecar, *args: str, token: str = "tok") -> tuple[int
 
 def report(sidecar: ThreadedSidecar, engine: SocketEngine, mapped_bytes: int) -> None:
     state = engine.engine_pass(mapped_bytes=mapped_bytes)
-    httpx.post(f"{sidecar.url}/instances/llama-a/report", content=state.model_dump_json(),
-               headers={"Authorization": "Bearer tok", "content-type": "application/json"})
+    httpx.post(
+        f"{sidecar.url}/instances/llama-a/report",
+        content=state.model_dump_json(),
+        headers={"Authorization": "Bearer tok", "content-type": "application/json"},
+    )
 
 
 def test_limit_status_list_delete(sidecar: ThreadedSidecar, engine: SocketEngine) -> None:
@@ -62,24 +70,32 @@ def test_limit_status_list_delete(sidecar: ThreadedSidecar, engine: SocketEngine
     assert code == 0 and "llama-a" in out and "4GiB" in out
     code, out = kvctl(sidecar, "delete", "llama-a", "--json")
     assert code == 0 and json.loads(out)["desired"] == {
-        **json.loads(out)["desired"], "limit_bytes": None, "revision": 2}
+        **json.loads(out)["desired"],
+        "limit_bytes": None,
+        "revision": 2,
+    }
 
 
-def test_limit_percent_uses_the_registered_device_memory(sidecar: ThreadedSidecar,
-                                                         engine: SocketEngine) -> None:
+def test_limit_percent_uses_the_registered_device_memory(
+    sidecar: ThreadedSidecar, engine: SocketEngine
+) -> None:
     code, out = kvctl(sidecar, "limit-percent", "llama-a", "12.5", "--json")
     assert code == 0 and json.loads(out)["desired"]["limit_bytes"] == 10 * GiB
     code, out = kvctl(sidecar, "limit-percent", "llama-a", "150")
     assert code == 2 and "percent must be a number from 0 to 100; got 150.0" in out
-    httpx.put(f"{sidecar.url}/instances/other/limit", json={"limit": 1},
-              headers={"Authorization": "Bearer tok"})
+    httpx.put(
+        f"{sidecar.url}/instances/other/limit",
+        json={"limit": 1},
+        headers={"Authorization": "Bearer tok"},
+    )
     code, out = kvctl(sidecar, "limit-percent", "other", "10")
     assert code == 2 and "has not registered its device memory" in out
 
 
 @pytest.mark.parametrize("percent", ["nan", "NaN", "inf", "-inf", "infinity", "-0.5"])
-def test_limit_percent_rejects_non_finite_values(sidecar: ThreadedSidecar, engine: SocketEngine,
-                                                 percent: str) -> None:
+def test_limit_percent_rejects_non_finite_values(
+    sidecar: ThreadedSidecar, engine: SocketEngine, percent: str
+) -> None:
     before = httpx.get(f"{sidecar.url}/instances/llama-a").json()["desired"]
     code, out = kvctl(sidecar, "limit-percent", "llama-a", "--", percent)
     assert code == 2, out
@@ -93,7 +109,8 @@ def test_wait_exit_codes(sidecar: ThreadedSidecar, engine: SocketEngine) -> None
     assert code == 3 and ("deferred" in out or "pending" in out)  # 6 GiB still mapped
     done: dict[str, tuple[int, str]] = {}
     waiter = threading.Thread(
-        target=lambda: done.update(r=kvctl(sidecar, "status", "llama-a", "--wait", "30")))
+        target=lambda: done.update(r=kvctl(sidecar, "status", "llama-a", "--wait", "30"))
+    )
     waiter.start()
     report(sidecar, engine, mapped_bytes=3 * GiB)
     waiter.join(30)
@@ -124,8 +141,9 @@ def test_watch_once_draws_bars(sidecar: ThreadedSidecar, engine: SocketEngine) -
 
 
 def test_socket_mode_talks_to_the_engine_directly(tmp_path: Path) -> None:
-    with SocketEngine(tmp_path / "direct.sock", mapped_bytes=2 * GiB,
-                      device_total_bytes=8 * GiB) as engine:
+    with SocketEngine(
+        tmp_path / "direct.sock", mapped_bytes=2 * GiB, device_total_bytes=8 * GiB
+    ) as engine:
         sock = str(engine.socket_path)
         result = runner.invoke(app, ["--socket", sock, "limit", "any", "1G", "--json"])
         assert result.exit_code == 0, result.output
@@ -143,21 +161,45 @@ def test_socket_mode_talks_to_the_engine_directly(tmp_path: Path) -> None:
 def test_real_process_exit_codes_and_no_traceback() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KVSIDECAR_URL": "http://127.0.0.1:9"}
     for args, code in ((["limit", "a", "-1G"], 2), (["list"], 4), (["limit"], 2)):
-        proc = subprocess.run([sys.executable, "-m", "sidecar.kvctl", *args], env=env,
-                              capture_output=True, text=True, timeout=60, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "sidecar.kvctl", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert proc.returncode == code, (args, proc.stderr)
         assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("bad", ["zzz/../llama-a", "llama-a?x", "llama-a#x", "../llama-a",
-                                 "-llama", "x" * 64, "llama a", "llama-a/limit", "ll%61ma-a"])
-def test_ids_are_checked_before_any_request(sidecar: ThreadedSidecar, engine: SocketEngine,
-                                            bad: str) -> None:
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "zzz/../llama-a",
+        "llama-a?x",
+        "llama-a#x",
+        "../llama-a",
+        "-llama",
+        "x" * 64,
+        "llama a",
+        "llama-a/limit",
+        "ll%61ma-a",
+    ],
+)
+def test_ids_are_checked_before_any_request(
+    sidecar: ThreadedSidecar, engine: SocketEngine, bad: str
+) -> None:
     """Issue 14.3: ``kvctl limit zzz/../llama-a 1G`` used to set llama-a's limit."""
     assert kvctl(sidecar, "limit", "llama-a", "4G")[0] == 0
     before = kvctl(sidecar, "status", "llama-a", "--json")[1]
-    for args in (["limit", "--", bad, "1G"], ["status", "--", bad], ["delete", "--", bad],
-                 ["forget", "--", bad], ["limit-percent", "--", bad, "10"]):
+    for args in (
+        ["limit", "--", bad, "1G"],
+        ["status", "--", bad],
+        ["delete", "--", bad],
+        ["forget", "--", bad],
+        ["limit-percent", "--", bad, "10"],
+    ):
         code, out = kvctl(sidecar, *args)
         assert code == 2, (args, out)
         assert f"instance_id {bad!r} is not valid" in out and "Traceback" not in out
@@ -167,6 +209,7 @@ def test_ids_are_checked_before_any_request(sidecar: ThreadedSidecar, engine: So
 
 def test_path_segments_are_encoded() -> None:
     from sidecar._kvctl_client import _path
+
     assert _path("llama-a.v2_1") == "/instances/llama-a.v2_1"
     assert _path("a/../b?x#y") == "/instances/a%2F..%2Fb%3Fx%23y"
 
@@ -184,7 +227,8 @@ def test_forget_drops_an_instance(sidecar: ThreadedSidecar) -> None:
 
 
 def test_a_token_with_whitespace_from_the_environment_works(
-        sidecar: ThreadedSidecar, monkeypatch: pytest.MonkeyPatch) -> None:
+    sidecar: ThreadedSidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KVSIDECAR_TOKEN", "tok\n")  # e.g. read from a file with a newline
     result = runner.invoke(app, ["--url", sidecar.url, "limit", "llama-b", "1G"])
     assert result.exit_code == 0, result.output

@@ -20,8 +20,9 @@ runner = CliRunner()
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[ThreadedSidecar]:
-    with ThreadedSidecar(SidecarSettings(db_path=tmp_path / "s.db",
-                                         autopilot_interval_s=0.05)) as s:
+    with ThreadedSidecar(
+        SidecarSettings(db_path=tmp_path / "s.db", autopilot_interval_s=0.05)
+    ) as s:
         yield s
 
 
@@ -42,8 +43,15 @@ def test_devices_budget_policy_and_device_limits(server: ThreadedSidecar) -> Non
         assert c.get("/instances/a").json()["policy"]["weight"] == 2
         code, out = kvctl(server, "budget", "gpu-0", "6G")
         assert code == 0 and "gpu-0: budget 6GiB" in out
-        wait_until(lambda: (a.sync(), b.sync(), 5 * GiB < (
-            c.get("/devices/gpu-0").json()["sum_limits_bytes"] or 1 << 62) <= 6 * GiB)[2])
+        wait_until(
+            lambda: (
+                a.sync(),
+                b.sync(),
+                5 * GiB
+                < (c.get("/devices/gpu-0").json()["sum_limits_bytes"] or 1 << 62)
+                <= 6 * GiB,
+            )[2]
+        )
         code, out = kvctl(server, "devices", "gpu-0", "--json")
         assert code == 0 and json.loads(out)["budget_bytes"] == 6 * GiB
         code, out = kvctl(server, "status", "a")

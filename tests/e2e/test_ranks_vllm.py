@@ -53,8 +53,11 @@ class Engine:
             return int(client.put("/limit", json={"limit": limit}).json()["revision"])
 
     def complete(self, prompt: str, max_tokens: int = 24, timeout_s: float = 120) -> str:
-        response = httpx.post(self.server.base_url + "/v1/completions", timeout=timeout_s,
-                              json={"model": self.model, "prompt": prompt, "max_tokens": max_tokens})
+        response = httpx.post(
+            self.server.base_url + "/v1/completions",
+            timeout=timeout_s,
+            json={"model": self.model, "prompt": prompt, "max_tokens": max_tokens},
+        )
         assert response.status_code == 200, response.text
         return str(response.json()["choices"][0]["text"])
 
@@ -71,7 +74,10 @@ class Engine:
     def memfd_bytes(self) -> int:
         """Memory committed in the KV memfd (counted once, though every rank holds it open)."""
         seen: dict[tuple[int, int], int] = {}
-        tree = [psutil.Process(self.server.proc.pid), *psutil.Process(self.server.proc.pid).children(True)]
+        tree = [
+            psutil.Process(self.server.proc.pid),
+            *psutil.Process(self.server.proc.pid).children(True),
+        ]
         for proc in tree:
             try:
                 entries = list(Path(f"/proc/{proc.pid}/fd").iterdir())
@@ -94,24 +100,40 @@ class Engine:
 
 def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine:
     runtime = tmp / name
-    server = launch_vllm_server(model_dir, env={
-        "KVSIDECAR_ENABLE": "1", "KVSIDECAR_THREAD_GUARD": "1", "KVSIDECAR_INSTANCE_ID": name,
-        "KVSIDECAR_RUNTIME_DIR": str(runtime), **env,
-    }, extra_args=["--max-num-seqs", "8", "--enable-server-load-tracking"],
-        log_path=tmp / f"{name}.log")
+    server = launch_vllm_server(
+        model_dir,
+        env={
+            "KVSIDECAR_ENABLE": "1",
+            "KVSIDECAR_THREAD_GUARD": "1",
+            "KVSIDECAR_INSTANCE_ID": name,
+            "KVSIDECAR_RUNTIME_DIR": str(runtime),
+            **env,
+        },
+        extra_args=["--max-num-seqs", "8", "--enable-server-load-tracking"],
+        log_path=tmp / f"{name}.log",
+    )
     world = int(env.get("KVSIDECAR_STUB_TP", "1")) * int(env.get("KVSIDECAR_STUB_PP", "1"))
     return Engine(server, runtime / name / "control.sock", str(model_dir), world)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory,
-            module_sidecar_url: str) -> Iterator[dict[str, Engine]]:
+def engines(
+    tmp_path_factory: pytest.TempPathFactory, module_sidecar_url: str
+) -> Iterator[dict[str, Engine]]:
     tmp = tmp_path_factory.mktemp("vllm-ranks")
     model_dir = make_tiny_model_dir(tmp / "model")
     with ThreadPoolExecutor(2) as pool:
-        tp2 = pool.submit(_start, tmp, model_dir, "tp2", {
-            "KVSIDECAR_STUB_TP": "2", "KVSIDECAR_SIDECAR_URL": module_sidecar_url,
-            "KVSIDECAR_HEARTBEAT_S": "0.5"})
+        tp2 = pool.submit(
+            _start,
+            tmp,
+            model_dir,
+            "tp2",
+            {
+                "KVSIDECAR_STUB_TP": "2",
+                "KVSIDECAR_SIDECAR_URL": module_sidecar_url,
+                "KVSIDECAR_HEARTBEAT_S": "0.5",
+            },
+        )
         pp2 = pool.submit(_start, tmp, model_dir, "pp2", {"KVSIDECAR_STUB_PP": "2"})
         started = {"tp2": tp2.result(), "pp2": pp2.result()}
     try:
@@ -125,8 +147,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory,
             left[name] = (pids, log)
         for name, (pids, log) in left.items():
             assert "ForeignThreadError" not in log
-            assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                           for p in pids), f"{name}: a rank process outlived SIGTERM"
+            assert not any(
+                psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids
+            ), f"{name}: a rank process outlived SIGTERM"
             assert not (tmp / name / name).exists(), f"{name}: runtime dir left after SIGTERM"
 
 
@@ -150,8 +173,7 @@ def _scenario(engine: Engine, lower: Callable[[int], int]) -> None:
     with ThreadPoolExecutor(8) as pool:
         kept = [pool.submit(engine.complete, p) for p in KEPT]
         aborted = [pool.submit(abandoned, i) for i in range(4)]
-        wait_until(lambda: engine.requests_in_flight() >= len(KEPT),
-                   what="requests in flight")
+        wait_until(lambda: engine.requests_in_flight() >= len(KEPT), what="requests in flight")
         revision = lower(limit)
         texts = [f.result() for f in kept]
         for f in aborted:
@@ -173,11 +195,15 @@ def _scenario(engine: Engine, lower: Callable[[int], int]) -> None:
     final = engine.state()
     assert final["mapped_bytes"] <= limit and engine.memfd_bytes() <= limit
     assert [(r["rank"], r["alive"]) for r in final["ranks"]][: engine.world] in (
-        [(i, True) for i in range(engine.world)], [(0, True)])
+        [(i, True) for i in range(engine.world)],
+        [(0, True)],
+    )
     assert [engine.complete(p, timeout_s=60) for p in KEPT] == reference  # serving, same tokens
 
 
-def test_tp2_reference_scenario_via_sidecar(engines: dict[str, Engine], module_sidecar_url: str) -> None:
+def test_tp2_reference_scenario_via_sidecar(
+    engines: dict[str, Engine], module_sidecar_url: str
+) -> None:
     engine = engines["tp2"]
     api = httpx.Client(base_url=module_sidecar_url, timeout=30)
 

@@ -48,21 +48,38 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("KVSIDECAR_TOKEN", None)
     sidecar = subprocess.Popen(
-        [sys.executable, "-m", "sidecar.cli", "serve", "--port", str(port),
-         "--db", str(work / "sidecar.db")], env=env, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "sidecar.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--db",
+            str(work / "sidecar.db"),
+        ],
+        env=env,
+        start_new_session=True,
+    )
     try:
         _wait_http(url + "/healthz")
-        engine_env = {"KVSIDECAR_ENABLE": "1", "KVSIDECAR_INSTANCE_ID": "llama-a",
-                      "KVSIDECAR_DEVICE_ID": "host0",  # the README's autopilot section
-                      "KVSIDECAR_SIDECAR_URL": url, "KVSIDECAR_HEARTBEAT_S": "1",
-                      "KVSIDECAR_RUNTIME_DIR": str(work / "run")}  # fmt: skip
-        with launch_vllm_server(make_tiny_model_dir(work / "model"), env=engine_env,
-                                log_path=work / "engine.log") as server:  # fmt: skip
+        engine_env = {
+            "KVSIDECAR_ENABLE": "1",
+            "KVSIDECAR_INSTANCE_ID": "llama-a",
+            "KVSIDECAR_DEVICE_ID": "host0",  # the README's autopilot section
+            "KVSIDECAR_SIDECAR_URL": url,
+            "KVSIDECAR_HEARTBEAT_S": "1",
+            "KVSIDECAR_RUNTIME_DIR": str(work / "run"),
+        }
+        with launch_vllm_server(
+            make_tiny_model_dir(work / "model"), env=engine_env, log_path=work / "engine.log"
+        ) as server:
             # a little prefix cache so the limits have something to reclaim
-            httpx.post(server.base_url + "/v1/completions", timeout=60,
-                       json={"model": str(work / "model"), "prompt": "hello " * 300,
-                             "max_tokens": 4})  # fmt: skip
+            httpx.post(
+                server.base_url + "/v1/completions",
+                timeout=60,
+                json={"model": str(work / "model"), "prompt": "hello " * 300, "max_tokens": 4},
+            )
             _wait_http(url + "/instances/llama-a")
             yield url
     finally:
@@ -92,4 +109,6 @@ def test_readme_line_works(live: str, command: str) -> None:
     env = {**os.environ, "KVSIDECAR_URL": live, "PYTHONPATH": str(REPO)}
     env.pop("KVSIDECAR_TOKEN", None)
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=False)
-    assert proc.returncode == 0, f"{command!r} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"{command!r} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    )

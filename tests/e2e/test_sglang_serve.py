@@ -41,13 +41,18 @@ FILLERS = [make_document(150, seed=300 + i) for i in range(8)]
 def engine(tmp_path_factory: pytest.TempPathFactory, module_sidecar_url: str) -> Iterator[Engine]:
     tmp = tmp_path_factory.mktemp("sglang-serve")
     model_dir = make_tiny_model_dir(tmp / "model")
-    retained = httpx.put(f"{module_sidecar_url}/instances/{NAME}/limit",
-                         json={"limit": RETAINED_LIMIT})
+    retained = httpx.put(
+        f"{module_sidecar_url}/instances/{NAME}/limit", json={"limit": RETAINED_LIMIT}
+    )
     assert retained.status_code in (200, 202) and retained.json()["status"] == "pending"
     started = time.monotonic()
-    eng = start_engine(tmp, model_dir, NAME,
-                       {"KVSIDECAR_SIDECAR_URL": module_sidecar_url, "KVSIDECAR_HEARTBEAT_S": "0.5"},
-                       ["--disable-overlap-schedule"])
+    eng = start_engine(
+        tmp,
+        model_dir,
+        NAME,
+        {"KVSIDECAR_SIDECAR_URL": module_sidecar_url, "KVSIDECAR_HEARTBEAT_S": "0.5"},
+        ["--disable-overlap-schedule"],
+    )
     print(f"\nSGLang server healthy after {time.monotonic() - started:.0f} s")
     try:
         yield eng
@@ -55,13 +60,17 @@ def engine(tmp_path_factory: pytest.TempPathFactory, module_sidecar_url: str) ->
         eng.server.stop()
 
 
-def test_retained_limit_applies_before_the_first_request(engine: Engine,
-                                                         module_sidecar_url: str) -> None:
+def test_retained_limit_applies_before_the_first_request(
+    engine: Engine, module_sidecar_url: str
+) -> None:
     state = engine.state()  # no request has reached the server yet (warm-up skipped)
     info = httpx.get(engine.server.base_url + "/server_info", timeout=30).json()
     assert info["disable_overlap_schedule"] is True  # this module runs event_loop_normal
-    assert (state["revision"], state["limit_bytes"], state["status"]) == (1, RETAINED_LIMIT,
-                                                                          "applied")
+    assert (state["revision"], state["limit_bytes"], state["status"]) == (
+        1,
+        RETAINED_LIMIT,
+        "applied",
+    )
     assert state["mapped_bytes"] == engine.server.kv_memfd_bytes() <= RETAINED_LIMIT
     assert state["capacity_bytes"] > 16 * RETAINED_LIMIT  # the pool is far larger than the limit
     for seed in range(4):  # traffic under the retained limit
@@ -103,15 +112,21 @@ def test_limit_lowered_while_idle_applies_in_one_idle_pass_and_holds_under_traff
     after = engine.quiet_state()
     assert after["status"] == "applied" and after["revision"] == revision
     assert after["mapped_bytes"] == engine.server.kv_memfd_bytes() <= limit
-    print(f"\nSGLang reference row (KiB): full {full['mapped_bytes'] >> 10}, limit {limit >> 10}, "
-          f"idle {idle['mapped_bytes'] >> 10} ({idle['passes'] - full['passes']} passes), "
-          f"after traffic {after['mapped_bytes'] >> 10}")
+    print(
+        f"\nSGLang reference row (KiB): full {full['mapped_bytes'] >> 10}, limit {limit >> 10}, "
+        f"idle {idle['mapped_bytes'] >> 10} ({idle['passes'] - full['passes']} passes), "
+        f"after traffic {after['mapped_bytes'] >> 10}"
+    )
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "on the real server an idle limit cut takes 2-5 coordinator passes (the small loop: 1): "
-    "SGLang calls get_next_batch_to_run (a pass) before on_idle in every idle iteration, and "
-    "UnifiedTreeReclaimer frees whole leaf nodes, so a pass may stop short; see docs/sglang.md"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "on the real server an idle limit cut takes 2-5 coordinator passes (the small loop: 1): "
+        "SGLang calls get_next_batch_to_run (a pass) before on_idle in every idle iteration, and "
+        "UnifiedTreeReclaimer frees whole leaf nodes, so a pass may stop short; see docs/sglang.md"
+    ),
+)
 def test_limit_lowered_while_idle_converges_in_one_pass(engine: Engine) -> None:
     engine.flush()
     _fill(engine)
@@ -137,12 +152,18 @@ def _run_with_aborts(engine: Engine, limit_change: bool) -> list[tuple[list[int]
 
     with ThreadPoolExecutor(18) as pool:
         gone = [pool.submit(abandoned, i) for i in range(6)]
-        wait_until(lambda: engine.state()["num_running_requests"] >= 4, timeout_s=60,
-                   what="abandoned requests running")
+        wait_until(
+            lambda: engine.state()["num_running_requests"] >= 4,
+            timeout_s=60,
+            what="abandoned requests running",
+        )
         futures = [pool.submit(engine.generate, p, 24) for p in kept]
         if limit_change:
-            wait_until(lambda: engine.state()["num_running_requests"] >= 8, timeout_s=60,
-                       what="a batch of requests running")
+            wait_until(
+                lambda: engine.state()["num_running_requests"] >= 8,
+                timeout_s=60,
+                what="a batch of requests running",
+            )
             # taken at the top of the next iteration, between batches; the unlocked fillers
             # usually cover it at once ("applied"), else "deferred" until requests finish
             revision = engine.set_limit(warm["mapped_bytes"] - 4 * warm["page_bundle_bytes"])
@@ -151,8 +172,11 @@ def _run_with_aborts(engine: Engine, limit_change: bool) -> list[tuple[list[int]
     assert outcomes.count("aborted") == 6
     if limit_change:
         applied = engine.wait_state(revision, status="applied")
-        assert applied["mapped_bytes"] == engine.server.kv_memfd_bytes() \
+        assert (
+            applied["mapped_bytes"]
+            == engine.server.kv_memfd_bytes()
             <= warm["mapped_bytes"] - 4 * warm["page_bundle_bytes"]
+        )
     return [(ids, meta["cached_tokens"]) for ids, meta in results]
 
 
@@ -177,8 +201,11 @@ def test_limit_zero_drains_then_a_request_waits_and_completes_after_a_raise(
     assert drained["evictable_bytes"] == 0
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(engine.generate, f"{DOC} after the drain", 8)
-        wait_until(lambda: engine.state()["num_waiting_requests"] == 1, timeout_s=60,
-                   what="the request waits in SGLang's queue")
+        wait_until(
+            lambda: engine.state()["num_waiting_requests"] == 1,
+            timeout_s=60,
+            what="the request waits in SGLang's queue",
+        )
         assert not waiting.done() and engine.healthy()
         assert engine.server.kv_memfd_bytes() == 0
         raised = engine.set_limit(None)
@@ -198,8 +225,11 @@ def test_prefill_that_cannot_be_backed_waits_and_completes(engine: Engine) -> No
     engine.wait_state(revision, status="applied")
     with ThreadPoolExecutor(2) as pool:
         big = pool.submit(engine.generate, big_prompt, 6)
-        wait_until(lambda: engine.state()["waiting_reason"] == "waiting_for_memory", timeout_s=60,
-                   what="the big prefill waits for memory")
+        wait_until(
+            lambda: engine.state()["waiting_reason"] == "waiting_for_memory",
+            timeout_s=60,
+            what="the big prefill waits for memory",
+        )
         small = pool.submit(engine.generate, small_prompt, 6)
         state = engine.state()
         assert state["waiting_bytes"] > 4 * bundle and not big.done()
@@ -225,8 +255,9 @@ def test_zz_sigterm_to_the_server_removes_socket_and_owner_file(engine: Engine) 
     pids = engine.server.pids()
     engine.server.signal(signal.SIGTERM)
     engine.server.proc.wait(timeout=120)  # SGLang ends its own process tree (its exit code)
-    wait_until(lambda: not any(_alive(p) for p in pids), timeout_s=60,
-               what="every SGLang process exited")
+    wait_until(
+        lambda: not any(_alive(p) for p in pids), timeout_s=60, what="every SGLang process exited"
+    )
     assert not engine.instance_dir.exists(), sorted(p.name for p in engine.instance_dir.iterdir())
     problems = [p for p in log_problems(engine.server.log_text()) if "Traceback" not in p]
     assert problems == []

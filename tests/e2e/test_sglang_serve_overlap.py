@@ -56,8 +56,7 @@ def test_the_overlap_loop_serves_with_the_extension(engine: Engine) -> None:
 
 def test_limit_published_while_sleeping_applies_then_holds_under_traffic(engine: Engine) -> None:
     engine.flush()
-    prompts = [f"{DOC} {i}" for i in range(6)] + [make_document(120, seed=50 + i)
-                                                   for i in range(6)]
+    prompts = [f"{DOC} {i}" for i in range(6)] + [make_document(120, seed=50 + i) for i in range(6)]
     reference = [engine.generate(p, max_new_tokens=12)[0] for p in prompts]
     full = engine.quiet_state()  # the scheduler sleeps in IdleSleeper now
     limit = full["mapped_bytes"] // 2
@@ -80,13 +79,20 @@ def test_limit_lowered_under_traffic_defers_then_applies(engine: Engine) -> None
     bundle = warm["page_bundle_bytes"]
     with ThreadPoolExecutor(10) as pool:
         futures = [pool.submit(engine.generate, p, 48) for p in prompts]
-        wait_until(lambda: engine.state()["num_running_requests"] >= 4, timeout_s=60,
-                   what="requests running in the overlap loop")
+        wait_until(
+            lambda: engine.state()["num_running_requests"] >= 4,
+            timeout_s=60,
+            what="requests running in the overlap loop",
+        )
         revision = engine.set_limit(warm["mapped_bytes"] - 2 * bundle)
         outputs = [f.result()[0] for f in futures]
     assert outputs == reference
     applied = engine.wait_state(revision, status="applied")
-    assert applied["mapped_bytes"] == engine.server.kv_memfd_bytes() <= warm["mapped_bytes"] - 2 * bundle
+    assert (
+        applied["mapped_bytes"]
+        == engine.server.kv_memfd_bytes()
+        <= warm["mapped_bytes"] - 2 * bundle
+    )
 
 
 def test_zz_sigint_to_the_process_group_removes_socket_and_owner_file(engine: Engine) -> None:
@@ -95,7 +101,10 @@ def test_zz_sigint_to_the_process_group_removes_socket_and_owner_file(engine: En
     pids = engine.server.pids()
     os.killpg(engine.server.proc.pid, signal.SIGINT)
     engine.server.proc.wait(timeout=120)
-    wait_until(lambda: not any(os.path.exists(f"/proc/{p}/fd") for p in pids), timeout_s=60,
-               what="every SGLang process exited")
+    wait_until(
+        lambda: not any(os.path.exists(f"/proc/{p}/fd") for p in pids),
+        timeout_s=60,
+        what="every SGLang process exited",
+    )
     assert not engine.instance_dir.exists(), sorted(p.name for p in engine.instance_dir.iterdir())
     assert [p for p in log_problems(engine.server.log_text()) if "Traceback" not in p] == []

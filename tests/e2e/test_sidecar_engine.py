@@ -20,8 +20,12 @@ GiB = 1 << 30
 
 @pytest.fixture
 def sidecar(tmp_path: Path) -> Iterator[ThreadedSidecar]:
-    settings = SidecarSettings(db_path=tmp_path / "s.db", push_backoff_initial_s=0.02,
-                               push_backoff_max_s=0.2, max_wait_s=30)
+    settings = SidecarSettings(
+        db_path=tmp_path / "s.db",
+        push_backoff_initial_s=0.02,
+        push_backoff_max_s=0.2,
+        max_wait_s=30,
+    )
     with ThreadedSidecar(settings) as server:
         yield server
 
@@ -34,15 +38,19 @@ def client(sidecar: ThreadedSidecar) -> Iterator[httpx.Client]:
 
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[SocketEngine]:
-    with SocketEngine(tmp_path / "e.sock", mapped_bytes=6 * GiB,
-                      device_total_bytes=80 * GiB) as eng:
+    with SocketEngine(
+        tmp_path / "e.sock", mapped_bytes=6 * GiB, device_total_bytes=80 * GiB
+    ) as eng:
         yield eng
 
 
 def _report(client: httpx.Client, iid: str, engine: SocketEngine, **kw: Any) -> httpx.Response:
     state = engine.engine_pass(**kw)
-    r = client.post(f"/instances/{iid}/report", content=state.model_dump_json(),
-                    headers={"content-type": "application/json"})
+    r = client.post(
+        f"/instances/{iid}/report",
+        content=state.model_dump_json(),
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 200, r.text
     return r
 
@@ -63,13 +71,19 @@ def test_put_deferred_then_report_applied(client: httpx.Client, engine: SocketEn
 
     _report(client, "llama-a", engine)  # still 6 GiB mapped: evicting
     view = client.get("/instances/llama-a").json()
-    assert (view["status"], view["reason"], view["overage_bytes"]) == \
-        ("deferred", "evicting", 2 * GiB)
+    assert (view["status"], view["reason"], view["overage_bytes"]) == (
+        "deferred",
+        "evicting",
+        2 * GiB,
+    )
 
     _report(client, "llama-a", engine, mapped_bytes=3 * GiB)
     view = client.get("/instances/llama-a").json()
-    assert (view["status"], view["mapped_bytes"], view["effective_limit_bytes"]) == \
-        ("applied", 3 * GiB, 4 * GiB)
+    assert (view["status"], view["mapped_bytes"], view["effective_limit_bytes"]) == (
+        "applied",
+        3 * GiB,
+        4 * GiB,
+    )
 
 
 def test_wait_returns_as_soon_as_applied(client: httpx.Client, engine: SocketEngine) -> None:
@@ -103,8 +117,9 @@ def test_wait_deadline_while_deferred_is_202(client: httpx.Client, engine: Socke
     assert r.json()["status"] in ("pending", "deferred")
 
 
-def test_registration_returns_the_retained_limit(client: httpx.Client,
-                                                 engine: SocketEngine) -> None:
+def test_registration_returns_the_retained_limit(
+    client: httpx.Client, engine: SocketEngine
+) -> None:
     client.put("/instances/llama-a/limit", json={"limit": "2G"})
     client.put("/instances/llama-a/limit", json={"limit": "3G"})
     reply = client.post("/instances/llama-a/register", json=engine.register_body()).json()
@@ -122,8 +137,9 @@ def test_a_newer_engine_revision_is_adopted(client: httpx.Client, engine: Socket
     wait_until(lambda: (4 * GiB, 8) in engine.mailbox.pushes)
 
 
-def test_pushes_retry_and_never_reorder(client: httpx.Client, sidecar: ThreadedSidecar,
-                                        tmp_path: Path) -> None:
+def test_pushes_retry_and_never_reorder(
+    client: httpx.Client, sidecar: ThreadedSidecar, tmp_path: Path
+) -> None:
     engine = SocketEngine(tmp_path / "late.sock", mapped_bytes=GiB, device_total_bytes=8 * GiB)
     client.post("/instances/late/register", json=engine.register_body())  # socket not served yet
     for size in ("3G", "2G", "1G"):
@@ -150,19 +166,23 @@ def test_missing_heartbeats_make_it_unreachable(tmp_path: Path, engine: SocketEn
         assert c.get("/instances/llama-a").json()["status"] == "applied"
 
 
-def test_a_conflicting_engine_revision_is_overtaken(client: httpx.Client,
-                                                    engine: SocketEngine) -> None:
+def test_a_conflicting_engine_revision_is_overtaken(
+    client: httpx.Client, engine: SocketEngine
+) -> None:
     client.post("/instances/llama-a/register", json=engine.register_body())  # revision 0
     engine.mailbox.publish(5 * GiB, 1)  # someone used the socket; the sidecar has not heard
     client.put("/instances/llama-a/limit", json={"limit": "2G"})  # revision 1 here too
     wait_until(lambda: engine.mailbox.desired.revision == 2)
-    assert (engine.mailbox.desired.limit_bytes, engine.mailbox.pushes[-2:]) == \
-        (2 * GiB, [(2 * GiB, 1), (2 * GiB, 2)])  # rejected as a conflict, then re-issued
+    assert (engine.mailbox.desired.limit_bytes, engine.mailbox.pushes[-2:]) == (
+        2 * GiB,
+        [(2 * GiB, 1), (2 * GiB, 2)],
+    )  # rejected as a conflict, then re-issued
     assert client.get("/instances/llama-a").json()["desired"]["revision"] == 2
 
 
-def test_same_revision_other_limit_at_registration_is_overtaken(client: httpx.Client,
-                                                                engine: SocketEngine) -> None:
+def test_same_revision_other_limit_at_registration_is_overtaken(
+    client: httpx.Client, engine: SocketEngine
+) -> None:
     """The sidecar was down at engine start: the engine took KVSIDECAR_LIMIT as revision 1,
     an operator's PUT was stored as revision 1 too. The sidecar's intent wins."""
     engine.mailbox.publish(5 * GiB, 1)
@@ -175,12 +195,16 @@ def test_same_revision_other_limit_at_registration_is_overtaken(client: httpx.Cl
     assert client.get("/instances/llama-a").json()["status"] != "applied"  # 6 GiB mapped
     _report(client, "llama-a", engine, mapped_bytes=GiB)
     view = client.get("/instances/llama-a").json()
-    assert (view["status"], view["desired"]["revision"], view["observed"]["limit_bytes"]) == \
-        ("applied", 2, 2 * GiB)
+    assert (view["status"], view["desired"]["revision"], view["observed"]["limit_bytes"]) == (
+        "applied",
+        2,
+        2 * GiB,
+    )
 
 
-def test_same_revision_other_limit_in_a_report_is_overtaken(client: httpx.Client,
-                                                            engine: SocketEngine) -> None:
+def test_same_revision_other_limit_in_a_report_is_overtaken(
+    client: httpx.Client, engine: SocketEngine
+) -> None:
     """No socket to push to: the report's reply carries the re-issued limit (pull)."""
     body = {**engine.register_body(), "socket_path": None}
     client.post("/instances/llama-a/register", json=body)  # revision 0
@@ -193,5 +217,8 @@ def test_same_revision_other_limit_in_a_report_is_overtaken(client: httpx.Client
     engine.mailbox.publish(reply["limit"], reply["revision"])  # what SidecarClient does
     _report(client, "llama-a", engine)
     view = client.get("/instances/llama-a").json()
-    assert (view["status"], view["desired"]["revision"], view["observed"]["limit_bytes"]) == \
-        ("applied", 2, 2 * GiB)
+    assert (view["status"], view["desired"]["revision"], view["observed"]["limit_bytes"]) == (
+        "applied",
+        2,
+        2 * GiB,
+    )

@@ -59,8 +59,7 @@ def test_unknown_instance_is_404_problem(client: httpx.Client) -> None:
         assert "'nobody' is not known" in r.json()["detail"]
 
 
-def test_same_revision_same_limit_is_an_idempotent_repeat(client: httpx.Client,
-                                                          db: Path) -> None:
+def test_same_revision_same_limit_is_an_idempotent_repeat(client: httpx.Client, db: Path) -> None:
     assert client.put("/instances/a/limit", json={"limit": "2G", "revision": 5}).status_code == 200
     before = db_rows(db)
     r = client.put("/instances/a/limit", json={"limit": 2 * GiB, "revision": 5})
@@ -68,8 +67,7 @@ def test_same_revision_same_limit_is_an_idempotent_repeat(client: httpx.Client,
     assert db_rows(db) == before  # nothing rewritten, not even the timestamp
 
 
-def test_wait_on_an_unregistered_instance_answers_202_at_the_deadline(
-        client: httpx.Client) -> None:
+def test_wait_on_an_unregistered_instance_answers_202_at_the_deadline(client: httpx.Client) -> None:
     r = client.put("/instances/a/limit", params={"wait": 0.2}, json={"limit": "1G"})
     assert r.status_code == 202
     assert r.json()["status"] == "pending"
@@ -88,158 +86,529 @@ BAD_INPUTS: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
     ("fraction", "PUT", "/instances/a/limit", {"limit": 1.5}, {}, 422, "whole"),
     ("bool", "PUT", "/instances/a/limit", {"limit": True}, {}, 422, "boolean"),
     ("list", "PUT", "/instances/a/limit", {"limit": [1]}, {}, 422, "got list"),
-    ("rev-str", "PUT", "/instances/a/limit", {"limit": 1, "revision": "9"}, {}, 422,
-     "revision: Input should be a valid integer"),
-    ("rev-bool", "PUT", "/instances/a/limit", {"limit": 1, "revision": True}, {}, 422,
-     "revision"),
-    ("rev-zero", "PUT", "/instances/a/limit", {"limit": 1, "revision": 0}, {}, 422,
-     "greater than or equal to 1"),
-    ("unknown-field", "PUT", "/instances/a/limit", {"limit": 1, "lmit": 2}, {}, 422,
-     "lmit: Extra inputs are not permitted"),
+    (
+        "rev-str",
+        "PUT",
+        "/instances/a/limit",
+        {"limit": 1, "revision": "9"},
+        {},
+        422,
+        "revision: Input should be a valid integer",
+    ),
+    ("rev-bool", "PUT", "/instances/a/limit", {"limit": 1, "revision": True}, {}, 422, "revision"),
+    (
+        "rev-zero",
+        "PUT",
+        "/instances/a/limit",
+        {"limit": 1, "revision": 0},
+        {},
+        422,
+        "greater than or equal to 1",
+    ),
+    (
+        "unknown-field",
+        "PUT",
+        "/instances/a/limit",
+        {"limit": 1, "lmit": 2},
+        {},
+        422,
+        "lmit: Extra inputs are not permitted",
+    ),
     ("missing", "PUT", "/instances/a/limit", {}, {}, 422, "limit: Field required"),
     ("not-json", "PUT", "/instances/a/limit", b'{"limit": ', {}, 422, "JSON"),
     ("not-object", "PUT", "/instances/a/limit", b'"4G"', {}, 422, "valid dictionary"),
-    ("oversized", "PUT", "/instances/a/limit",
-     b'{"limit": "1G", "pad": "' + b"x" * MAX_BODY + b'"}', {}, 413, "larger than 1024 bytes"),
+    (
+        "oversized",
+        "PUT",
+        "/instances/a/limit",
+        b'{"limit": "1G", "pad": "' + b"x" * MAX_BODY + b'"}',
+        {},
+        413,
+        "larger than 1024 bytes",
+    ),
     ("bad-id", "PUT", "/instances/bad%20id!/limit", {"limit": 1}, {}, 422, "instance_id"),
     ("long-id", "PUT", f"/instances/{_BAD_ID}/limit", {"limit": 1}, {}, 422, "instance_id"),
     ("dash-id", "PUT", "/instances/-a/limit", {"limit": 1}, {}, 422, "instance_id"),
-    ("stale", "PUT", "/instances/a/limit", {"limit": "1G", "revision": 4}, {}, 409,
-     "older than the current revision 5"),
-    ("conflict", "PUT", "/instances/a/limit", {"limit": "3G", "revision": 5}, {}, 409,
-     "revision 5 already set limit"),
+    (
+        "stale",
+        "PUT",
+        "/instances/a/limit",
+        {"limit": "1G", "revision": 4},
+        {},
+        409,
+        "older than the current revision 5",
+    ),
+    (
+        "conflict",
+        "PUT",
+        "/instances/a/limit",
+        {"limit": "3G", "revision": 5},
+        {},
+        409,
+        "revision 5 already set limit",
+    ),
     ("wait-neg", "PUT", "/instances/a/limit?wait=-1", {"limit": 1}, {}, 422, "query.wait"),
     ("wait-huge", "PUT", "/instances/a/limit?wait=301", {"limit": 1}, {}, 422, "query.wait"),
     ("wait-nan", "GET", "/instances/a?wait=nan", None, {}, 422, "query.wait"),
-    ("report-unknown", "POST", "/instances/b/report", {"status": "applied"}, {}, 404,
-     "'b' is not known"),
-    ("report-stale", "POST", "/instances/a/report", {"status": "stale"}, {}, 422,
-     "stale/conflict are replies only"),
-    ("register-relative", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "0.33.0", "socket_path": "run/x.sock",
-      "state": {"status": "applied"}}, {}, 422, "socket_path: must be an absolute path"),
-    ("register-types", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "0.33.0", "device_total_bytes": "lots",
-      "state": {"status": "applied"}}, {}, 422, "device_total_bytes"),
-    ("register-device-huge", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "0.33.0", "device_total_bytes": 2**64,
-      "state": {"status": "applied"}}, {}, 422, "device_total_bytes: Input should be less"),
-    ("register-device-neg", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "0.33.0", "device_total_bytes": -1,
-      "state": {"status": "applied"}}, {}, 422, "device_total_bytes: Input should be greater"),
-    ("register-rev-huge", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "0.33.0",
-      "state": {"status": "applied", "revision": 2**64, "limit_bytes": 1}}, {}, 422,
-     "state.revision: Input should be less than or equal to 4611686018427387904"),
-    ("register-rev-neg", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "0.33.0",
-      "state": {"status": "applied", "revision": -1}}, {}, 422,
-     "state.revision: Input should be greater than or equal to 0"),
-    ("register-limit-neg", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "0.33.0",
-      "state": {"status": "applied", "revision": 6, "limit_bytes": -5}}, {}, 422,
-     "state.limit_bytes: a size cannot be negative"),
-    ("register-limit-huge", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "0.33.0",
-      "state": {"status": "applied", "revision": 6, "limit_bytes": 2**61}}, {}, 422,
-     "state.limit_bytes: size 2305843009213693952 is larger than 1 EiB"),
-    ("register-effective-neg", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "0.33.0",
-      "state": {"status": "applied", "effective_limit_bytes": -1}}, {}, 422,
-     "state.effective_limit_bytes: a size cannot be negative"),
-    ("register-rank-neg", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "0.33.0",
-      "state": {"status": "applied", "ranks": [{"rank": 0, "mapped_bytes": -1}]}}, {}, 422,
-     "state.ranks.0.mapped_bytes: Input should be greater than or equal to 0"),
-    ("report-rev-huge", "POST", "/instances/a/report",
-     {"status": "applied", "revision": 2**64}, {}, 422, "revision: Input should be less"),
-    ("report-limit-neg", "POST", "/instances/a/report",
-     {"status": "applied", "revision": 6, "limit_bytes": -5}, {}, 422,
-     "limit_bytes: a size cannot be negative"),
-    ("report-limit-bool", "POST", "/instances/a/report",
-     {"status": "applied", "revision": 6, "limit_bytes": True}, {}, 422,
-     "limit_bytes: a size must be a byte count"),
-    *[(f"report-{name}-neg", "POST", "/instances/a/report",
-       {"status": "deferred", name: -1}, {}, 422, f"{name}: Input should be greater than or equal")
-      for name in ("floor_bytes", "mapped_bytes", "overage_bytes", "capacity_bytes",
-                   "page_bundle_bytes", "evictable_bytes", "pinned_bytes", "passes")],
+    (
+        "report-unknown",
+        "POST",
+        "/instances/b/report",
+        {"status": "applied"},
+        {},
+        404,
+        "'b' is not known",
+    ),
+    (
+        "report-stale",
+        "POST",
+        "/instances/a/report",
+        {"status": "stale"},
+        {},
+        422,
+        "stale/conflict are replies only",
+    ),
+    (
+        "register-relative",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "0.33.0",
+            "socket_path": "run/x.sock",
+            "state": {"status": "applied"},
+        },
+        {},
+        422,
+        "socket_path: must be an absolute path",
+    ),
+    (
+        "register-types",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "0.33.0",
+            "device_total_bytes": "lots",
+            "state": {"status": "applied"},
+        },
+        {},
+        422,
+        "device_total_bytes",
+    ),
+    (
+        "register-device-huge",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "0.33.0",
+            "device_total_bytes": 2**64,
+            "state": {"status": "applied"},
+        },
+        {},
+        422,
+        "device_total_bytes: Input should be less",
+    ),
+    (
+        "register-device-neg",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "0.33.0",
+            "device_total_bytes": -1,
+            "state": {"status": "applied"},
+        },
+        {},
+        422,
+        "device_total_bytes: Input should be greater",
+    ),
+    (
+        "register-rev-huge",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "0.33.0",
+            "state": {"status": "applied", "revision": 2**64, "limit_bytes": 1},
+        },
+        {},
+        422,
+        "state.revision: Input should be less than or equal to 4611686018427387904",
+    ),
+    (
+        "register-rev-neg",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "0.33.0",
+            "state": {"status": "applied", "revision": -1},
+        },
+        {},
+        422,
+        "state.revision: Input should be greater than or equal to 0",
+    ),
+    (
+        "register-limit-neg",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "0.33.0",
+            "state": {"status": "applied", "revision": 6, "limit_bytes": -5},
+        },
+        {},
+        422,
+        "state.limit_bytes: a size cannot be negative",
+    ),
+    (
+        "register-limit-huge",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "0.33.0",
+            "state": {"status": "applied", "revision": 6, "limit_bytes": 2**61},
+        },
+        {},
+        422,
+        "state.limit_bytes: size 2305843009213693952 is larger than 1 EiB",
+    ),
+    (
+        "register-effective-neg",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "0.33.0",
+            "state": {"status": "applied", "effective_limit_bytes": -1},
+        },
+        {},
+        422,
+        "state.effective_limit_bytes: a size cannot be negative",
+    ),
+    (
+        "register-rank-neg",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "0.33.0",
+            "state": {"status": "applied", "ranks": [{"rank": 0, "mapped_bytes": -1}]},
+        },
+        {},
+        422,
+        "state.ranks.0.mapped_bytes: Input should be greater than or equal to 0",
+    ),
+    (
+        "report-rev-huge",
+        "POST",
+        "/instances/a/report",
+        {"status": "applied", "revision": 2**64},
+        {},
+        422,
+        "revision: Input should be less",
+    ),
+    (
+        "report-limit-neg",
+        "POST",
+        "/instances/a/report",
+        {"status": "applied", "revision": 6, "limit_bytes": -5},
+        {},
+        422,
+        "limit_bytes: a size cannot be negative",
+    ),
+    (
+        "report-limit-bool",
+        "POST",
+        "/instances/a/report",
+        {"status": "applied", "revision": 6, "limit_bytes": True},
+        {},
+        422,
+        "limit_bytes: a size must be a byte count",
+    ),
+    *[
+        (
+            f"report-{name}-neg",
+            "POST",
+            "/instances/a/report",
+            {"status": "deferred", name: -1},
+            {},
+            422,
+            f"{name}: Input should be greater than or equal",
+        )
+        for name in (
+            "floor_bytes",
+            "mapped_bytes",
+            "overage_bytes",
+            "capacity_bytes",
+            "page_bundle_bytes",
+            "evictable_bytes",
+            "pinned_bytes",
+            "passes",
+        )
+    ],
     ("no-route", "POST", "/instances/a/limit", {"limit": 1}, {}, 405, "Method Not Allowed"),
     # issue 14: revision bound, forget/deregister, field caps, report consistency
-    ("rev-above-client-max", "PUT", "/instances/a/limit", {"limit": 1, "revision": 2**53 + 1},
-     {}, 422, "revision: Input should be less than or equal to 9007199254740992"),
-    ("rev-max", "PUT", "/instances/a/limit", {"limit": 1, "revision": 2**62}, {}, 422,
-     "revision: Input should be less than or equal to 9007199254740992"),
+    (
+        "rev-above-client-max",
+        "PUT",
+        "/instances/a/limit",
+        {"limit": 1, "revision": 2**53 + 1},
+        {},
+        422,
+        "revision: Input should be less than or equal to 9007199254740992",
+    ),
+    (
+        "rev-max",
+        "PUT",
+        "/instances/a/limit",
+        {"limit": 1, "revision": 2**62},
+        {},
+        422,
+        "revision: Input should be less than or equal to 9007199254740992",
+    ),
     ("forget-unknown", "DELETE", "/instances/b", None, {}, 404, "'b' is not known"),
     ("forget-bad-id", "DELETE", "/instances/-a", None, {}, 422, "instance_id"),
     ("forget-dotdot", "DELETE", "/instances/..", None, {}, 404, "no such endpoint"),
     ("deregister-unknown", "POST", "/instances/b/deregister", None, {}, 404, "'b' is not known"),
-    ("deregister-unregistered", "POST", "/instances/a/deregister", None, {}, 404,
-     "'a' is not known"),
-    ("register-engine-long", "POST", "/instances/a/register",
-     {"engine": "x" * 65, "engine_version": "1", "state": {"status": "applied"}}, {}, 422,
-     "engine: String should have at most 64 characters"),
-    ("register-engine-empty", "POST", "/instances/a/register",
-     {"engine": "", "engine_version": "1", "state": {"status": "applied"}}, {}, 422,
-     "engine: String should have at least 1 character"),
-    ("register-version-long", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "v" * 129, "state": {"status": "applied"}}, {}, 422,
-     "engine_version: String should have at most 128 characters"),
-    ("register-socket-long", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "1", "socket_path": "/" + "s" * 120,
-      "state": {"status": "applied"}}, {}, 422, "socket_path: String should have at most 107"),
-    ("register-token-bad", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "1", "registration_token": "short!",
-      "state": {"status": "applied"}}, {}, 422, "registration_token: String should match"),
-    ("register-inconsistent", "POST", "/instances/a/register",
-     {"engine": "vllm", "engine_version": "1", "state": {
-         "status": "applied", "revision": 5, "limit_bytes": 2 * GiB, "mapped_bytes": 10 * GiB}},
-     {}, 422, "inconsistent report: status applied with mapped_bytes 10737418240 above"),
-    ("report-reason-long", "POST", "/instances/a/report",
-     {"status": "deferred", "reason": "r" * 65}, {}, 422,
-     "reason: String should have at most 64 characters"),
-    ("report-num-ranks-huge", "POST", "/instances/a/report",
-     {"status": "deferred", "num_ranks": 1025}, {}, 422, "num_ranks: Input should be less"),
-    ("report-token-header-bad", "POST", "/instances/a/report", {"status": "applied"},
-     {"X-KVSidecar-Registration": "not a token"}, 422, "String should match pattern"),
-    ("report-stopped", "POST", "/instances/a/report", {"status": "stopped"}, {}, 422,
-     "stopped is sent as POST .../deregister"),
-    ("report-applied-10g-under-1m", "POST", "/instances/a/report",
-     {"status": "applied", "revision": 5, "limit_bytes": 1 << 20,
-      "effective_limit_bytes": 1 << 20, "mapped_bytes": 10 * GiB}, {}, 422,
-     "status applied with mapped_bytes 10737418240 above the effective limit 1048576"),
-    ("report-applied-over-desired", "POST", "/instances/a/report",
-     {"status": "applied", "revision": 5, "limit_bytes": 2 * GiB, "mapped_bytes": 3 * GiB},
-     {}, 422, "above the effective limit 2147483648"),
-    ("report-applied-dead-rank", "POST", "/instances/a/report",
-     {"status": "applied", "revision": 5, "limit_bytes": 2 * GiB, "mapped_bytes": GiB,
-      "num_ranks": 2, "ranks": [{"rank": 0, "mapped_bytes": GiB},
-                                {"rank": 1, "mapped_bytes": GiB, "alive": False}]}, {}, 422,
-     "rank(s) [1] are dead"),
-    ("report-applied-overage", "POST", "/instances/a/report",
-     {"status": "applied", "revision": 5, "limit_bytes": 2 * GiB, "mapped_bytes": GiB,
-      "overage_bytes": 1}, {}, 422, "status applied with overage_bytes 1"),
-    ("report-applied-effective-low", "POST", "/instances/a/report",
-     {"status": "applied", "revision": 5, "limit_bytes": 2 * GiB,
-      "effective_limit_bytes": GiB}, {}, 422, "effective_limit_bytes 1073741824 below"),
-    ("report-rank-twice", "POST", "/instances/a/report",
-     {"status": "deferred", "num_ranks": 2, "ranks": [{"rank": 0, "mapped_bytes": 0},
-                                                      {"rank": 0, "mapped_bytes": 0}]},
-     {}, 422, "lists a rank number twice"),
-    ("report-ranks-over-num", "POST", "/instances/a/report",
-     {"status": "deferred", "num_ranks": 1, "ranks": [{"rank": 0, "mapped_bytes": 0},
-                                                      {"rank": 1, "mapped_bytes": 0}]},
-     {}, 422, "lists 2 ranks but num_ranks is 1"),
-    ("report-mapped-below-rank", "POST", "/instances/a/report",
-     {"status": "deferred", "mapped_bytes": 1, "ranks": [{"rank": 0, "mapped_bytes": 5}]},
-     {}, 422, "mapped_bytes 1 is below a rank's mapped bytes 5"),
-    ("report-overage-above-mapped", "POST", "/instances/a/report",
-     {"status": "deferred", "mapped_bytes": 1, "overage_bytes": 5}, {}, 422,
-     "overage_bytes 5 exceeds mapped_bytes 1"),
+    (
+        "deregister-unregistered",
+        "POST",
+        "/instances/a/deregister",
+        None,
+        {},
+        404,
+        "'a' is not known",
+    ),
+    (
+        "register-engine-long",
+        "POST",
+        "/instances/a/register",
+        {"engine": "x" * 65, "engine_version": "1", "state": {"status": "applied"}},
+        {},
+        422,
+        "engine: String should have at most 64 characters",
+    ),
+    (
+        "register-engine-empty",
+        "POST",
+        "/instances/a/register",
+        {"engine": "", "engine_version": "1", "state": {"status": "applied"}},
+        {},
+        422,
+        "engine: String should have at least 1 character",
+    ),
+    (
+        "register-version-long",
+        "POST",
+        "/instances/a/register",
+        {"engine": "vllm", "engine_version": "v" * 129, "state": {"status": "applied"}},
+        {},
+        422,
+        "engine_version: String should have at most 128 characters",
+    ),
+    (
+        "register-socket-long",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "1",
+            "socket_path": "/" + "s" * 120,
+            "state": {"status": "applied"},
+        },
+        {},
+        422,
+        "socket_path: String should have at most 107",
+    ),
+    (
+        "register-token-bad",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "1",
+            "registration_token": "short!",
+            "state": {"status": "applied"},
+        },
+        {},
+        422,
+        "registration_token: String should match",
+    ),
+    (
+        "register-inconsistent",
+        "POST",
+        "/instances/a/register",
+        {
+            "engine": "vllm",
+            "engine_version": "1",
+            "state": {
+                "status": "applied",
+                "revision": 5,
+                "limit_bytes": 2 * GiB,
+                "mapped_bytes": 10 * GiB,
+            },
+        },
+        {},
+        422,
+        "inconsistent report: status applied with mapped_bytes 10737418240 above",
+    ),
+    (
+        "report-reason-long",
+        "POST",
+        "/instances/a/report",
+        {"status": "deferred", "reason": "r" * 65},
+        {},
+        422,
+        "reason: String should have at most 64 characters",
+    ),
+    (
+        "report-num-ranks-huge",
+        "POST",
+        "/instances/a/report",
+        {"status": "deferred", "num_ranks": 1025},
+        {},
+        422,
+        "num_ranks: Input should be less",
+    ),
+    (
+        "report-token-header-bad",
+        "POST",
+        "/instances/a/report",
+        {"status": "applied"},
+        {"X-KVSidecar-Registration": "not a token"},
+        422,
+        "String should match pattern",
+    ),
+    (
+        "report-stopped",
+        "POST",
+        "/instances/a/report",
+        {"status": "stopped"},
+        {},
+        422,
+        "stopped is sent as POST .../deregister",
+    ),
+    (
+        "report-applied-10g-under-1m",
+        "POST",
+        "/instances/a/report",
+        {
+            "status": "applied",
+            "revision": 5,
+            "limit_bytes": 1 << 20,
+            "effective_limit_bytes": 1 << 20,
+            "mapped_bytes": 10 * GiB,
+        },
+        {},
+        422,
+        "status applied with mapped_bytes 10737418240 above the effective limit 1048576",
+    ),
+    (
+        "report-applied-over-desired",
+        "POST",
+        "/instances/a/report",
+        {"status": "applied", "revision": 5, "limit_bytes": 2 * GiB, "mapped_bytes": 3 * GiB},
+        {},
+        422,
+        "above the effective limit 2147483648",
+    ),
+    (
+        "report-applied-dead-rank",
+        "POST",
+        "/instances/a/report",
+        {
+            "status": "applied",
+            "revision": 5,
+            "limit_bytes": 2 * GiB,
+            "mapped_bytes": GiB,
+            "num_ranks": 2,
+            "ranks": [
+                {"rank": 0, "mapped_bytes": GiB},
+                {"rank": 1, "mapped_bytes": GiB, "alive": False},
+            ],
+        },
+        {},
+        422,
+        "rank(s) [1] are dead",
+    ),
+    (
+        "report-applied-overage",
+        "POST",
+        "/instances/a/report",
+        {
+            "status": "applied",
+            "revision": 5,
+            "limit_bytes": 2 * GiB,
+            "mapped_bytes": GiB,
+            "overage_bytes": 1,
+        },
+        {},
+        422,
+        "status applied with overage_bytes 1",
+    ),
+    (
+        "report-applied-effective-low",
+        "POST",
+        "/instances/a/report",
+        {"status": "applied", "revision": 5, "limit_bytes": 2 * GiB, "effective_limit_bytes": GiB},
+        {},
+        422,
+        "effective_limit_bytes 1073741824 below",
+    ),
+    (
+        "report-rank-twice",
+        "POST",
+        "/instances/a/report",
+        {
+            "status": "deferred",
+            "num_ranks": 2,
+            "ranks": [{"rank": 0, "mapped_bytes": 0}, {"rank": 0, "mapped_bytes": 0}],
+        },
+        {},
+        422,
+        "lists a rank number twice",
+    ),
+    (
+        "report-ranks-over-num",
+        "POST",
+        "/instances/a/report",
+        {
+            "status": "deferred",
+            "num_ranks": 1,
+            "ranks": [{"rank": 0, "mapped_bytes": 0}, {"rank": 1, "mapped_bytes": 0}],
+        },
+        {},
+        422,
+        "lists 2 ranks but num_ranks is 1",
+    ),
+    (
+        "report-mapped-below-rank",
+        "POST",
+        "/instances/a/report",
+        {"status": "deferred", "mapped_bytes": 1, "ranks": [{"rank": 0, "mapped_bytes": 5}]},
+        {},
+        422,
+        "mapped_bytes 1 is below a rank's mapped bytes 5",
+    ),
+    (
+        "report-overage-above-mapped",
+        "POST",
+        "/instances/a/report",
+        {"status": "deferred", "mapped_bytes": 1, "overage_bytes": 5},
+        {},
+        422,
+        "overage_bytes 5 exceeds mapped_bytes 1",
+    ),
 ]
 
 
-def _send(client: httpx.Client, method: str, path: str, body: Any,
-          headers: dict[str, str]) -> httpx.Response:
+def _send(
+    client: httpx.Client, method: str, path: str, body: Any, headers: dict[str, str]
+) -> httpx.Response:
     if isinstance(body, bytes):
         headers = {"content-type": "application/json", **headers}
         return client.request(method, path, content=body, headers=headers)
@@ -252,16 +621,32 @@ def _instances_now(client: httpx.Client) -> list[dict[str, Any]]:
     return [{k: v for k, v in view.items() if k != "last_seen_s_ago"} for view in views]
 
 
-@pytest.mark.parametrize(("case", "method", "path", "body", "headers", "status", "words"),
-                         BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+@pytest.mark.parametrize(
+    ("case", "method", "path", "body", "headers", "status", "words"),
+    BAD_INPUTS,
+    ids=[c[0] for c in BAD_INPUTS],
+)
 def test_bad_input_is_a_clear_4xx_and_changes_nothing(
-        client: httpx.Client, db: Path, case: str, method: str, path: str, body: Any,
-        headers: dict[str, str], status: int, words: str) -> None:
+    client: httpx.Client,
+    db: Path,
+    case: str,
+    method: str,
+    path: str,
+    body: Any,
+    headers: dict[str, str],
+    status: int,
+    words: str,
+) -> None:
     assert client.put("/instances/a/limit", json={"limit": "2G", "revision": 5}).status_code == 200
     if "/report" in path:  # reports are only taken from a registered engine
         engine = {"status": "applied", "revision": 5, "limit_bytes": 2 * GiB}
-        assert client.post("/instances/a/register", json={
-            "engine": "vllm", "engine_version": "0.33.0", "state": engine}).status_code == 200
+        assert (
+            client.post(
+                "/instances/a/register",
+                json={"engine": "vllm", "engine_version": "0.33.0", "state": engine},
+            ).status_code
+            == 200
+        )
     before_api, before_db = _instances_now(client), db_rows(db)
     r = _send(client, method, path, body, headers)
     assert r.status_code == status, r.text
@@ -274,27 +659,36 @@ def test_bad_input_is_a_clear_4xx_and_changes_nothing(
 def test_a_rejected_revision_says_what_holds(client: httpx.Client) -> None:
     client.put("/instances/a/limit", json={"limit": "2G", "revision": 5})
     problem = client.put("/instances/a/limit", json={"limit": "1G", "revision": 5}).json()
-    assert (problem["revision_status"], problem["current_revision"], problem["current_limit_bytes"]) == \
-        ("conflict", 5, 2 * GiB)
+    assert (
+        problem["revision_status"],
+        problem["current_revision"],
+        problem["current_limit_bytes"],
+    ) == ("conflict", 5, 2 * GiB)
 
 
 def test_token_guards_every_mutating_endpoint(db: Path) -> None:
     settings = SidecarSettings(db_path=db, token="s3cret")
     register = {"engine": "vllm", "engine_version": "0.33.0", "state": {"status": "applied"}}
-    calls = [("PUT", "/instances/a/limit", {"limit": "1G"}),
-             ("DELETE", "/instances/a/limit", None),
-             ("POST", "/instances/a/register", register),
-             ("POST", "/instances/a/report", {"status": "applied"}),
-             ("DELETE", "/instances/a", None),
-             ("POST", "/instances/a/deregister", None)]
+    calls = [
+        ("PUT", "/instances/a/limit", {"limit": "1G"}),
+        ("DELETE", "/instances/a/limit", None),
+        ("POST", "/instances/a/register", register),
+        ("POST", "/instances/a/report", {"status": "applied"}),
+        ("DELETE", "/instances/a", None),
+        ("POST", "/instances/a/deregister", None),
+    ]
     with ThreadedSidecar(settings) as server, httpx.Client(base_url=server.url) as c:
-        ok = c.put("/instances/a/limit", json={"limit": "2G"},
-                   headers={"Authorization": "Bearer s3cret"})
+        ok = c.put(
+            "/instances/a/limit", json={"limit": "2G"}, headers={"Authorization": "Bearer s3cret"}
+        )
         assert ok.status_code == 200
         before_api, before_db = c.get("/instances").content, db_rows(db)
         for method, path, body in calls:
-            for headers in ({}, {"Authorization": "Bearer wrong"},
-                            {"Authorization": "Basic czNjcmV0"}):
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": "Basic czNjcmV0"},
+            ):
                 r = c.request(method, path, json=body, headers=headers)
                 assert r.status_code == 401, (method, path, headers, r.text)
                 assert r.headers["www-authenticate"].startswith("Bearer")
@@ -312,8 +706,9 @@ def test_100_concurrent_puts_lose_nothing(sidecar: ThreadedSidecar, db: Path) ->
     # Sidecar-assigned revisions: every PUT gets its own, none is lost.
     replies = asyncio.run(put_all([{"limit": i << 20} for i in range(1, 101)]))
     assert {r.status_code for r in replies} == {200}
-    revisions = {r.json()["desired"]["revision"]: r.json()["desired"]["limit_bytes"]
-                 for r in replies}
+    revisions = {
+        r.json()["desired"]["revision"]: r.json()["desired"]["limit_bytes"] for r in replies
+    }
     assert sorted(revisions) == list(range(1, 101))
     final = httpx.get(f"{sidecar.url}/instances/a").json()["desired"]
     assert (final["revision"], final["limit_bytes"]) == (100, revisions[100])
@@ -359,15 +754,24 @@ def test_a_client_that_hangs_up_ends_its_long_poll(sidecar: ThreadedSidecar) -> 
 
 def test_a_late_reply_never_overwrites_a_newer_report(client: httpx.Client) -> None:
     """Observed state is ordered by (revision, engine passes), not by arrival."""
+
     def state(status: str, passes: int, mapped: int) -> dict[str, Any]:
-        return {"status": status, "revision": 1, "limit_bytes": GiB, "mapped_bytes": mapped,
-                "passes": passes, "overage_bytes": max(0, mapped - GiB)}  # fmt: skip
+        return {
+            "status": status,
+            "revision": 1,
+            "limit_bytes": GiB,
+            "mapped_bytes": mapped,
+            "passes": passes,
+            "overage_bytes": max(0, mapped - GiB),
+        }
 
     body = {"engine": "vllm", "engine_version": "0.33.0", "state": state("deferred", 1, 2 * GiB)}
     assert client.post("/instances/late/register", json=body).status_code == 200
     assert client.post("/instances/late/report", json=state("applied", 5, GiB)).status_code == 200
     # the answer to an earlier push (same revision, fewer passes) arrives last
-    assert client.post("/instances/late/report", json=state("deferred", 3, 2 * GiB)).status_code == 200
+    assert (
+        client.post("/instances/late/report", json=state("deferred", 3, 2 * GiB)).status_code == 200
+    )
     view = client.get("/instances/late").json()
     assert (view["observed"]["status"], view["observed"]["passes"]) == ("applied", 5)
     assert view["mapped_bytes"] == GiB

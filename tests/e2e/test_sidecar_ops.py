@@ -23,21 +23,25 @@ TOKEN_A = "A" * 32
 TOKEN_B = "B" * 32
 
 
-def _register(c: httpx.Client, iid: str = "a", token: str | None = TOKEN_A,
-              **state: Any) -> httpx.Response:
-    body: dict[str, Any] = {"engine": "vllm", "engine_version": "0.33.0",
-                            "socket_path": "/nonexistent/kvsidecar-test.sock",
-                            "state": {"status": "applied", **state}}
+def _register(
+    c: httpx.Client, iid: str = "a", token: str | None = TOKEN_A, **state: Any
+) -> httpx.Response:
+    body: dict[str, Any] = {
+        "engine": "vllm",
+        "engine_version": "0.33.0",
+        "socket_path": "/nonexistent/kvsidecar-test.sock",
+        "state": {"status": "applied", **state},
+    }
     if token is not None:
         body["registration_token"] = token
     return c.post(f"/instances/{iid}/register", json=body)
 
 
-def _report(c: httpx.Client, iid: str = "a", token: str | None = TOKEN_A,
-            **state: Any) -> httpx.Response:
+def _report(
+    c: httpx.Client, iid: str = "a", token: str | None = TOKEN_A, **state: Any
+) -> httpx.Response:
     headers = {} if token is None else {REGISTRATION_HEADER: token}
-    return c.post(f"/instances/{iid}/report", json={"status": "applied", **state},
-                  headers=headers)
+    return c.post(f"/instances/{iid}/report", json={"status": "applied", **state}, headers=headers)
 
 
 @pytest.fixture
@@ -46,8 +50,9 @@ def db(tmp_path: Path) -> Path:
 
 
 def _serve(db: Path, **kw: Any) -> ThreadedSidecar:
-    return ThreadedSidecar(SidecarSettings(db_path=db, push_backoff_initial_s=0.05,
-                                           push_backoff_max_s=0.2, **kw))
+    return ThreadedSidecar(
+        SidecarSettings(db_path=db, push_backoff_initial_s=0.05, push_backoff_max_s=0.2, **kw)
+    )
 
 
 @pytest.fixture
@@ -58,8 +63,10 @@ def client(db: Path) -> Iterator[httpx.Client]:
 
 # --- 1. revisions ------------------------------------------------------------------------
 
-def test_a_client_revision_near_the_top_never_wedges_the_instance(client: httpx.Client,
-                                                                   db: Path) -> None:
+
+def test_a_client_revision_near_the_top_never_wedges_the_instance(
+    client: httpx.Client, db: Path
+) -> None:
     r = client.put("/instances/a/limit", json={"limit": "1M", "revision": MAX_REVISION})
     assert r.status_code == 422 and "less than or equal to" in r.json()["detail"]
     assert client.get("/instances/a").status_code == 404  # nothing stored
@@ -75,29 +82,45 @@ def test_a_client_revision_near_the_top_never_wedges_the_instance(client: httpx.
     assert reply.status_code == 200 and reply.json()["revision"] == rev
 
 
-def test_the_largest_revision_is_refused_clearly_and_changes_nothing(client: httpx.Client,
-                                                                     db: Path) -> None:
+def test_the_largest_revision_is_refused_clearly_and_changes_nothing(
+    client: httpx.Client, db: Path
+) -> None:
     # an engine may hold the largest revision (it adopts what it is sent): the sidecar adopts it
-    assert _register(client, revision=MAX_REVISION, limit_bytes=MiB,
-                     effective_limit_bytes=MiB).status_code == 200
+    assert (
+        _register(
+            client, revision=MAX_REVISION, limit_bytes=MiB, effective_limit_bytes=MiB
+        ).status_code
+        == 200
+    )
     assert client.get("/instances/a").json()["desired"]["revision"] == MAX_REVISION
     before = db_rows(db)
-    for r in (client.put("/instances/a/limit", json={"limit": "4M"}),
-              client.delete("/instances/a/limit")):
+    for r in (
+        client.put("/instances/a/limit", json={"limit": "4M"}),
+        client.delete("/instances/a/limit"),
+    ):
         assert r.status_code == 409, r.text
         assert "largest revision" in r.json()["detail"] and "forget" in r.json()["detail"]
     assert db_rows(db) == before
     # register, report and the push path keep working; forget recovers the id
-    assert _register(client, revision=MAX_REVISION, limit_bytes=MiB,
-                     effective_limit_bytes=MiB).status_code == 200
-    assert _report(client, revision=MAX_REVISION, limit_bytes=MiB,
-                   effective_limit_bytes=MiB).status_code == 200
+    assert (
+        _register(
+            client, revision=MAX_REVISION, limit_bytes=MiB, effective_limit_bytes=MiB
+        ).status_code
+        == 200
+    )
+    assert (
+        _report(
+            client, revision=MAX_REVISION, limit_bytes=MiB, effective_limit_bytes=MiB
+        ).status_code
+        == 200
+    )
     assert client.delete("/instances/a").status_code == 204
     r = client.put("/instances/a/limit", json={"limit": "4M"})
     assert r.status_code == 200 and r.json()["desired"]["revision"] == 1
 
 
 # --- 2. connections ----------------------------------------------------------------------
+
 
 def _raw(url: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
@@ -120,9 +143,11 @@ def test_half_sent_requests_are_closed_and_health_still_answers(db: Path) -> Non
             sock.sendall(b"PUT /instances/a/limit HTTP/1.1\r\nHost: x\r\n")  # never ends
         bodies = [_raw(server.url) for _ in range(50)]
         for sock in bodies:  # the headers, then a body that stops short (valid JSON so far!)
-            sock.sendall(b"PUT /instances/a/limit HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
-                         b'{"limit": 1}')
+            sock.sendall(
+                b"PUT /instances/a/limit HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                b'{"limit": 1}'
+            )
         silent = [_raw(server.url) for _ in range(20)]  # connect, send nothing
         assert httpx.get(f"{server.url}/healthz", timeout=30).status_code == 200
         for sock in headers_only + bodies + silent:
@@ -151,8 +176,10 @@ def test_half_sent_requests_beyond_the_cap_are_evicted_and_health_answers(db: Pa
 
 
 def test_connections_beyond_the_cap_are_refused_when_all_are_busy(db: Path) -> None:
-    with _serve(db, max_connections=8, max_wait_s=30) as server, \
-            httpx.Client(base_url=server.url, timeout=60) as c:
+    with (
+        _serve(db, max_connections=8, max_wait_s=30) as server,
+        httpx.Client(base_url=server.url, timeout=60) as c,
+    ):
         assert c.put("/instances/a/limit", json={"limit": "1G"}).status_code == 200
         busy = [_raw(server.url) for _ in range(8)]
         for sock in busy:  # long-polls on an instance that will never apply: busy in the app
@@ -187,8 +214,10 @@ def test_no_token_is_refused_before_the_body_is_read(db: Path) -> None:
     with _serve(db, token="s3cret", body_timeout_s=60) as server:
         sock = _raw(server.url)
         sock.settimeout(20)  # well below the body timeout: the answer must not wait for it
-        sock.sendall(b"PUT /instances/a/limit HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: 60000\r\n\r\n")
+        sock.sendall(
+            b"PUT /instances/a/limit HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 60000\r\n\r\n"
+        )
         answer = _read_until_closed(sock)
         sock.close()
         assert answer.startswith(b"HTTP/1.1 401"), answer
@@ -197,14 +226,18 @@ def test_no_token_is_refused_before_the_body_is_read(db: Path) -> None:
         for wrong in ("Bearer nope", "Basic czNjcmV0"):
             sock = _raw(server.url)
             sock.settimeout(20)
-            sock.sendall(b"POST /instances/a/register HTTP/1.1\r\nHost: x\r\nAuthorization: "
-                         + wrong.encode() + b"\r\nContent-Length: 5000\r\n\r\n")
+            sock.sendall(
+                b"POST /instances/a/register HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                + wrong.encode()
+                + b"\r\nContent-Length: 5000\r\n\r\n"
+            )
             assert _read_until_closed(sock).startswith(b"HTTP/1.1 401")
             sock.close()
         assert db_rows(db) == []
 
 
 # --- 4. forget and stopped ---------------------------------------------------------------
+
 
 def test_forget_removes_an_instance_everywhere(client: httpx.Client, db: Path) -> None:
     assert client.put("/instances/typo/limit", json={"limit": "1G"}).status_code == 200
@@ -220,39 +253,59 @@ def test_forget_removes_an_instance_everywhere(client: httpx.Client, db: Path) -
 
 
 def test_a_forgotten_live_engine_registers_again(client: httpx.Client) -> None:
-    assert _register(client, revision=3, limit_bytes=GiB, effective_limit_bytes=GiB,
-                     mapped_bytes=GiB).status_code == 200
+    assert (
+        _register(
+            client, revision=3, limit_bytes=GiB, effective_limit_bytes=GiB, mapped_bytes=GiB
+        ).status_code
+        == 200
+    )
     assert client.delete("/instances/a").status_code == 204
     assert _report(client, revision=3, limit_bytes=GiB).status_code == 404  # -> re-register
-    assert _register(client, revision=3, limit_bytes=GiB, effective_limit_bytes=GiB,
-                     mapped_bytes=GiB).status_code == 200
+    assert (
+        _register(
+            client, revision=3, limit_bytes=GiB, effective_limit_bytes=GiB, mapped_bytes=GiB
+        ).status_code
+        == 200
+    )
     assert client.get("/instances/a").json()["desired"]["revision"] == 3  # adopted again
 
 
 def test_a_clean_shutdown_is_stopped_not_unreachable_and_keeps_the_limit(db: Path) -> None:
-    with _serve(db, heartbeat_timeout_s=0.3) as server, \
-            httpx.Client(base_url=server.url, timeout=30) as c:
+    with (
+        _serve(db, heartbeat_timeout_s=0.3) as server,
+        httpx.Client(base_url=server.url, timeout=30) as c,
+    ):
         assert c.put("/instances/a/limit", json={"limit": "1G"}).status_code == 200
-        assert _register(c, revision=1, limit_bytes=GiB, effective_limit_bytes=GiB
-                         ).status_code == 200
+        assert (
+            _register(c, revision=1, limit_bytes=GiB, effective_limit_bytes=GiB).status_code == 200
+        )
         r = c.post("/instances/a/deregister", headers={REGISTRATION_HEADER: TOKEN_A})
         assert r.status_code == 200, r.text
         assert (r.json()["status"], r.json()["reason"]) == ("stopped", "deregistered")
         time.sleep(0.6)  # past the heartbeat timeout: still stopped, never unreachable
         view = c.get("/instances/a").json()
         assert view["status"] == "stopped" and view["desired"]["limit_bytes"] == GiB
-        assert 'kvsidecar_instance_status{kv_instance="a",status="stopped"} 1.0' in \
-            c.get("/metrics").text
+        assert (
+            'kvsidecar_instance_status{kv_instance="a",status="stopped"} 1.0'
+            in c.get("/metrics").text
+        )
         assert _report(c).status_code == 404  # a stopped engine must register again
-    with _serve(db, heartbeat_timeout_s=0.3) as server, \
-            httpx.Client(base_url=server.url, timeout=30) as c:
+    with (
+        _serve(db, heartbeat_timeout_s=0.3) as server,
+        httpx.Client(base_url=server.url, timeout=30) as c,
+    ):
         assert c.get("/instances/a").json()["status"] == "stopped"  # durable
-        assert _register(c, token=TOKEN_B, revision=1, limit_bytes=GiB,
-                         effective_limit_bytes=GiB).status_code == 200
+        assert (
+            _register(
+                c, token=TOKEN_B, revision=1, limit_bytes=GiB, effective_limit_bytes=GiB
+            ).status_code
+            == 200
+        )
         assert c.get("/instances/a").json()["status"] == "applied"
 
 
 # --- 5. one id, two processes ------------------------------------------------------------
+
 
 def test_a_second_live_process_on_one_id_is_refused(client: httpx.Client, db: Path) -> None:
     assert _register(client, revision=0).status_code == 200
@@ -270,15 +323,19 @@ def test_a_second_live_process_on_one_id_is_refused(client: httpx.Client, db: Pa
     assert db_rows(db) == before_db
     assert _report(client, token=TOKEN_A).status_code == 200  # the holder carries on
     # once the holder stops cleanly, the other process takes the id
-    assert client.post("/instances/a/deregister",
-                       headers={REGISTRATION_HEADER: TOKEN_A}).status_code == 200
+    assert (
+        client.post("/instances/a/deregister", headers={REGISTRATION_HEADER: TOKEN_A}).status_code
+        == 200
+    )
     assert _register(client, token=TOKEN_B).status_code == 200
     assert _report(client, token=TOKEN_A).status_code == 409
 
 
 def test_a_silent_holder_is_released_after_the_heartbeat_timeout(db: Path) -> None:
-    with _serve(db, heartbeat_timeout_s=0.3) as server, \
-            httpx.Client(base_url=server.url, timeout=30) as c:
+    with (
+        _serve(db, heartbeat_timeout_s=0.3) as server,
+        httpx.Client(base_url=server.url, timeout=30) as c,
+    ):
         assert _register(c).status_code == 200
         assert _register(c, token=TOKEN_B).status_code == 409
         time.sleep(0.6)  # the holder was kill -9'ed: no report since
@@ -287,15 +344,22 @@ def test_a_silent_holder_is_released_after_the_heartbeat_timeout(db: Path) -> No
 
 # --- 6. reports are checked --------------------------------------------------------------
 
+
 def test_an_inconsistent_report_is_rejected_logged_and_changes_nothing(
-        client: httpx.Client, db: Path, caplog: pytest.LogCaptureFixture) -> None:
+    client: httpx.Client, db: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     assert client.put("/instances/a/limit", json={"limit": "1M"}).status_code == 200
-    assert _register(client, revision=1, limit_bytes=MiB, effective_limit_bytes=MiB,
-                     mapped_bytes=MiB).status_code == 200
+    assert (
+        _register(
+            client, revision=1, limit_bytes=MiB, effective_limit_bytes=MiB, mapped_bytes=MiB
+        ).status_code
+        == 200
+    )
     before_api, before_db = client.get("/instances/a").json(), db_rows(db)
     with caplog.at_level(logging.WARNING, logger="kvsidecar.service"):
-        r = _report(client, revision=1, limit_bytes=MiB, effective_limit_bytes=MiB,
-                    mapped_bytes=10 * GiB)
+        r = _report(
+            client, revision=1, limit_bytes=MiB, effective_limit_bytes=MiB, mapped_bytes=10 * GiB
+        )
     assert r.status_code == 422 and "inconsistent report" in r.json()["detail"]
     assert "rejected an inconsistent report" in caplog.text
     after = client.get("/instances/a").json()
@@ -306,10 +370,12 @@ def test_an_inconsistent_report_is_rejected_logged_and_changes_nothing(
 
 # --- 8. token, caps, readiness -----------------------------------------------------------
 
+
 def test_a_token_with_surrounding_whitespace_is_stripped(db: Path) -> None:
     with _serve(db, token="  s3cret\n") as server, httpx.Client(base_url=server.url) as c:
-        r = c.put("/instances/a/limit", json={"limit": "1G"},
-                  headers={"Authorization": "Bearer s3cret"})
+        r = c.put(
+            "/instances/a/limit", json={"limit": "1G"}, headers={"Authorization": "Bearer s3cret"}
+        )
         assert r.status_code == 200, r.text
         assert c.put("/instances/a/limit", json={"limit": "1G"}).status_code == 401
 
@@ -349,6 +415,7 @@ def test_a_database_with_foreign_columns_is_one_line(tmp_path: Path) -> None:
     import sys
 
     from test_sidecar_support import ROOT
+
     for version in (1, 2):
         path = tmp_path / f"v{version}.db"
         conn = sqlite3.connect(path)
@@ -358,8 +425,12 @@ def test_a_database_with_foreign_columns_is_one_line(tmp_path: Path) -> None:
         conn.close()
         proc = subprocess.run(
             [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--db", str(path)],
-            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-            timeout=60, check=False)
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
         assert "has the columns (id, lim)" in proc.stderr and "--db" in proc.stderr

@@ -31,18 +31,26 @@ def test_kill9_after_200_then_restart_keeps_limit_and_engine_gets_it(tmp_path: P
         assert (desired["limit_bytes"], desired["revision"]) == (6 * GiB, 2)
 
         # A (re)starting engine registers with the real engine_ext client and gets the limit.
-        with SocketEngine(tmp_path / "e.sock", mapped_bytes=GiB,
-                          device_total_bytes=80 * GiB) as engine:
+        with SocketEngine(
+            tmp_path / "e.sock", mapped_bytes=GiB, device_total_bytes=80 * GiB
+        ) as engine:
             settings = EngineSettings(enable=True, sidecar_url=second.url, token="t0k")
             client = SidecarClient(
-                settings, engine.mailbox,
+                settings,
+                engine.mailbox,
                 lambda: RegisterBody.model_validate(engine.register_body()),
-                instance_id="llama-a")
+                instance_id="llama-a",
+            )
             assert client.register_blocking(timeout_s=10)
-            assert (engine.mailbox.desired.limit_bytes, engine.mailbox.desired.revision) == \
-                (6 * GiB, 2)
-            r = httpx.put(f"{second.url}/instances/llama-a/limit", json={"limit": "5G"},
-                          headers={"Authorization": "Bearer t0k"})
+            assert (engine.mailbox.desired.limit_bytes, engine.mailbox.desired.revision) == (
+                6 * GiB,
+                2,
+            )
+            r = httpx.put(
+                f"{second.url}/instances/llama-a/limit",
+                json={"limit": "5G"},
+                headers={"Authorization": "Bearer t0k"},
+            )
             assert r.json()["desired"]["revision"] == 3
             client.stop()
     finally:

@@ -19,15 +19,21 @@ from sidecar import SidecarSettings, create_app
 def live_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadedSidecar]:
     db: Path = tmp_path_factory.mktemp("schema") / "sidecar.db"
     # Short waits and retries: generated ?wait= values and socket paths must not stall the run.
-    config = SidecarSettings(db_path=db, max_wait_s=0.2, push_timeout_s=0.5,
-                             push_backoff_initial_s=0.05, push_backoff_max_s=0.5)
+    config = SidecarSettings(
+        db_path=db,
+        max_wait_s=0.2,
+        push_timeout_s=0.5,
+        push_backoff_initial_s=0.05,
+        push_backoff_max_s=0.5,
+    )
     with ThreadedSidecar(config) as server:
         yield server
 
 
 # The same document the live server serves at /openapi.json (built without starting the app).
 schema = schemathesis.openapi.from_dict(
-    create_app(SidecarSettings(db_path=Path("/nonexistent/unused.db"))).openapi())
+    create_app(SidecarSettings(db_path=Path("/nonexistent/unused.db"))).openapi()
+)
 
 
 def test_the_served_schema_is_the_one_under_test(live_sidecar: ThreadedSidecar) -> None:
@@ -36,8 +42,7 @@ def test_the_served_schema_is_the_one_under_test(live_sidecar: ThreadedSidecar) 
 
 
 @schema.parametrize()
-@settings(max_examples=30, deadline=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 def test_no_server_errors(case: Any, live_sidecar: ThreadedSidecar) -> None:
     response = case.call(base_url=live_sidecar.url, timeout=10)
     assert response.status_code < 500, (case.method, case.formatted_path, response.text)

@@ -40,9 +40,21 @@ class SidecarProcess:
 
     def start(self) -> SidecarProcess:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar.cli", "serve", "--port", str(self.port),
-             "--db", str(self.db)], env=self.env, cwd=ROOT,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                sys.executable,
+                "-m",
+                "sidecar.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                "--db",
+                str(self.db),
+            ],
+            env=self.env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -123,8 +135,11 @@ class SocketEngine:
         self.mapped_bytes = mapped_bytes
         self.device_total_bytes = device_total_bytes
         self.server = ControlServer(str(socket_path), self.mailbox)
-        self.mailbox.set_state(EngineState(status=Status.APPLIED, mapped_bytes=mapped_bytes,
-                                           capacity_bytes=device_total_bytes))
+        self.mailbox.set_state(
+            EngineState(
+                status=Status.APPLIED, mapped_bytes=mapped_bytes, capacity_bytes=device_total_bytes
+            )
+        )
 
     def __enter__(self) -> Self:
         self.server.start()
@@ -134,10 +149,15 @@ class SocketEngine:
         self.server.stop()
 
     def register_body(self) -> dict[str, Any]:
-        return json.loads(RegisterBody(
-            engine="test", engine_version="0", socket_path=str(self.socket_path),
-            device_total_bytes=self.device_total_bytes,
-            state=self.mailbox.latest_state).model_dump_json())
+        return json.loads(
+            RegisterBody(
+                engine="test",
+                engine_version="0",
+                socket_path=str(self.socket_path),
+                device_total_bytes=self.device_total_bytes,
+                state=self.mailbox.latest_state,
+            ).model_dump_json()
+        )
 
     def engine_pass(self, *, mapped_bytes: int | None = None) -> EngineState:
         """Take the newest target, 'evict' down to ``mapped_bytes``, return the new state."""
@@ -147,9 +167,13 @@ class SocketEngine:
         target = self.mailbox.desired
         over = 0 if target.limit_bytes is None else max(0, self.mapped_bytes - target.limit_bytes)
         state = EngineState(
-            status=Status.DEFERRED if over else Status.APPLIED, revision=target.revision,
-            limit_bytes=target.limit_bytes, mapped_bytes=self.mapped_bytes,
-            overage_bytes=over, reason="evicting" if over else None,
-            capacity_bytes=self.device_total_bytes)
+            status=Status.DEFERRED if over else Status.APPLIED,
+            revision=target.revision,
+            limit_bytes=target.limit_bytes,
+            mapped_bytes=self.mapped_bytes,
+            overage_bytes=over,
+            reason="evicting" if over else None,
+            capacity_bytes=self.device_total_bytes,
+        )
         self.mailbox.set_state(state)
         return state

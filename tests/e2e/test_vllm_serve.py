@@ -118,7 +118,9 @@ def engines(
 ) -> Iterator[tuple[Engine, Engine]]:
     tmp = tmp_path_factory.mktemp("vllm-serve")
     model_dir = make_tiny_model_dir(tmp / "model")
-    retained = httpx.put(f"{module_sidecar_url}/instances/elastic/limit", json={"limit": RETAINED_LIMIT})
+    retained = httpx.put(
+        f"{module_sidecar_url}/instances/elastic/limit", json={"limit": RETAINED_LIMIT}
+    )
     assert retained.status_code in (200, 202) and retained.json()["status"] == "pending"
     to_sidecar = {"KVSIDECAR_SIDECAR_URL": module_sidecar_url, "KVSIDECAR_HEARTBEAT_S": "0.5"}
     with ThreadPoolExecutor(2) as pool:
@@ -141,7 +143,11 @@ def test_sidecar_retained_limit_then_push_applies(
     elastic, _ = engines
     api = httpx.Client(base_url=module_sidecar_url, timeout=30)
     state = elastic.state()  # retained limit taken before the first request
-    assert (state["revision"], state["limit_bytes"], state["status"]) == (1, RETAINED_LIMIT, "applied")
+    assert (state["revision"], state["limit_bytes"], state["status"]) == (
+        1,
+        RETAINED_LIMIT,
+        "applied",
+    )
     _fill_prefix_cache(elastic)
     full = elastic.state()["mapped_bytes"]
     reply = api.put("/instances/elastic/limit", params={"wait": "20"}, json={"limit": full // 2})
@@ -178,10 +184,13 @@ def _reference_table(engine: Engine, status: str) -> dict[str, int]:
     _traffic(engine, 100)
     after = engine.wait_state(revision, status=status)
     return {
-        "limit": limit, "full": full["mapped_bytes"], "idle": idle["mapped_bytes"],
-        "idle_passes": idle["passes"] - full["passes"], "after": engine.server.kv_memfd_bytes(),
+        "limit": limit,
+        "full": full["mapped_bytes"],
+        "idle": idle["mapped_bytes"],
+        "idle_passes": idle["passes"] - full["passes"],
+        "after": engine.server.kv_memfd_bytes(),
         "after_reported": after["mapped_bytes"],
-    }  # fmt: skip
+    }
 
 
 def test_reference_table_limit_applies_idle_and_after_traffic(
@@ -221,8 +230,10 @@ def test_under_traffic_deferred_then_applied_with_identical_tokens(
         abandoned = [pool.submit(aborted, i) for i in range(12)]
         # a full batch (--max-num-seqs 8) is running when the limit lands; not "all 24 in
         # flight": on a loaded machine the first ones may finish before the last arrive
-        wait_until(lambda: elastic.requests_in_flight() >= 8,
-                   what="a full batch of requests in flight (--max-num-seqs 8)")
+        wait_until(
+            lambda: elastic.requests_in_flight() >= 8,
+            what="a full batch of requests in flight (--max-num-seqs 8)",
+        )
         revision = elastic.set_limit(warm["mapped_bytes"] - 2 * bundle)
         first = elastic.wait_state(revision, status="deferred")
         results = [f.result() for f in futures]
@@ -356,10 +367,14 @@ def test_small_limit_while_a_runs_and_b_waits_nothing_hangs_100ms_samples(
     def complete(prompt: list[int], max_tokens: int) -> Any:
         response = httpx.post(
             elastic.server.base_url + "/v1/completions",
-            json={"model": elastic.model, "prompt": prompt, "max_tokens": max_tokens,
-                  "ignore_eos": True},
+            json={
+                "model": elastic.model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+            },
             timeout=600,
-        )  # fmt: skip
+        )
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -370,12 +385,14 @@ def test_small_limit_while_a_runs_and_b_waits_nothing_hangs_100ms_samples(
     try:
         with ThreadPoolExecutor(2) as pool:
             a = pool.submit(complete, prompt_a, 3000)
-            wait_until(lambda: elastic.state()["num_running_requests"] >= 1,
-                       what="A is running")  # fmt: skip
+            wait_until(lambda: elastic.state()["num_running_requests"] >= 1, what="A is running")
             limited = elastic.set_limit(2 * bundle)
             b = pool.submit(complete, prompt_b, 16)
-            wait_until(lambda: elastic.state()["waiting_reason"] == "waiting_for_memory",
-                       what="B waits for memory", timeout_s=120)  # fmt: skip
+            wait_until(
+                lambda: elastic.state()["waiting_reason"] == "waiting_for_memory",
+                what="B waits for memory",
+                timeout_s=120,
+            )
             assert a.result()["usage"]["completion_tokens"] == 3000  # never preempted: done
             state = elastic.wait_state(limited, status="applied", timeout_s=60)
             assert not b.done()  # B still waits, and the state says so

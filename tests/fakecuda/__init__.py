@@ -38,15 +38,20 @@ class FakeCuda:
     path: Path
 
     def __post_init__(self) -> None:
-        self.lib.fakecuda_fail.argtypes = [ctypes.c_char_p, ctypes.c_long, ctypes.c_long,
-                                           ctypes.c_int]
+        self.lib.fakecuda_fail.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_long,
+            ctypes.c_long,
+            ctypes.c_int,
+        ]
         self.lib.fakecuda_calls.argtypes = [ctypes.c_char_p]
         self.lib.fakecuda_calls.restype = ctypes.c_long
         self.lib.fakecuda_used_bytes.restype = ctypes.c_size_t
         self.lib.fakecuda_set_total_bytes.argtypes = [ctypes.c_size_t]
 
-    def fail(self, name: str, *, after: int = 0, count: int = 1,
-             err: int = CUDA_ERROR_INVALID_VALUE) -> None:
+    def fail(
+        self, name: str, *, after: int = 0, count: int = 1, err: int = CUDA_ERROR_INVALID_VALUE
+    ) -> None:
         """Make calls ``after+1 .. after+count`` of ``name`` fail with ``err`` (count -1: all)."""
         if self.lib.fakecuda_fail(name.encode(), after, count, err) != 0:
             raise ValueError(f"fakecuda has no knob for {name!r}")
@@ -74,10 +79,23 @@ class FakeCuda:
             raise ValueError(f"device total {total} is below the bytes in use")
 
 
-HOOKED = ("cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent",
-          "cuCtxGetCurrent", "cuCtxSynchronize", "cuMemGetInfo", "cuMemGetAllocationGranularity",
-          "cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate", "cuMemRelease", "cuMemMap",
-          "cuMemSetAccess", "cuMemUnmap", "cuMemGetAccess")
+HOOKED = (
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease",
+    "cuCtxSetCurrent",
+    "cuCtxGetCurrent",
+    "cuCtxSynchronize",
+    "cuMemGetInfo",
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemSetAccess",
+    "cuMemUnmap",
+    "cuMemGetAccess",
+)
 
 _loaded: FakeCuda | None = None
 _why_not: str = "not loaded yet"
@@ -87,8 +105,10 @@ def build(cache: Path | None = None) -> Path:
     """Compile ``libcuda.so.1`` (once per source version); raise RuntimeError without a compiler."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) to build the stand-in CUDA driver; install "
-                           "gcc or run on a machine with an NVIDIA driver")
+        raise RuntimeError(
+            "no C compiler (cc/gcc) to build the stand-in CUDA driver; install "
+            "gcc or run on a machine with an NVIDIA driver"
+        )
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
     root = cache or Path(os.environ.get("KVSIDECAR_CACHE", Path.home() / ".cache" / "kvsidecar"))
     out = root / f"fakecuda-{digest}" / "libcuda.so.1"
@@ -97,9 +117,23 @@ def build(cache: Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # atomic: parallel runs race
         built = Path(tmp) / "libcuda.so.1"
-        subprocess.run([compiler, "-O2", "-Wall", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1",
-                        "-o", str(built), str(SOURCE), "-lpthread"], check=True,
-                       capture_output=True, text=True)
+        subprocess.run(
+            [
+                compiler,
+                "-O2",
+                "-Wall",
+                "-shared",
+                "-fPIC",
+                "-Wl,-soname,libcuda.so.1",
+                "-o",
+                str(built),
+                str(SOURCE),
+                "-lpthread",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         os.replace(built, out)
     return out
 

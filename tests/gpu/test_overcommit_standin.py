@@ -24,7 +24,6 @@ from allocator import CudaBackend
 PAGE = 2 << 20
 
 
-
 class HostViewed:
     """A CudaBackend whose ``tensor()`` is a CPU view of the stand-in's memory."""
 
@@ -44,8 +43,9 @@ def test_sglang_reserves_on_the_current_device_address_space_only(
 ) -> None:
     from engine_ext.sglang._kv_memory import KVGeometry, reserve_kv
 
-    geometry = KVGeometry(page_size=16, head_num=8, head_dim=128, layer_num=4, dtype_bytes=2,
-                          max_tokens=200_000)  # fmt: skip  # 2 x 4 x 200k x 2 KiB = 3 GiB virtual
+    geometry = KVGeometry(
+        page_size=16, head_num=8, head_dim=128, layer_num=4, dtype_bytes=2, max_tokens=200_000
+    )  # 2 x 4 x 200k x 2 KiB = 3 GiB virtual
     used = fc.used_bytes()
     fc.set_total_bytes(used + 256 * PAGE)  # a 512 MiB device
     reservation = reserve_kv(geometry, device="cuda", current_cuda=lambda: 0)
@@ -84,23 +84,35 @@ def test_two_vllm_engines_overcommit_the_device_and_memory_follows_the_limits(
         config = planned(32 * blocks_per_page)  # 32 page bundles each: 64 > 48 together
         plan = _gpu_kv.kv_geometry(config, KVCacheLayout.LBNHC)
         views = _gpu_kv.allocate_on_reservation(
-            config, torch.device("cpu"), KVCacheLayout.LBNHC, None, plan=plan,
+            config,
+            torch.device("cpu"),
+            KVCacheLayout.LBNHC,
+            None,
+            plan=plan,
             reserve=lambda layout, dev: HostViewed(CudaBackend.reserve(layout, device=0)),  # type: ignore[arg-type,return-value]
-            synchronize=lambda: None, warmup_blocks=3 * blocks_per_page)  # fmt: skip
+            synchronize=lambda: None,
+            warmup_blocks=3 * blocks_per_page,
+        )
         memory = claim_kv_memory()
         assert memory is not None
         assert memory.backend.mapped_bytes() == 3 * memory.layout.bundle_bytes  # warm-up only
         monkeypatch.setattr(_runtime, "_configured", None)
         monkeypatch.setattr(_runtime, "_runtime", None)
         memory.claimed = False
-        _runtime.configure(EngineSettings(enable=True, instance_id=f"oc-{name}",
-                                          runtime_dir=tmp_path / name),
-                           VllmSettings(enable=True))  # fmt: skip
+        _runtime.configure(
+            EngineSettings(enable=True, instance_id=f"oc-{name}", runtime_dir=tmp_path / name),
+            VllmSettings(enable=True),
+        )
         from engine_ext.vllm import _kv_memory
 
         _kv_memory.publish_kv_memory(memory)
-        manager = KVCacheManager(config, max_model_len=1024, scheduler_block_size=BLOCK_TOKENS,
-                                 hash_block_size=BLOCK_TOKENS, enable_caching=False)  # fmt: skip
+        manager = KVCacheManager(
+            config,
+            max_model_len=1024,
+            scheduler_block_size=BLOCK_TOKENS,
+            hash_block_size=BLOCK_TOKENS,
+            enable_caching=False,
+        )
         runtime = _runtime.current_runtime()
         assert runtime is not None
         engines.append((manager, runtime, memory, views))
@@ -124,7 +136,7 @@ def test_two_vllm_engines_overcommit_the_device_and_memory_follows_the_limits(
         mb.block_pool.get_new_blocks(20 * blocks_per_page)  # nothing cached to fall back on
     assert used() <= device and mem_b.backend.mapped_bytes() <= 18 * bundle
     # The operator moves memory: A down to 8 page bundles, B then gets 20.
-    ma.block_pool.free_blocks(got_a[8 * blocks_per_page:])
+    ma.block_pool.free_blocks(got_a[8 * blocks_per_page :])
     ra.instance.set_limit(8 * bundle)
     ra.safe_point()  # limits apply at safe points only (top of a scheduler step, idle)
     assert mem_a.backend.mapped_bytes() <= 9 * bundle

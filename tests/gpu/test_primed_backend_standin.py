@@ -14,11 +14,13 @@ from engine_ext.vllm._gpu_kv import PrimedBackend
 PAGE = 2 << 20
 
 
-
-def test_priming_empties_the_cache_then_maps(fc: fakecuda.FakeCuda,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    with CudaBackend.reserve(PageLayout(PAGE, 8, 1), spare_handles=0) as cache, \
-            CudaBackend.reserve(PageLayout(PAGE, 8, 2), spare_handles=0) as kv:
+def test_priming_empties_the_cache_then_maps(
+    fc: fakecuda.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with (
+        CudaBackend.reserve(PageLayout(PAGE, 8, 1), spare_handles=0) as cache,
+        CudaBackend.reserve(PageLayout(PAGE, 8, 2), spare_handles=0) as kv,
+    ):
         fc.set_total_bytes(fc.used_bytes() + 16 * PAGE)
         cache.map_many(range(6))  # what torch's caching allocator holds unused
         emptied: list[int] = []
@@ -40,7 +42,9 @@ def test_priming_without_memory_says_so_and_maps_nothing(fc: fakecuda.FakeCuda) 
     with CudaBackend.reserve(PageLayout(PAGE, 8, 2)) as kv:
         fc.set_total_bytes(fc.used_bytes() + 10 * PAGE)
         primed = PrimedBackend(kv, lambda: None)
-        with pytest.raises(DeviceOutOfMemory, match="even after freeing cached device memory.*"
-                                                    "needs 32 MiB and the device has 20 MiB"):
+        with pytest.raises(
+            DeviceOutOfMemory,
+            match="even after freeing cached device memory.*needs 32 MiB and the device has 20 MiB",
+        ):
             primed.prime(range(8))  # torch.cuda.empty_cache() on CPU torch frees nothing
         assert kv.mapped_bytes() == 0 and not any(kv.is_mapped(p) for p in range(8))

@@ -96,11 +96,18 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
 
         plugin.register()  # what the vllm.general_plugins entry point does
         llm = LLM(
-            model=str(model_dir), load_format="dummy", dtype="float16", max_model_len=1024,
-            block_size=BLOCK_TOKENS, kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=True,
-            tensor_parallel_size=1, distributed_executor_backend="uni", enforce_eager=True,
+            model=str(model_dir),
+            load_format="dummy",
+            dtype="float16",
+            max_model_len=1024,
+            block_size=BLOCK_TOKENS,
+            kv_cache_memory_bytes=KV_BYTES,
+            enable_prefix_caching=True,
+            tensor_parallel_size=1,
+            distributed_executor_backend="uni",
+            enforce_eager=True,
             seed=0,
-        )  # fmt: skip
+        )
         memory = claim_kv_memory()
         runtime = current_runtime()
         assert memory is not None and runtime is not None
@@ -117,8 +124,10 @@ def _prompts(llm: Any) -> list[Any]:
 
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(0)
-    return [TokensPrompt(prompt_token_ids=[rng.randrange(10, vocab) for _ in range(PROMPT_TOKENS)])
-            for _ in range(NUM_PROMPTS)]  # fmt: skip
+    return [
+        TokensPrompt(prompt_token_ids=[rng.randrange(10, vocab) for _ in range(PROMPT_TOKENS)])
+        for _ in range(NUM_PROMPTS)
+    ]
 
 
 def _pages_needed(memory: Any) -> int:
@@ -129,8 +138,9 @@ def _pages_needed(memory: Any) -> int:
 
 def _worker_kv_caches(worker: Any) -> list[tuple[int, tuple[int, ...], tuple[int, ...], str]]:
     runner = getattr(worker, "worker", worker).model_runner
-    return [(t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
-            for t in runner.kv_caches]  # fmt: skip
+    return [
+        (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype)) for t in runner.kv_caches
+    ]
 
 
 def test_kv_tensors_are_views_over_the_published_reservation(engine: Engine) -> None:

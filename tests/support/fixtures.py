@@ -18,8 +18,9 @@ __all__ = ["fc", "module_sidecar_url", "sidecar_url"]
 @pytest.fixture
 def sidecar_url(tmp_path: Path) -> Iterator[str]:
     """A real sidecar for one test, retrying pushes quickly (engines in the test process)."""
-    settings = SidecarSettings(db_path=tmp_path / "sidecar.db", push_backoff_initial_s=0.02,
-                               push_backoff_max_s=0.2)  # fmt: skip
+    settings = SidecarSettings(
+        db_path=tmp_path / "sidecar.db", push_backoff_initial_s=0.02, push_backoff_max_s=0.2
+    )
     with ThreadedSidecar(settings) as server:
         yield server.url
 

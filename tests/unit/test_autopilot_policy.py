@@ -21,8 +21,13 @@ PAGE = 1 << 20
 
 
 def _m(iid: str, **kw: object) -> Member:
-    base: dict[str, object] = {"live": True, "desired": 0, "held": 0, "page": PAGE,
-                               "capacity": 64 * G}
+    base: dict[str, object] = {
+        "live": True,
+        "desired": 0,
+        "held": 0,
+        "page": PAGE,
+        "capacity": 64 * G,
+    }
     base.update(kw)
     return Member(iid, **base)  # type: ignore[arg-type]
 
@@ -34,16 +39,20 @@ def test_idle_instances_split_the_budget_by_weight() -> None:
 
 
 def test_demand_first_then_the_spare_to_the_busy_ones() -> None:
-    t = compute_targets(10 * G, [_m("a", pinned=2 * G, waiting=3 * G, busy=True), _m("b"),
-                                 _m("c", pinned=G, busy=True)])
+    t = compute_targets(
+        10 * G,
+        [_m("a", pinned=2 * G, waiting=3 * G, busy=True), _m("b"), _m("c", pinned=G, busy=True)],
+    )
     assert t["b"].limit == 0  # idle while others are busy: its min
     assert t["a"].limit >= 5 * G and t["c"].limit >= G
     assert t["a"].limit + t["c"].limit == 10 * G
 
 
 def test_contention_is_weighted_and_bounded() -> None:
-    members = [_m("a", waiting=10 * G, busy=True, min=G),
-               _m("b", waiting=10 * G, busy=True, weight=3.0, max=5 * G)]
+    members = [
+        _m("a", waiting=10 * G, busy=True, min=G),
+        _m("b", waiting=10 * G, busy=True, weight=3.0, max=5 * G),
+    ]
     t = compute_targets(8 * G, members)
     assert t["b"].limit <= 5 * G and t["a"].limit >= G
     assert t["a"].limit + t["b"].limit <= 8 * G
@@ -82,8 +91,7 @@ def test_hysteresis_skips_small_moves_unless_over_budget() -> None:
     a = _m("a", desired=4 * G, held=4 * G)
     assert plan(8 * G, [a], {"a": Target("a", 4 * G + PAGE, "fair_share")}, G) == []
     over = _m("a", desired=9 * G, held=9 * G, mapped=9 * G)
-    assert [c.new for c in plan(8 * G, [over], {"a": Target("a", 8 * G, "max")}, 2 * G)] \
-        == [8 * G]
+    assert [c.new for c in plan(8 * G, [over], {"a": Target("a", 8 * G, "max")}, 2 * G)] == [8 * G]
 
 
 @settings(max_examples=150, deadline=None)
@@ -98,8 +106,17 @@ def test_fuzz_the_budget_holds_at_every_step(seed: int, n: int, budget_g: int) -
     for i in range(n):
         lo = mins[i]
         hi = rng.choice([None, lo + PAGE * rng.randint(0, 20000)])
-        members.append(_m(f"e{i}", min=lo, max=hi, weight=rng.choice([0.5, 1.0, 3.0]),
-                          floor=rng.choice([0, PAGE]), desired=0, held=0))
+        members.append(
+            _m(
+                f"e{i}",
+                min=lo,
+                max=hi,
+                weight=rng.choice([0.5, 1.0, 3.0]),
+                floor=rng.choice([0, PAGE]),
+                desired=0,
+                held=0,
+            )
+        )
     hysteresis = rng.choice([0, PAGE, budget // 20])
     for _step in range(60):
         # the world moves: demand changes, engines apply late, grow under what they hold,
@@ -107,9 +124,12 @@ def test_fuzz_the_budget_holds_at_every_step(seed: int, n: int, budget_g: int) -
         moved = []
         for m in members:
             if rng.random() < 0.2:
-                m = replace(m, pinned=rng.randint(0, 2 * budget) // PAGE * PAGE,
-                            waiting=rng.choice([0, rng.randint(0, budget)]),
-                            busy=rng.random() < 0.6)
+                m = replace(
+                    m,
+                    pinned=rng.randint(0, 2 * budget) // PAGE * PAGE,
+                    waiting=rng.choice([0, rng.randint(0, budget)]),
+                    busy=rng.random() < 0.6,
+                )
             if m.live and rng.random() < 0.5:  # takes its desired limit
                 m = replace(m, held=m.desired)
             if m.live and rng.random() < 0.5:  # evicts down to / maps up to what it holds

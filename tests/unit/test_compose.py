@@ -35,8 +35,11 @@ DEVICE_BYTES = 80 * GIB  # the GPU the colocate files are written for (an 80 GiB
 
 
 def _settings_env_names() -> set[str]:
-    names = {f"KVSIDECAR_{n.upper()}" for cls in (EngineSettings, SidecarSettings)
-             for n in cls.model_fields}  # fmt: skip
+    names = {
+        f"KVSIDECAR_{n.upper()}"
+        for cls in (EngineSettings, SidecarSettings)
+        for n in cls.model_fields
+    }
     try:  # the vLLM adapter's own settings (same prefix)
         from engine_ext.vllm._settings import VllmSettings
 
@@ -63,8 +66,14 @@ def test_docker_compose_config_accepts_it(path: Path) -> None:
         if os.environ.get("CI"):
             pytest.fail("docker-compose is missing on CI; scripts/dev.sh installs it (apt)")
         pytest.skip("docker-compose not installed (bash scripts/dev.sh test installs it)")
-    proc = subprocess.run([exe, "-f", str(path), "config", "-q"], capture_output=True, text=True,
-                          cwd=path.parent, timeout=60, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [exe, "-f", str(path), "config", "-q"],
+        capture_output=True,
+        text=True,
+        cwd=path.parent,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -86,8 +95,14 @@ def test_every_command_exists(path: Path) -> None:
             assert importlib.util.find_spec(module.split(".")[0]) is not None
             assert (REPO / (module.replace(".", "/") + ".py")).exists(), f"{name}: {module}"
         for sub in re.findall(r"kvsidecar (\w+)", text):
-            proc = subprocess.run([sys.executable, "-m", "sidecar.cli", sub, "--help"], cwd=REPO,
-                                  capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+            proc = subprocess.run(
+                [sys.executable, "-m", "sidecar.cli", sub, "--help"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
             assert proc.returncode == 0, f"{name}: 'kvsidecar {sub}' is not a command"
         for script in re.findall(r"(scripts/[\w.-]+)", text):
             assert (REPO / script).exists(), f"{name}: {script} is missing"
@@ -123,8 +138,11 @@ def _sources(args: str) -> list[str]:
 
 
 def test_there_are_the_three_images() -> None:
-    assert {p.name for p in DOCKERFILES} == {"sidecar.Dockerfile", "vllm.Dockerfile",
-                                             "sglang.Dockerfile"}  # fmt: skip
+    assert {p.name for p in DOCKERFILES} == {
+        "sidecar.Dockerfile",
+        "vllm.Dockerfile",
+        "sglang.Dockerfile",
+    }
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
@@ -137,7 +155,9 @@ def test_every_dockerfile_path_exists_in_the_build_context(path: Path) -> None:
         if word in ("COPY", "ADD"):
             assert "--from" not in args, "no multi-stage sources here"
             for source in _sources(args):
-                assert not source.startswith(("/", "..")), f"{path.name}: {source} leaves the context"
+                assert not source.startswith(("/", "..")), (
+                    f"{path.name}: {source} leaves the context"
+                )
                 assert (REPO / source).exists(), f"{path.name}: {word} {source}: not in the repo"
                 copied += 1
         elif word == "WORKDIR":
@@ -147,8 +167,13 @@ def test_every_dockerfile_path_exists_in_the_build_context(path: Path) -> None:
         assert any(package in _sources(a) for w, a in instructions if w == "COPY"), package
 
 
-@pytest.mark.parametrize(("name", "base"), [("vllm.Dockerfile", "vllm/vllm-openai:v0.33.0"),
-                                            ("sglang.Dockerfile", "lmsysorg/sglang:v0.5.23")])
+@pytest.mark.parametrize(
+    ("name", "base"),
+    [
+        ("vllm.Dockerfile", "vllm/vllm-openai:v0.33.0"),
+        ("sglang.Dockerfile", "lmsysorg/sglang:v0.5.23"),
+    ],
+)
 def test_engine_images_extend_the_official_ones_with_the_cuda_extra(name: str, base: str) -> None:
     instructions = _instructions(REPO / "compose" / "docker" / name)
     assert instructions[0] == ("FROM", base)
@@ -172,7 +197,8 @@ def test_gpu_files_build_their_images_and_install_nothing_at_start(path: Path) -
         assert (path.parent / build["context"]).resolve() == REPO
         assert (REPO / build["dockerfile"]).is_file(), f"{name}: {build['dockerfile']}"
         assert "volumes" not in service or not any(
-            str(v).startswith("..") for v in service["volumes"]), f"{name}: mounts the source"
+            str(v).startswith("..") for v in service["volumes"]
+        ), f"{name}: mounts the source"
 
 
 def _args(service: dict[str, Any]) -> dict[str, str]:
@@ -184,7 +210,9 @@ def _args(service: dict[str, Any]) -> dict[str, str]:
         if word.startswith("--"):
             key, eq, value = word.partition("=")
             if not eq:
-                value = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else ""
+                value = (
+                    words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else ""
+                )
             out[key] = value
     return out
 

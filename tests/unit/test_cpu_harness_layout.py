@@ -55,9 +55,12 @@ def _product_files() -> Iterator[Path]:
 
 
 def test_no_product_module_imports_the_harness() -> None:
-    offenders = [f"{path.relative_to(REPO)}:{line} imports {name}"
-                 for path in _product_files() for line, name in _imports(path)
-                 if name == "engine_ext.cpu_harness" or name.startswith("engine_ext.cpu_harness.")]
+    offenders = [
+        f"{path.relative_to(REPO)}:{line} imports {name}"
+        for path in _product_files()
+        for line, name in _imports(path)
+        if name == "engine_ext.cpu_harness" or name.startswith("engine_ext.cpu_harness.")
+    ]
     assert offenders == [], "\n".join(offenders)
 
 
@@ -77,11 +80,19 @@ def test_harness_and_demo_use_only_public_names_of_other_packages(root: Path) ->
 
 
 def test_importing_the_harness_loads_no_engine() -> None:
-    code = ("import sys, engine_ext.cpu_harness as h; h.make_tiny_model_dir; h.launch_vllm_server; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('vllm', 'sglang', 'torch')))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
+    code = (
+        "import sys, engine_ext.cpu_harness as h; h.make_tiny_model_dir; h.launch_vllm_server; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('vllm', 'sglang', 'torch')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 

@@ -12,27 +12,40 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--idle-s", "-1"], "--idle-s must be >= 0"),
-    (["--idle-s", "soon"], "invalid float value"),
-    (["--no-such-flag"], "unrecognized arguments"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--idle-s", "-1"], "--idle-s must be >= 0"),
+        (["--idle-s", "soon"], "invalid float value"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ],
+)
 def test_bad_demo_arguments_fail_fast_with_a_message(
     args: list[str], message: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "sidecar.cli", "demo", "--out", str(out), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode != 0
     assert message in proc.stderr
     assert not (out / "demo-results.json").exists()  # nothing ran
 
 
 def test_demo_help_lists_its_options() -> None:
-    proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "demo", "--help"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "demo", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     for option in ("--out", "--idle-s", "--quick", "--keep-workdir"):
         assert option in proc.stdout
@@ -55,13 +68,20 @@ main()
 
 
 def test_demo_without_its_dependencies_says_what_to_install_and_leaves_nothing(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "out"
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT_ENGINES, str(out)], cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)},
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_ENGINES, str(out)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "vLLM" in proc.stderr and "pip install 'kvsidecar[vllm]'" in proc.stderr

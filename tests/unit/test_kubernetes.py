@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 kubernetes_validate = pytest.importorskip(
-    "kubernetes_validate", reason="the dev extra installs kubernetes-validate")
+    "kubernetes_validate", reason="the dev extra installs kubernetes-validate"
+)
 
 from engine_ext._settings import EngineSettings
 from sidecar import create_app
@@ -50,16 +51,27 @@ def _one(kind: str) -> dict[str, Any]:
 
 
 def test_every_manifest_is_listed_in_a_kustomization() -> None:
-    listed = {(base / name).resolve() for base in BASES
-              for name in yaml.safe_load((base / "kustomization.yaml").read_text())["resources"]}
+    listed = {
+        (base / name).resolve()
+        for base in BASES
+        for name in yaml.safe_load((base / "kustomization.yaml").read_text())["resources"]
+    }
     on_disk = {p.resolve() for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml"}
     assert listed == on_disk
-    assert {d["kind"] for d in _all()} == {"Namespace", "DaemonSet", "Service",
-                                           "ServiceMonitor", "Deployment"}
+    assert {d["kind"] for d in _all()} == {
+        "Namespace",
+        "DaemonSet",
+        "Service",
+        "ServiceMonitor",
+        "Deployment",
+    }
 
 
-@pytest.mark.parametrize("doc", [d for d in _all() if d["kind"] != "ServiceMonitor"],
-                         ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+@pytest.mark.parametrize(
+    "doc",
+    [d for d in _all() if d["kind"] != "ServiceMonitor"],
+    ids=lambda d: f"{d['kind']}/{d['metadata']['name']}",
+)
 def test_objects_pass_the_kubernetes_schema(doc: dict[str, Any]) -> None:
     kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -104,8 +116,12 @@ def test_service_and_servicemonitor_select_the_sidecar() -> None:
 def test_sidecar_and_engines_share_the_runtime_dir_and_use_pod_names() -> None:
     def host_mounts(pod: dict[str, Any]) -> dict[str, str]:
         host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-        return {host[m["name"]]: m["mountPath"] for c in pod["containers"]
-                for m in c["volumeMounts"] if m["name"] in host}
+        return {
+            host[m["name"]]: m["mountPath"]
+            for c in pod["containers"]
+            for m in c["volumeMounts"]
+            if m["name"] in host
+        }
 
     sidecar_pod, engine_pod = _pod("DaemonSet"), _pod("Deployment")
     shared = host_mounts(sidecar_pod)["/run/kvsidecar"]
@@ -117,12 +133,16 @@ def test_sidecar_and_engines_share_the_runtime_dir_and_use_pod_names() -> None:
     svc = _one("Service")
     namespace = yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
     assert env["KVSIDECAR_SIDECAR_URL"] == (
-        f"http://{svc['metadata']['name']}.{namespace}.svc:{svc['spec']['ports'][0]['port']}")
+        f"http://{svc['metadata']['name']}.{namespace}.svc:{svc['spec']['ports'][0]['port']}"
+    )
 
 
 def test_settings_and_probes_exist() -> None:
-    known = {f"KVSIDECAR_{n.upper()}" for cls in (EngineSettings, SidecarSettings)
-             for n in cls.model_fields}
+    known = {
+        f"KVSIDECAR_{n.upper()}"
+        for cls in (EngineSettings, SidecarSettings)
+        for n in cls.model_fields
+    }
     for kind in ("DaemonSet", "Deployment"):
         for container in _pod(kind)["containers"]:
             used = {n for n in _env(container) if n.startswith("KVSIDECAR_")}
@@ -133,8 +153,9 @@ def test_settings_and_probes_exist() -> None:
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["path"] in paths
     assert container["command"][:2] == ["kvsidecar", "serve"]
-    assert container["image"] in {i["name"] for i in yaml.safe_load(
-        (K8S / "kustomization.yaml").read_text())["images"]}
+    assert container["image"] in {
+        i["name"] for i in yaml.safe_load((K8S / "kustomization.yaml").read_text())["images"]
+    }
 
 
 def test_kustomize_builds_it_when_available() -> None:
@@ -143,8 +164,9 @@ def test_kustomize_builds_it_when_available() -> None:
         pytest.skip("neither kustomize nor kubectl is installed")
     args = [exe, "build"] if exe.endswith("kustomize") else [exe, "kustomize"]
     for base in BASES:
-        proc = subprocess.run([*args, str(base)], capture_output=True, text=True, timeout=60,
-                              check=False)
+        proc = subprocess.run(
+            [*args, str(base)], capture_output=True, text=True, timeout=60, check=False
+        )
         assert proc.returncode == 0, proc.stderr
         for doc in yaml.safe_load_all(proc.stdout):
             if doc and doc["kind"] != "ServiceMonitor":

@@ -16,18 +16,31 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 _OURS = ("allocator", "engine_ext", "sidecar")
 #: Third-party distributions the contract may use besides the standard library.
-_CONTRACT_DEPS = {"pydantic", "pydantic_core", "typing_extensions", "annotated_types",
-                  "typing_inspection"}
+_CONTRACT_DEPS = {
+    "pydantic",
+    "pydantic_core",
+    "typing_extensions",
+    "annotated_types",
+    "typing_inspection",
+}
 
 
 def _loaded_after(*modules: str) -> list[str]:
     """Module names in ``sys.modules`` of a fresh interpreter after importing ``modules``."""
-    code = ("import json, sys\n"
-            f"for name in {list(modules)!r}:\n"
-            "    __import__(name)\n"
-            "print(json.dumps(sorted(sys.modules)))\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, check=False)
+    code = (
+        "import json, sys\n"
+        f"for name in {list(modules)!r}:\n"
+        "    __import__(name)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     loaded: list[str] = json.loads(proc.stdout.splitlines()[-1])
     return loaded
@@ -41,8 +54,9 @@ def _ours(loaded: list[str]) -> list[str]:
 def test_the_sidecar_loads_the_contract_and_no_engine_core(entry: str) -> None:
     loaded = _loaded_after(entry)
     engine_side = [m for m in _ours(loaded) if not m.startswith("sidecar")]
-    stray = [m for m in engine_side
-             if m != "engine_ext" and not m.startswith("engine_ext.protocol")]
+    stray = [
+        m for m in engine_side if m != "engine_ext" and not m.startswith("engine_ext.protocol")
+    ]
     assert "engine_ext.protocol" in engine_side  # the check sees the contract load
     assert stray == [], f"importing {entry} loads {stray}"
     assert not [m for m in loaded if m.split(".")[0] in {"torch", "vllm", "sglang"}]
@@ -51,12 +65,12 @@ def test_the_sidecar_loads_the_contract_and_no_engine_core(entry: str) -> None:
 def test_the_contract_loads_pydantic_and_the_standard_library_only() -> None:
     baseline = set(_loaded_after())
     loaded = _loaded_after("engine_ext.protocol")
-    new_tops = {m.split(".")[0] for m in loaded
-                if m not in baseline and not m.startswith("_sysconfigdata")}  # stdlib data
+    new_tops = {
+        m.split(".")[0] for m in loaded if m not in baseline and not m.startswith("_sysconfigdata")
+    }  # stdlib data
     foreign = new_tops - set(sys.stdlib_module_names) - _CONTRACT_DEPS - {"engine_ext"}
     assert foreign == set(), f"engine_ext.protocol loads {sorted(foreign)}"
-    assert [m for m in _ours(loaded) if not m.startswith("engine_ext.protocol")] == [
-        "engine_ext"]
+    assert [m for m in _ours(loaded) if not m.startswith("engine_ext.protocol")] == ["engine_ext"]
 
 
 def test_the_core_names_still_load_from_engine_ext() -> None:
@@ -100,11 +114,13 @@ def _modules() -> dict[str, tuple[Path, bool]]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _statements(tree: ast.AST) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
     """Every import statement (module level and in functions), and whether it runs."""
+
     def walk(node: ast.AST, runtime: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child.test):
@@ -115,7 +131,9 @@ def _statements(tree: ast.AST) -> Iterator[tuple[ast.Import | ast.ImportFrom, bo
             else:
                 yield from walk_one(child, runtime)
 
-    def walk_one(node: ast.AST, runtime: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    def walk_one(
+        node: ast.AST, runtime: bool
+    ) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node, runtime
         else:
@@ -173,8 +191,9 @@ def _graph() -> dict[str, list[_Import]]:
                 if sub in mods:
                     edges.append(_Import(sub, (sub,), runtime, node.lineno))
                 else:
-                    edges.append(_Import(base, (base, *defining(base, alias.name)), runtime,
-                                         node.lineno))
+                    edges.append(
+                        _Import(base, (base, *defining(base, alias.name)), runtime, node.lineno)
+                    )
     return graph
 
 
@@ -205,9 +224,14 @@ def _may_import(module: str, is_package: bool, target: str) -> bool:
 
 def test_no_product_module_imports_a_private_module_of_another_package() -> None:
     mods = _modules()
-    bad = sorted({f"{module}:{imp.line} imports {imp.target}"
-                  for module, imports in _graph().items() for imp in imports
-                  if not _may_import(module, mods[module][1], imp.target)})
+    bad = sorted(
+        {
+            f"{module}:{imp.line} imports {imp.target}"
+            for module, imports in _graph().items()
+            for imp in imports
+            if not _may_import(module, mods[module][1], imp.target)
+        }
+    )
     assert bad == []
 
 
@@ -279,4 +303,6 @@ def test_the_import_graph_sees_what_it_checks() -> None:
     assert not _may_import("engine_ext._instance", False, "engine_ext.vllm._runtime")
     assert _may_import("engine_ext.cpu_harness", True, "engine_ext.cpu_harness.vllm._launcher")
     assert _cycles({"a": [_Import("b", ("b",), True, 1)], "b": [_Import("a", ("a",), True, 1)]})
-    assert not _cycles({"a": [_Import("b", ("b",), False, 1)], "b": [_Import("a", ("a",), True, 1)]})
+    assert not _cycles(
+        {"a": [_Import("b", ("b",), False, 1)], "b": [_Import("a", ("a",), True, 1)]}
+    )

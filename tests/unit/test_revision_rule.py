@@ -16,8 +16,18 @@ _LIMITS = [None, 0, 1 << 20, 2 << 20]
 
 
 def _revisions(rng: random.Random, current: int) -> int | None:
-    return rng.choice([None, current, current + 1, max(1, current - 1), current + 7,
-                       rng.randint(1, 50), MAX_REVISION, MAX_REVISION + 1])
+    return rng.choice(
+        [
+            None,
+            current,
+            current + 1,
+            max(1, current - 1),
+            current + 7,
+            rng.randint(1, 50),
+            MAX_REVISION,
+            MAX_REVISION + 1,
+        ]
+    )
 
 
 def test_sidecar_and_mailbox_agree_on_every_request() -> None:
@@ -50,15 +60,26 @@ def test_sidecar_and_mailbox_agree_on_every_request() -> None:
             assert box.desired.revision == verdict.revision
 
 
-@pytest.mark.parametrize(("held", "revision", "outcome"), [
-    (5, None, RevisionOutcome.NEW), (5, 6, RevisionOutcome.NEW),
-    (5, 5, RevisionOutcome.REPEAT), (5, 4, RevisionOutcome.STALE),
-    (MAX_REVISION, None, RevisionOutcome.CONFLICT), (0, MAX_REVISION + 1, RevisionOutcome.CONFLICT),
-])
+@pytest.mark.parametrize(
+    ("held", "revision", "outcome"),
+    [
+        (5, None, RevisionOutcome.NEW),
+        (5, 6, RevisionOutcome.NEW),
+        (5, 5, RevisionOutcome.REPEAT),
+        (5, 4, RevisionOutcome.STALE),
+        (MAX_REVISION, None, RevisionOutcome.CONFLICT),
+        (0, MAX_REVISION + 1, RevisionOutcome.CONFLICT),
+    ],
+)
 def test_the_rule_by_case(held: int, revision: int | None, outcome: RevisionOutcome) -> None:
     verdict = judge_revision(1 << 20, held, 1 << 20, revision, exhausted_fix="restart it")
     assert verdict.outcome is outcome
     assert (verdict.message is None) == verdict.accepted
     if outcome is RevisionOutcome.CONFLICT:
-        assert "largest revision" in (verdict.message or "") and "restart it" in (verdict.message or "")
-    assert judge_revision(1 << 20, 5, 2 << 20, 5, exhausted_fix="x").outcome is RevisionOutcome.CONFLICT
+        assert "largest revision" in (verdict.message or "") and "restart it" in (
+            verdict.message or ""
+        )
+    assert (
+        judge_revision(1 << 20, 5, 2 << 20, 5, exhausted_fix="x").outcome
+        is RevisionOutcome.CONFLICT
+    )

@@ -20,22 +20,31 @@ from sidecar._store import InstanceRow, Registration, Store
 GiB = 1 << 30
 
 
-@pytest.mark.parametrize(("cur_limit", "cur_rev", "limit", "rev", "expected"), [
-    (None, 0, GiB, None, Decision(1, True)),  # none given: the next one
-    (GiB, 7, None, None, Decision(8, True)),
-    (GiB, 7, 2 * GiB, 9, Decision(9, True)),  # newer: accepted, gaps allowed
-    (GiB, 7, GiB, 7, Decision(7, False)),  # same revision, same limit: idempotent
-    (None, 7, None, 7, Decision(7, False)),
-])
-def test_decide_accepts(cur_limit: int | None, cur_rev: int, limit: int | None,
-                        rev: int | None, expected: Decision) -> None:
+@pytest.mark.parametrize(
+    ("cur_limit", "cur_rev", "limit", "rev", "expected"),
+    [
+        (None, 0, GiB, None, Decision(1, True)),  # none given: the next one
+        (GiB, 7, None, None, Decision(8, True)),
+        (GiB, 7, 2 * GiB, 9, Decision(9, True)),  # newer: accepted, gaps allowed
+        (GiB, 7, GiB, 7, Decision(7, False)),  # same revision, same limit: idempotent
+        (None, 7, None, 7, Decision(7, False)),
+    ],
+)
+def test_decide_accepts(
+    cur_limit: int | None, cur_rev: int, limit: int | None, rev: int | None, expected: Decision
+) -> None:
     assert decide(cur_limit, cur_rev, limit, rev) == expected
 
 
-@pytest.mark.parametrize(("limit", "rev", "status"), [
-    (2 * GiB, 7, Status.CONFLICT), (None, 7, Status.CONFLICT), (GiB, 6, Status.STALE),
-    (GiB, 1, Status.STALE),
-])
+@pytest.mark.parametrize(
+    ("limit", "rev", "status"),
+    [
+        (2 * GiB, 7, Status.CONFLICT),
+        (None, 7, Status.CONFLICT),
+        (GiB, 6, Status.STALE),
+        (GiB, 1, Status.STALE),
+    ],
+)
 def test_decide_rejects(limit: int | None, rev: int, status: Status) -> None:
     with pytest.raises(RevisionRejectedError) as info:
         decide(GiB, 7, limit, rev)
@@ -64,8 +73,11 @@ def test_store_durable_wal_and_unchanged_on_rejection(tmp_path: Path) -> None:
         adopted = await store.adopt("a", 5 * GiB, 4)
         assert adopted is not None and (adopted.limit_bytes, adopted.revision) == (5 * GiB, 4)
         reg = await store.register("a", Registration("vllm", "0.33.0", "/run/a.sock", 8 * GiB))
-        assert (reg.revision, reg.socket_path, reg.device_total_bytes) == (4, "/run/a.sock",
-                                                                          8 * GiB)
+        assert (reg.revision, reg.socket_path, reg.device_total_bytes) == (
+            4,
+            "/run/a.sock",
+            8 * GiB,
+        )
         assert reg.seq > adopted.seq > row.seq  # write order, for the in-memory mirror
         await store.check_writable()
         await store.close()
@@ -106,17 +118,27 @@ def test_store_refuses_a_newer_schema_and_an_unwritable_path(tmp_path: Path) -> 
         asyncio.run(open_(tmp_path / "file" / "s.db"))
 
 
-def _record(observed: EngineState | None, *, revision: int = 1, registered: bool = True,
-            last_seen: float | None = 100.0) -> InstanceRecord:
-    row = InstanceRow("a", GiB, revision, 0.0, registered_at=1.0 if registered else None,
-                      socket_path="/run/a.sock" if registered else None)
+def _record(
+    observed: EngineState | None,
+    *,
+    revision: int = 1,
+    registered: bool = True,
+    last_seen: float | None = 100.0,
+) -> InstanceRecord:
+    row = InstanceRow(
+        "a",
+        GiB,
+        revision,
+        0.0,
+        registered_at=1.0 if registered else None,
+        socket_path="/run/a.sock" if registered else None,
+    )
     return InstanceRecord(row, observed=observed, last_seen=last_seen)
 
 
 def test_derive_status() -> None:
     applied = EngineState(status=Status.APPLIED, revision=1, limit_bytes=GiB)
-    deferred = EngineState(status=Status.DEFERRED, revision=1, limit_bytes=GiB,
-                           reason="evicting")
+    deferred = EngineState(status=Status.DEFERRED, revision=1, limit_bytes=GiB, reason="evicting")
     other = EngineState(status=Status.APPLIED, revision=1, limit_bytes=2 * GiB)
     unlimited = EngineState(status=Status.APPLIED, revision=1, limit_bytes=None)
     cases = [
@@ -201,6 +223,7 @@ def test_serve_refuses_a_bad_database_path_in_one_line(tmp_path: Path) -> None:
 
 def test_decide_never_computes_a_revision_past_the_bound() -> None:
     from engine_ext.protocol import MAX_REVISION
+
     assert decide(GiB, MAX_REVISION - 1, GiB, None) == Decision(MAX_REVISION, True)
     with pytest.raises(RevisionRejectedError, match="largest revision") as info:
         decide(GiB, MAX_REVISION, 2 * GiB, None)
@@ -210,6 +233,7 @@ def test_decide_never_computes_a_revision_past_the_bound() -> None:
 def _consistent(rng: random.Random) -> EngineState:
     """A random state the real coordinator could send (see ShrinkCoordinator._compute)."""
     from engine_ext.protocol import RankState
+
     num = rng.randint(1, 4)
     ranks = [RankState(rank=r, mapped_bytes=rng.randrange(0, 8 * GiB)) for r in range(num)]
     mapped = max(r.mapped_bytes for r in ranks)
@@ -218,22 +242,32 @@ def _consistent(rng: random.Random) -> EngineState:
     effective = None if limit is None else max(limit, floor)
     over = 0 if effective is None else max(0, mapped - effective)
     applied = over == 0 and rng.random() < 0.7
-    return EngineState(status=Status.APPLIED if applied else Status.DEFERRED,
-                       revision=rng.randint(1, 50), limit_bytes=limit,
-                       effective_limit_bytes=effective, floor_bytes=floor, mapped_bytes=mapped,
-                       overage_bytes=over, num_ranks=num, ranks=ranks,
-                       reason=None if applied else "evicting")
+    return EngineState(
+        status=Status.APPLIED if applied else Status.DEFERRED,
+        revision=rng.randint(1, 50),
+        limit_bytes=limit,
+        effective_limit_bytes=effective,
+        floor_bytes=floor,
+        mapped_bytes=mapped,
+        overage_bytes=over,
+        num_ranks=num,
+        ranks=ranks,
+        reason=None if applied else "evicting",
+    )
 
 
 def test_report_rules_accept_every_consistent_state_and_catch_each_lie() -> None:
     """Fuzzed: 2000 states shaped like the coordinator's pass; one lie each is caught."""
     from sidecar._reports import report_problem
+
     rng = random.Random(14)
     for _ in range(2000):
         state = _consistent(rng)
         assert report_problem(state, state.limit_bytes, state.revision) is None, state
-        assert report_problem(state, rng.choice([None, 1]), rng.randint(0, 60)) is None \
+        assert (
+            report_problem(state, rng.choice([None, 1]), rng.randint(0, 60)) is None
             or state.status is Status.APPLIED
+        )
         if state.status is not Status.APPLIED or state.effective_limit_bytes is None:
             continue
         lies = [
@@ -241,9 +275,11 @@ def test_report_rules_accept_every_consistent_state_and_catch_each_lie() -> None
             {"overage_bytes": 1},
             {"ranks": [r.model_copy(update={"alive": r.rank != 0}) for r in state.ranks]},
             {"effective_limit_bytes": (state.limit_bytes or 0) - 1}
-            if state.limit_bytes else {"overage_bytes": 2},
+            if state.limit_bytes
+            else {"overage_bytes": 2},
             {"mapped_bytes": max(r.mapped_bytes for r in state.ranks) - 1}
-            if max(r.mapped_bytes for r in state.ranks) > 0 else {"overage_bytes": 3},
+            if max(r.mapped_bytes for r in state.ranks) > 0
+            else {"overage_bytes": 3},
         ]
         for lie in lies:
             forged = state.model_copy(update=lie)

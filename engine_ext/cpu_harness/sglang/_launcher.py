@@ -27,7 +27,11 @@ __all__ = ["CPU_ENV", "KV_MEMFD", "SglangServer", "launch_sglang_server"]
 
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 #: Environment every CPU launch needs (no GPU, no hub).
-CPU_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"}
+CPU_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "SGLANG_DISABLE_REQUEST_LOGGING": "1",
+}
 #: Name of the memfd the adapter reserves SGLang's KV cache on (``reserve_kv``).
 KV_MEMFD = "kvsidecar-sglang"
 
@@ -101,7 +105,8 @@ class SglangServer:
                 if self.proc.poll() is not None:
                     raise RuntimeError(
                         f"the SGLang server exited with {self.proc.returncode} before it was "
-                        f"healthy; log {self.log_path}:\n{self.log_tail()}")
+                        f"healthy; log {self.log_path}:\n{self.log_tail()}"
+                    )
                 try:
                     if client.get(self.base_url + "/health").status_code == 200:
                         return
@@ -109,8 +114,10 @@ class SglangServer:
                     pass
                 time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"the SGLang server was not healthy within {timeout_s:.0f}s; log "
-                           f"{self.log_path}:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"the SGLang server was not healthy within {timeout_s:.0f}s; log "
+            f"{self.log_path}:\n{self.log_tail()}"
+        )
 
     def signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the server process only (SGLang forwards shutdown to its children)."""
@@ -132,8 +139,12 @@ class SglangServer:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
 
@@ -165,17 +176,38 @@ def launch_sglang_server(
     existing = child_env.get("PYTHONPATH", "")
     child_env["PYTHONPATH"] = os.pathsep.join([str(_REPO_ROOT)] + ([existing] if existing else []))
     args = [
-        sys.executable, "-m", "engine_ext.cpu_harness.sglang.serve",
-        "--model-path", str(model_dir), "--device", "cpu", "--load-format", "dummy",
-        "--host", "127.0.0.1", "--port", str(port), "--page-size", str(page_size),
-        "--max-total-tokens", str(max_total_tokens), "--max-running-requests", "16",
-        "--chunked-prefill-size", "2048", "--context-length", "4096",
-        "--skip-server-warmup", "--log-level", "warning",
+        sys.executable,
+        "-m",
+        "engine_ext.cpu_harness.sglang.serve",
+        "--model-path",
+        str(model_dir),
+        "--device",
+        "cpu",
+        "--load-format",
+        "dummy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--page-size",
+        str(page_size),
+        "--max-total-tokens",
+        str(max_total_tokens),
+        "--max-running-requests",
+        "16",
+        "--chunked-prefill-size",
+        "2048",
+        "--context-length",
+        "4096",
+        "--skip-server-warmup",
+        "--log-level",
+        "warning",
         *extra_args,
-    ]  # fmt: skip
+    ]
     with log.open("wb") as out:
-        proc = subprocess.Popen(args, env=child_env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            args, env=child_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     server = SglangServer(proc, port, log)
     if wait:
         try:

@@ -106,13 +106,15 @@ class CpuHarness:
         if cfg.page_size < 2:
             raise ValueError("the adapter needs SGLang page size >= 2 (see docs/sglang.md)")
         single_rank_runtime()
-        geometry = KVGeometry(cfg.page_size, cfg.head_num, cfg.head_dim, cfg.layer_num, 2,
-                              cfg.max_tokens)
+        geometry = KVGeometry(
+            cfg.page_size, cfg.head_num, cfg.head_dim, cfg.layer_num, 2, cfg.max_tokens
+        )
         self.reservation: KVReservation = reserve_kv(geometry, device="cpu")
         self.pages = PageAllocator(self.reservation.backend, reserve_pages=settings.reserve_pages)
         self.blocks = BlockAllocator(self.pages, self.reservation.blocks_per_page)
         self.token_to_kv_pool_allocator = ElasticTokenAllocator(
-            self.blocks, page_size=cfg.page_size, dtype=torch.float16, device="cpu", kvcache=None)
+            self.blocks, page_size=cfg.page_size, dtype=torch.float16, device="cpu", kvcache=None
+        )
         self.k_buffer, self.v_buffer = self.reservation.buffers(torch.float16)
         self.req_to_token_pool = ReqToTokenPool(cfg.max_running, cfg.max_context, "cpu", False)
         self.tree_cache = self._make_cache()
@@ -134,8 +136,12 @@ class CpuHarness:
         # allocation, and "decode" before the decode capacity check (the points where a
         # foreign thread's limit must not change what the scheduler was promised).
         self.at_point: Callable[[str], None] | None = None
-        self.pool = SglangRuntime.attach(self, settings, engine_version=installed_sglang_version(),
-                                         signal_cleanup=cfg.signal_cleanup)
+        self.pool = SglangRuntime.attach(
+            self,
+            settings,
+            engine_version=installed_sglang_version(),
+            signal_cleanup=cfg.signal_cleanup,
+        )
 
     # -- building ----------------------------------------------------------------------
 
@@ -146,9 +152,12 @@ class CpuHarness:
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
         params = CacheInitParams(
-            disable=False, req_to_token_pool=self.req_to_token_pool,
+            disable=False,
+            req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
-            page_size=self.config.page_size, tree_components=(ComponentType.FULL,))
+            page_size=self.config.page_size,
+            tree_components=(ComponentType.FULL,),
+        )
         if self.config.cache == "unified":
             return UnifiedRadixCache(params)
         if self.config.cache == "radix":
@@ -165,19 +174,34 @@ class CpuHarness:
         )
 
         observer = SchedulerPoolStatsObserver(
-            tree_cache=self.tree_cache, token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
-            req_to_token_pool=self.req_to_token_pool, session_controller=None,
-            hisparse_coordinator=None, is_hybrid_swa=False, is_hybrid_ssm=False,
-            enable_hisparse=False, full_tokens_per_layer=None, swa_tokens_per_layer=None,
-            max_total_num_tokens=self.max_total_num_tokens)
+            tree_cache=self.tree_cache,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            req_to_token_pool=self.req_to_token_pool,
+            session_controller=None,
+            hisparse_coordinator=None,
+            is_hybrid_swa=False,
+            is_hybrid_ssm=False,
+            enable_hisparse=False,
+            full_tokens_per_layer=None,
+            swa_tokens_per_layer=None,
+            max_total_num_tokens=self.max_total_num_tokens,
+        )
         checker = SchedulerInvariantChecker(
-            is_hybrid_swa=False, is_hybrid_ssm=False, disaggregation_mode=DisaggregationMode.NULL,
-            page_size=self.config.page_size, full_tokens_per_layer=None,
-            swa_tokens_per_layer=None, max_total_num_tokens=self.max_total_num_tokens,
-            tree_cache=self.tree_cache, token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
-            req_to_token_pool=self.req_to_token_pool, pool_stats_observer=observer,
-            get_last_batch=lambda: None, get_running_batch=lambda: None,
-            scheduler_stage_metrics=None)
+            is_hybrid_swa=False,
+            is_hybrid_ssm=False,
+            disaggregation_mode=DisaggregationMode.NULL,
+            page_size=self.config.page_size,
+            full_tokens_per_layer=None,
+            swa_tokens_per_layer=None,
+            max_total_num_tokens=self.max_total_num_tokens,
+            tree_cache=self.tree_cache,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            req_to_token_pool=self.req_to_token_pool,
+            pool_stats_observer=observer,
+            get_last_batch=lambda: None,
+            get_running_batch=lambda: None,
+            scheduler_stage_metrics=None,
+        )
         return observer, checker
 
     def _make_load_inquirer(self) -> Any:
@@ -190,15 +214,20 @@ class CpuHarness:
         )
 
         given = {
-            "disaggregation_mode": DisaggregationMode.NULL, "server_args": None,
+            "disaggregation_mode": DisaggregationMode.NULL,
+            "server_args": None,
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_running_requests": self.config.max_running,
-            "pool_stats_observer": self.pool_stats_observer, "tp_worker": None,
+            "pool_stats_observer": self.pool_stats_observer,
+            "tp_worker": None,
             "token_to_kv_pool_allocator": self.token_to_kv_pool_allocator,
             "spec_algorithm": None,
         }
-        unused = {f.name: None for f in fields(SchedulerLoadInquirer)
-                  if f.name not in given and f.default is f.default_factory}  # callables
+        unused = {
+            f.name: None
+            for f in fields(SchedulerLoadInquirer)
+            if f.name not in given and f.default is f.default_factory
+        }  # callables
         return SchedulerLoadInquirer(**given, **unused)
 
     # -- requests ----------------------------------------------------------------------
@@ -273,7 +302,8 @@ class CpuHarness:
         if not self.is_fully_idle():
             return
         has_leak, messages = self.invariant_checker._check_all_pools(
-            self.pool_stats_observer.get_pool_stats())
+            self.pool_stats_observer.get_pool_stats()
+        )
         if has_leak:
             self.invariant_checker._report_leak("pool", "\n".join(messages))
         self.invariant_checker._check_req_pool()
@@ -306,8 +336,13 @@ class CpuHarness:
             total = budget.ceil_paged_tokens(extend) + ps + req.max_new_tokens
             lock = self.tree_cache.lock(match.last_device_node)  # the pin before the check
             ok, _ = budget.check_prefill(
-                extend_input_len=extend, total_tokens=total, max_new_tokens=req.max_new_tokens,
-                input_tokens=len(req.tokens), swa_host_hit_length=0, chunk_limit=None)
+                extend_input_len=extend,
+                total_tokens=total,
+                max_new_tokens=req.max_new_tokens,
+                input_tokens=len(req.tokens),
+                swa_host_hit_length=0,
+                chunk_limit=None,
+            )
             if not ok:  # SGLang's NO_TOKEN: stay waiting
                 self.tree_cache.unlock(lock)
                 break
@@ -338,16 +373,21 @@ class CpuHarness:
             last_loc.append(int(table[row, req.prefix_len - 1]) if req.prefix_len else -1)
         p, s = torch.tensor(prefix_lens), torch.tensor(seq_lens)
         out = alloc_paged_token_slots_extend(
-            tree_cache=self.tree_cache, prefix_lens=p, prefix_lens_cpu=p, seq_lens=s,
-            seq_lens_cpu=s, last_loc=torch.tensor(last_loc),
-            extend_num_tokens=int((s - p).sum()))
+            tree_cache=self.tree_cache,
+            prefix_lens=p,
+            prefix_lens_cpu=p,
+            seq_lens=s,
+            seq_lens_cpu=s,
+            last_loc=torch.tensor(last_loc),
+            extend_num_tokens=int((s - p).sum()),
+        )
         offset = 0
         for req in batch:
             n = len(req.tokens) - req.prefix_len
-            slots = out[offset: offset + n]
+            slots = out[offset : offset + n]
             offset += n
-            table[req.row, req.prefix_len: len(req.tokens)] = slots.to(table.dtype)
-            self._write(slots.tolist(), req.tokens[req.prefix_len:])
+            table[req.row, req.prefix_len : len(req.tokens)] = slots.to(table.dtype)
+            self._write(slots.tolist(), req.tokens[req.prefix_len :])
             req.kv_len = len(req.tokens)
             self.running.append(req)
 
@@ -388,7 +428,7 @@ class CpuHarness:
         """``retract_decode``: give the request's own KV back and queue it again."""
         kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].to("cpu").long()
         if req.kv_len > req.prefix_len:
-            self.token_to_kv_pool_allocator.free(kv[req.prefix_len:])
+            self.token_to_kv_pool_allocator.free(kv[req.prefix_len :])
         self.tree_cache.unlock(req.lock)
         self.req_to_token_pool.free_rows([req.row])
         req.row, req.lock, req.kv_len, req.prefix_len = None, None, 0, 0
@@ -404,13 +444,17 @@ class CpuHarness:
         ps = self.config.page_size
         kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].to("cpu").long()
         aligned = req.kv_len // ps * ps
-        result = self.tree_cache.insert(InsertParams(
-            key=self._key(req.seq[:aligned]), value=kv[:aligned].clone(),
-            prev_prefix_len=req.prefix_len))
+        result = self.tree_cache.insert(
+            InsertParams(
+                key=self._key(req.seq[:aligned]),
+                value=kv[:aligned].clone(),
+                prev_prefix_len=req.prefix_len,
+            )
+        )
         allocator = self.token_to_kv_pool_allocator
         if self.config.cache == "radix" and result.prefix_len > req.prefix_len:
             # RadixCache leaves duplicates to the caller; the unified tree frees them itself.
-            allocator.free(kv[req.prefix_len: result.prefix_len])
+            allocator.free(kv[req.prefix_len : result.prefix_len])
         if req.kv_len > aligned:
             allocator.free(kv[aligned:])
         self.tree_cache.unlock(req.lock)

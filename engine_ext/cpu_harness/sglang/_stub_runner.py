@@ -29,8 +29,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["install_stub_runner", "run_scheduler_process", "stub_forward_raw",
-           "uninstall_stub_runner"]  # fmt: skip
+__all__ = [
+    "install_stub_runner",
+    "run_scheduler_process",
+    "stub_forward_raw",
+    "uninstall_stub_runner",
+]
 
 _TARGET = ("sglang.srt.model_executor.model_runner", "ModelRunner", "_forward_raw")
 #: First token id the stub samples: past the specials (<unk>, <s>, </s>) so it never stops early.
@@ -48,8 +52,13 @@ def _regions(pool: Any) -> list[torch.Tensor]:
     return views
 
 
-def stub_forward_raw(self: Any, forward_batch: Any, pp_proxy_tensors: Any = None,
-                     reinit_attn_backend: bool = False, split_forward_count: int = 1) -> Any:
+def stub_forward_raw(
+    self: Any,
+    forward_batch: Any,
+    pp_proxy_tensors: Any = None,
+    reinit_attn_backend: bool = False,
+    split_forward_count: int = 1,
+) -> Any:
     """``ModelRunner._forward_raw`` without a model (see the module docstring)."""
     del pp_proxy_tensors, reinit_attn_backend, split_forward_count
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
@@ -71,8 +80,9 @@ def stub_forward_raw(self: Any, forward_batch: Any, pp_proxy_tensors: Any = None
             seq_slots = table[row, : int(length)].to(torch.long)
             seen = torch.stack([region[seq_slots, 0] for region in regions])
             logits[i, next_token(seen, vocab)] = 0.0
-    return ModelRunnerOutput(logits_output=LogitsProcessorOutput(next_token_logits=logits),
-                             can_run_graph=False)
+    return ModelRunnerOutput(
+        logits_output=LogitsProcessorOutput(next_token_logits=logits), can_run_graph=False
+    )
 
 
 def next_token(seen: torch.Tensor, vocab_size: int) -> int:

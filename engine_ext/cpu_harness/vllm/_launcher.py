@@ -124,7 +124,10 @@ class VllmServer:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()
 
@@ -153,14 +156,32 @@ def launch_vllm_server(
     child_env = {**os.environ, **CPU_ENV, **(env or {})}
     child_env["PYTHONPATH"] = _pythonpath(child_env.get("PYTHONPATH", ""), log.parent)
     args = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--distributed-executor-backend", STUB_EXECUTOR,
-        "--load-format", "dummy", "--dtype", "float16", "--block-size", "16",
-        "--max-model-len", "4096", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--kv-cache-memory-bytes", str(kv_cache_bytes), "--disable-log-stats",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--distributed-executor-backend",
+        STUB_EXECUTOR,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "float16",
+        "--block-size",
+        "16",
+        "--max-model-len",
+        "4096",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
+        "--disable-log-stats",
         *extra_args,
-    ]  # fmt: skip
+    ]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             args, env=child_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -179,7 +200,9 @@ def _pythonpath(existing: str, scratch: Path) -> str:
     if not _plugin_installed():
         dist = scratch / "kvsidecar_plugin-0.dist-info"
         dist.mkdir(exist_ok=True)
-        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvsidecar-plugin\nVersion: 0\n")
+        (dist / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: kvsidecar-plugin\nVersion: 0\n"
+        )
         (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{_ENTRY_POINT}\n")
         parts.append(str(scratch))
     return os.pathsep.join(parts + ([existing] if existing else []))

@@ -62,13 +62,16 @@ def make_stub_worker(vllm_config: VllmConfig, page_bytes: int) -> StubWorker:
 class MultiRankStubWorker(StubWorker):
     """A ``StubWorker`` whose KV writes run on rank processes. Owns the rank group."""
 
-    def __init__(self, vllm_config: VllmConfig, page_bytes: int, settings: MultiRankSettings) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, page_bytes: int, settings: MultiRankSettings
+    ) -> None:
         super().__init__(vllm_config, page_bytes)
         self.settings = settings
         self.tp, self.pp = settings.stub_tp, settings.stub_pp
         if self.pp > 2 * self.num_layers:
-            raise ValueError(f"KVSIDECAR_STUB_PP={self.pp} exceeds the model's "
-                             f"{2 * self.num_layers} KV regions")
+            raise ValueError(
+                f"KVSIDECAR_STUB_PP={self.pp} exceeds the model's {2 * self.num_layers} KV regions"
+            )
         self.group: RankGroup | None = None
         self._batch: tuple[list[int], list[int], list[int]] = ([], [], [])
 
@@ -82,13 +85,22 @@ class MultiRankStubWorker(StubWorker):
         assert memory is not None and isinstance(memory.backend, HostBackend)
         engine = load_engine_settings()
         group = RankGroup.spawn_private(
-            engine.resolved_runtime_dir(), engine.resolved_instance_id("vllm"),
-            self.tp * self.pp, timeout_s=self.settings.rank_timeout_s)
+            engine.resolved_runtime_dir(),
+            engine.resolved_instance_id("vllm"),
+            self.tp * self.pp,
+            timeout_s=self.settings.rank_timeout_s,
+        )
         block_size = self.vllm_config.cache_config.block_size
         try:
             backend = RankedBackend.start(
-                memory.backend, group, tp=self.tp, pp=self.pp, block_bytes=memory.block_bytes,
-                slot_bytes=memory.block_bytes // block_size, timeout_s=self.settings.rank_timeout_s)
+                memory.backend,
+                group,
+                tp=self.tp,
+                pp=self.pp,
+                block_bytes=memory.block_bytes,
+                slot_bytes=memory.block_bytes // block_size,
+                timeout_s=self.settings.rank_timeout_s,
+            )
         except BaseException:
             group.close()
             raise
@@ -101,8 +113,10 @@ class MultiRankStubWorker(StubWorker):
         super().execute_model(scheduler_output)  # bookkeeping; _write collects the KV writes
         blocks, offsets, values = self._batch
         assert self.group is not None
-        self.group.run_step({"blocks": blocks, "offsets": offsets, "values": values},
-                            timeout_s=self.settings.rank_timeout_s)
+        self.group.run_step(
+            {"blocks": blocks, "offsets": offsets, "values": values},
+            timeout_s=self.settings.rank_timeout_s,
+        )
 
     def _write(self, state: _RequestState, num_tokens: int) -> None:
         start = state.num_computed_tokens

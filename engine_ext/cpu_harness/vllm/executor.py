@@ -64,7 +64,9 @@ class StubExecutor(Executor):  # type: ignore[misc]  # vLLM is untyped here (pyp
         done.set_result(result)
         return done
 
-    def _call(self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _call(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         if callable(method):
             return method(self.worker, *args, **kwargs)
         target = getattr(self.worker, method, None)

@@ -31,7 +31,8 @@ def main() -> int:
         blocks = BlockAllocator(PageAllocator(backend), 4)
         instance = ElasticInstance(
             EngineSettings(runtime_dir=root, instance_id=instance_id),
-            EngineBinding(engine="toy", engine_version="0", blocks=blocks))
+            EngineBinding(engine="toy", engine_version="0", blocks=blocks),
+        )
         instance.coordinator.set_rank_barrier(RankChannelBarrier(backend))
         instance.start()
         instance.install_signal_cleanup()
@@ -39,8 +40,11 @@ def main() -> int:
         assert held is not None
         instance.set_limit(1 << 20)  # a limit pass: the state lists both ranks
         assert instance.step().num_ranks == 2
-        print("READY " + json.dumps({"pid": os.getpid(), "ranks": group.pids,
-                                     "socket": instance.socket_path}), flush=True)
+        print(
+            "READY "
+            + json.dumps({"pid": os.getpid(), "ranks": group.pids, "socket": instance.socket_path}),
+            flush=True,
+        )
         while True:
             signal.pause()
     except KeyboardInterrupt:

@@ -44,22 +44,37 @@ class Request:
 class ToyEngine:
     """One instance: scheduler (this process) + ``tp * pp`` rank processes."""
 
-    def __init__(self, tmp: Path, tp: int, pp: int, *, delays: dict[int, float] | None = None,
-                 name: str = "kvsidecar-test-ranks") -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        tp: int,
+        pp: int,
+        *,
+        delays: dict[int, float] | None = None,
+        name: str = "kvsidecar-test-ranks",
+    ) -> None:
         self.tp, self.pp, self.name = tp, pp, name
         owner = HostBackend.reserve(LAYOUT, name=name)
         group = RankGroup.spawn(str(tmp / "ranks.sock"), tp * pp, barrier_delay_s=delays)
         self.group = group
-        self.backend = RankedBackend.start(owner, group, tp=tp, pp=pp, block_bytes=BLOCK_BYTES,
-                                           slot_bytes=SLOT_BYTES, timeout_s=30)
+        self.backend = RankedBackend.start(
+            owner, group, tp=tp, pp=pp, block_bytes=BLOCK_BYTES, slot_bytes=SLOT_BYTES, timeout_s=30
+        )
         self.pages = PageAllocator(self.backend)
         self.blocks = BlockAllocator(self.pages, BLOCKS_PER_PAGE)
         self.cache = ToyPrefixCache(self.blocks)
         self.woken = threading.Event()
         settings = EngineSettings(runtime_dir=tmp / "run", instance_id=f"toy-{tp}x{pp}")
-        self.instance = ElasticInstance(settings, EngineBinding(
-            engine="toy", engine_version="0", blocks=self.blocks, reclaimers=(self.cache,),
-            wake=self.woken.set))
+        self.instance = ElasticInstance(
+            settings,
+            EngineBinding(
+                engine="toy",
+                engine_version="0",
+                blocks=self.blocks,
+                reclaimers=(self.cache,),
+                wake=self.woken.set,
+            ),
+        )
         self.barrier = RankChannelBarrier(self.backend, wait_s=0.05)
         self.barrier.set_wake(self.woken.set)
         self.instance.coordinator.set_rank_barrier(self.barrier)
@@ -126,8 +141,13 @@ class ToyEngine:
         req.written = stop
 
     def read_slot(self, region: int, block: int, offset: int, word: int) -> int:
-        address = (self.backend.base_address + region * LAYOUT.region_bytes + block * BLOCK_BYTES
-                   + offset * SLOT_BYTES + word * 4)
+        address = (
+            self.backend.base_address
+            + region * LAYOUT.region_bytes
+            + block * BLOCK_BYTES
+            + offset * SLOT_BYTES
+            + word * 4
+        )
         return int(ctypes.c_int32.from_address(address).value)
 
     def _sample(self, req: Request) -> int:

@@ -62,7 +62,9 @@ def _check_applied(engine: ToyEngine, state: EngineState, limit: int, *, transit
         pages = engine.rank_pages(pid)
         assert pages == want, f"rank pid {pid} maps {sorted(pages)}, scheduler {sorted(want)}"
     assert engine.backend.mapped_bytes() == len(want) * BUNDLE
-    assert [(r.rank, r.alive) for r in state.ranks] == [(r, True) for r in range(engine.tp * engine.pp)]
+    assert [(r.rank, r.alive) for r in state.ranks] == [
+        (r, True) for r in range(engine.tp * engine.pp)
+    ]
 
 
 def _poll(engine: ToyEngine, limit: int, seen: list[EngineState]) -> EngineState:
@@ -86,7 +88,9 @@ def _idle_until_applied(engine: ToyEngine, limit: int, timeout_s: float) -> list
     raise AssertionError(f"not applied within {timeout_s}s: {seen[-1]}")
 
 
-def _reference(engine: ToyEngine, limit: int | None) -> tuple[dict[int, list[int]], list[EngineState]]:
+def _reference(
+    engine: ToyEngine, limit: int | None
+) -> tuple[dict[int, list[int]], list[EngineState]]:
     """Fill the prefix cache, lower the limit with shared-prefix requests queued, abort half."""
     for seed in range(3):
         req = engine.admit(_doc(seed) + [7, 8, 9])
@@ -109,7 +113,7 @@ def _reference(engine: ToyEngine, limit: int | None) -> tuple[dict[int, list[int
     outputs: dict[int, list[int]] = {}
     for i, req in queued.items():
         engine.decode(req, 6)
-        outputs[i] = req.tokens[req.prompt_len:]
+        outputs[i] = req.tokens[req.prompt_len :]
         engine.finish(req)
         if limit is not None:
             _poll(engine, limit, states)
@@ -121,7 +125,9 @@ def _reference(engine: ToyEngine, limit: int | None) -> tuple[dict[int, list[int
 
 
 @pytest.mark.parametrize(("tp", "pp"), TOPOLOGIES)
-def test_reference_scenario_every_rank_under_limit_same_tokens(make_engine, tp: int, pp: int) -> None:
+def test_reference_scenario_every_rank_under_limit_same_tokens(
+    make_engine, tp: int, pp: int
+) -> None:
     baseline, _ = _reference(make_engine(tp, pp), None)
     engine = make_engine(tp, pp)
     limit = BUNDLE + BUNDLE // 2  # below what the queued requests pin

@@ -29,7 +29,12 @@ def _start(root: Path, instance_id: str, memfd: str) -> tuple[subprocess.Popen[s
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.integration.ranks._host", str(root), instance_id, memfd],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("READY "), f"host did not start (exit {proc.poll()}): {line!r}"
@@ -93,8 +98,9 @@ def _close_pipe(proc: subprocess.Popen[str]) -> None:
         proc.stdout.close()
 
 
-def _stop_cycle(run_dir: Path, proc: subprocess.Popen[str], info: dict, memfd: str,
-                cycle: int) -> None:
+def _stop_cycle(
+    run_dir: Path, proc: subprocess.Popen[str], info: dict, memfd: str, cycle: int
+) -> None:
     """Check the running instance, signal its group, check nothing is left."""
     assert sorted(p.name for p in run_dir.iterdir()) == [OWNER_FILE, "control.sock"]
     assert _memfd_holders(memfd), "the memfd should be mapped while the instance runs"
@@ -108,8 +114,9 @@ def _stop_cycle(run_dir: Path, proc: subprocess.Popen[str], info: dict, memfd: s
     while any(_alive(p) for p in info["ranks"]) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not any(_alive(p) for p in info["ranks"]), f"cycle {cycle}: a rank outlived {sig!r}"
-    assert not run_dir.exists() or not list(run_dir.iterdir()), \
+    assert not run_dir.exists() or not list(run_dir.iterdir()), (
         f"cycle {cycle} ({sig.name}) left {list(run_dir.iterdir())}"
+    )
     assert not run_dir.exists(), f"cycle {cycle} ({sig.name}) left the empty runtime dir"
     assert _memfd_holders(memfd) == [], f"cycle {cycle} ({sig.name}): memfd still held"
 
@@ -131,7 +138,10 @@ def test_kill9_leftover_is_swept_at_next_start_live_neighbour_untouched(tmp_path
         nxt, _ = _start(root, "next", f"kvs-next-{os.getpid()}")
         try:
             assert not (root / "crashed").exists(), "the kill -9 leftover was not swept"
-            assert sorted(p.name for p in (root / "alive").iterdir()) == [OWNER_FILE, "control.sock"]
+            assert sorted(p.name for p in (root / "alive").iterdir()) == [
+                OWNER_FILE,
+                "control.sock",
+            ]
             assert (root / "foreign").is_dir()
         finally:
             os.killpg(nxt.pid, signal.SIGTERM)

@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 if importlib.util.find_spec("sglang") is None:  # pragma: no cover - scripts/dev.sh installs it
-    pytest.skip("sglang 0.5.23 is not installed (bash scripts/dev.sh env installs it)",
-                allow_module_level=True)
+    pytest.skip(
+        "sglang 0.5.23 is not installed (bash scripts/dev.sh env installs it)",
+        allow_module_level=True,
+    )
 
 from engine_ext import EngineSettings
 from engine_ext.sglang import prepare_cpu_imports
@@ -42,11 +44,11 @@ def cache_kind(request: pytest.FixtureRequest) -> str:
 def make_harness(tmp_path: Path) -> Iterator[Callable[..., CpuHarness]]:
     made: list[CpuHarness] = []
 
-    def make(cache: str = "unified", *, sleep_on_idle: bool = False,
-             **settings: Any) -> CpuHarness:
+    def make(cache: str = "unified", *, sleep_on_idle: bool = False, **settings: Any) -> CpuHarness:
         config = HarnessConfig(cache=cache, sleep_on_idle=sleep_on_idle)
-        full = EngineSettings(enable=True, runtime_dir=tmp_path / "run",
-                              instance_id=f"sgl-{len(made)}", **settings)
+        full = EngineSettings(
+            enable=True, runtime_dir=tmp_path / "run", instance_id=f"sgl-{len(made)}", **settings
+        )
         harness = CpuHarness(full, config)
         made.append(harness)
         return harness

@@ -108,7 +108,9 @@ def _run(h: CpuHarness, *, with_limits: bool) -> Trace:
         elif kind < 0.55:
             limit = None
         else:
-            limit = limit_rng.randrange(0, num_bundles + 1) * bundle + limit_rng.choice((0, 1, 4096))
+            limit = limit_rng.randrange(0, num_bundles + 1) * bundle + limit_rng.choice(
+                (0, 1, 4096)
+            )
         controller.publish(limit)
         trace.limits_published += 1
 
@@ -122,7 +124,8 @@ def _run(h: CpuHarness, *, with_limits: bool) -> Trace:
             effective = state.effective_limit_bytes
             measured = h.mapped_bytes()
             assert effective is None or measured <= effective, (
-                f"applied but /proc-measured {measured} > effective limit {effective}")
+                f"applied but /proc-measured {measured} > effective limit {effective}"
+            )
 
     h.at_point = maybe_publish
     try:
@@ -155,8 +158,9 @@ def _run(h: CpuHarness, *, with_limits: bool) -> Trace:
 
 
 @pytest.mark.parametrize("max_evict", [1, None], ids=["evict1", "evict-all"])
-def test_random_limits_from_a_foreign_thread(make_harness: Make, cache_kind: str,
-                                             max_evict: int | None) -> None:
+def test_random_limits_from_a_foreign_thread(
+    make_harness: Make, cache_kind: str, max_evict: int | None
+) -> None:
     reference = _run(make_harness(cache_kind), with_limits=False)
     h = make_harness(cache_kind, max_evict_pages_per_step=max_evict)
     limited = _run(h, with_limits=True)
@@ -165,8 +169,9 @@ def test_random_limits_from_a_foreign_thread(make_harness: Make, cache_kind: str
     assert limited.min_available >= 0
     both = reference.tokens.keys() & limited.tokens.keys()
     assert len(both) > 100
-    assert {rid: limited.tokens[rid] for rid in both} == \
-        {rid: reference.tokens[rid] for rid in both}
+    assert {rid: limited.tokens[rid] for rid in both} == {
+        rid: reference.tokens[rid] for rid in both
+    }
     # aborts are placed by step: a request aborted in one run may have finished in the other
     assert set(limited.tokens) | limited.aborted == set(reference.tokens) | reference.aborted
     assert h.token_to_kv_pool_allocator.num_prefill_overdrafts == 0  # admission held

@@ -18,7 +18,8 @@ Make = Callable[..., CpuHarness]
 
 
 def test_prefix_hit_rate_is_matched_tokens_over_looked_up_tokens(
-        make_harness: Make, cache_kind: str) -> None:
+    make_harness: Make, cache_kind: str
+) -> None:
     h = make_harness(cache_kind)
     page = h.config.page_size
     assert h.pool.state().prefix_hit_rate is None  # no admission yet

@@ -47,7 +47,8 @@ class _Device:
 
 
 def test_a_device_filling_under_admission_never_fails_an_allocation(
-        make_harness: Make, cache_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_harness: Make, cache_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     devices: list[_Device] = []
 
     def pages(backend: Any, **kwargs: Any) -> PageAllocator:
@@ -78,8 +79,12 @@ def test_a_device_filling_under_admission_never_fails_an_allocation(
     try:
         for _ in range(2500):
             if rng.random() < 0.3:
-                requests.append(h.submit(prompt(rng.randrange(40), length=rng.randrange(20, 90)),
-                                         max_new_tokens=rng.randrange(1, 30)))
+                requests.append(
+                    h.submit(
+                        prompt(rng.randrange(40), length=rng.randrange(20, 90)),
+                        max_new_tokens=rng.randrange(1, 30),
+                    )
+                )
             h.iterate()  # RuntimeError here: "Prefill out of memory" / a failed decode
             state = h.pool.state()
             assert allocator.available_size() >= 0

@@ -81,8 +81,7 @@ def test_disabled_install_patches_nothing() -> None:
     assert installed_patches() == [] and originals() == before
 
 
-def test_install_wraps_each_target_once_and_uninstall_restores(
-        installed: EngineSettings) -> None:
+def test_install_wraps_each_target_once_and_uninstall_restores(installed: EngineSettings) -> None:
     from sglang.srt.entrypoints.engine import Engine
     from sglang.srt.managers.scheduler import Scheduler
 
@@ -107,8 +106,16 @@ def test_kv_buffers_live_on_the_reservation(installed: EngineSettings) -> None:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     single_rank_runtime()
-    pool = MHATokenToKVPool(size=1000, page_size=16, dtype=torch.float16, head_num=2,
-                            head_dim=64, layer_num=3, device="cpu", enable_memory_saver=False)
+    pool = MHATokenToKVPool(
+        size=1000,
+        page_size=16,
+        dtype=torch.float16,
+        head_num=2,
+        head_dim=64,
+        layer_num=3,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     res, blocks = pool._kvsidecar_reservation
     backend = res.backend
     region = backend.layout.region_bytes
@@ -121,8 +128,13 @@ def test_kv_buffers_live_on_the_reservation(installed: EngineSettings) -> None:
 
     conf = SimpleNamespace(kv_cache_dtype=torch.float16, device="cpu")
     allocator = KVCacheConfigurator._build_token_to_kv_pool_allocator(
-        conf, sizes=None, token_to_kv_pool=pool, is_dsv4_model=False,
-        req_to_token_pool=None, token_to_kv_pool_allocator=None)
+        conf,
+        sizes=None,
+        token_to_kv_pool=pool,
+        is_dsv4_model=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+    )
     assert isinstance(allocator, ElasticTokenAllocator) and allocator.size == pool.size
     assert allocator.blocks is blocks and allocator.padding_held
     assert backend.mapped_bytes() == backend.layout.bundle_bytes  # the padding page only
@@ -142,35 +154,56 @@ def test_unsupported_pool_is_refused(installed: EngineSettings) -> None:
 
     single_rank_runtime()
     with pytest.raises(EngineExtConfigError, match="different widths"):
-        MHATokenToKVPool(size=1000, page_size=16, dtype=torch.float16, head_num=2,
-                         head_dim=64, v_head_dim=32, layer_num=2, device="cpu",
-                         enable_memory_saver=False)
+        MHATokenToKVPool(
+            size=1000,
+            page_size=16,
+            dtype=torch.float16,
+            head_num=2,
+            head_dim=64,
+            v_head_dim=32,
+            layer_num=2,
+            device="cpu",
+            enable_memory_saver=False,
+        )
 
 
 def test_scheduler_init_refuses_multi_rank_before_building_anything(
-        installed: EngineSettings) -> None:
+    installed: EngineSettings,
+) -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
-    args = SimpleNamespace(tp_size=2, pp_size=1, dp_size=1, enable_hierarchical_cache=True,
-                           page_size=1)
+    args = SimpleNamespace(
+        tp_size=2, pp_size=1, dp_size=1, enable_hierarchical_cache=True, page_size=1
+    )
     with pytest.raises(EngineExtConfigError, match="tp-size.*hierarchical.*page-size 1"):
         Scheduler(args, None)
 
 
-@pytest.mark.parametrize(("option", "value", "named"), [
-    ("enable_pdmux", True, "--enable-pdmux"),
-    ("enable_pd_role_switch", True, "--enable-pd-role-switch"),
-    ("pp_size", 2, "--pp-size"),
-    ("disaggregation_mode", "prefill", "--disaggregation-mode"),
-])
-def test_loops_without_the_hooks_refuse_to_start(installed: EngineSettings, option: str,
-                                                 value: object, named: str) -> None:
+@pytest.mark.parametrize(
+    ("option", "value", "named"),
+    [
+        ("enable_pdmux", True, "--enable-pdmux"),
+        ("enable_pd_role_switch", True, "--enable-pd-role-switch"),
+        ("pp_size", 2, "--pp-size"),
+        ("disaggregation_mode", "prefill", "--disaggregation-mode"),
+    ],
+)
+def test_loops_without_the_hooks_refuse_to_start(
+    installed: EngineSettings, option: str, value: object, named: str
+) -> None:
     """Issue 11: a loop where no pass runs would accept limits and never apply them."""
     from sglang.srt.managers.scheduler import Scheduler
 
-    args = SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, page_size=16,
-                           enable_hierarchical_cache=False, disaggregation_mode="null",
-                           enable_pdmux=False, enable_pd_role_switch=False)
+    args = SimpleNamespace(
+        tp_size=1,
+        pp_size=1,
+        dp_size=1,
+        page_size=16,
+        enable_hierarchical_cache=False,
+        disaggregation_mode="null",
+        enable_pdmux=False,
+        enable_pd_role_switch=False,
+    )
     setattr(args, option, value)
     with pytest.raises(EngineExtConfigError) as info:
         Scheduler(args, None)  # refused before SGLang builds anything
@@ -184,15 +217,24 @@ def test_loop_chosen_by_sglang_is_checked_after_its_init() -> None:
 
     from engine_ext.sglang._patches import _refuse_unsupported_loop
 
-    normal = SimpleNamespace(enable_pdmux=False, disaggregation_mode=DisaggregationMode.NULL,
-                             server_args=SimpleNamespace(enable_pd_role_switch=False))
+    normal = SimpleNamespace(
+        enable_pdmux=False,
+        disaggregation_mode=DisaggregationMode.NULL,
+        server_args=SimpleNamespace(enable_pd_role_switch=False),
+    )
     _refuse_unsupported_loop(normal)  # event_loop_normal / _overlap: supported
-    pdmux = SimpleNamespace(enable_pdmux=True, disaggregation_mode=DisaggregationMode.NULL,
-                            server_args=SimpleNamespace(enable_pd_role_switch=False))
+    pdmux = SimpleNamespace(
+        enable_pdmux=True,
+        disaggregation_mode=DisaggregationMode.NULL,
+        server_args=SimpleNamespace(enable_pd_role_switch=False),
+    )
     with pytest.raises(EngineExtConfigError, match="--enable-pdmux.*get_next_batch_to_run"):
         _refuse_unsupported_loop(pdmux)
-    decode = SimpleNamespace(enable_pdmux=False, disaggregation_mode=DisaggregationMode.DECODE,
-                             server_args=SimpleNamespace(enable_pd_role_switch=False))
+    decode = SimpleNamespace(
+        enable_pdmux=False,
+        disaggregation_mode=DisaggregationMode.DECODE,
+        server_args=SimpleNamespace(enable_pd_role_switch=False),
+    )
     with pytest.raises(EngineExtConfigError, match="--disaggregation-mode"):
         _refuse_unsupported_loop(decode)
 
@@ -220,15 +262,15 @@ def test_idle_and_schedule_wrappers_run_the_pool_before_sglang(make_harness: Any
     assert next_batch(h) == "batch" and h.pages.target_pages is None
 
 
-def test_launcher_installs_then_parses_sglang_args(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launcher_installs_then_parses_sglang_args(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from engine_ext.sglang.launch_server import prepare
 
     monkeypatch.delenv("KVSIDECAR_ENABLE", raising=False)
     monkeypatch.setenv("KVSIDECAR_RUNTIME_DIR", str(tmp_path / "rt"))
     try:
-        server_args, entry = prepare(["--model-path", str(tmp_path / "model"), "--page-size",
-                                      "16"])
+        server_args, entry = prepare(["--model-path", str(tmp_path / "model"), "--page-size", "16"])
         assert entry is run_scheduler_process
         assert server_args.page_size == 16
         assert installed_patches() == [p.target for p in PATCHES]

@@ -24,8 +24,9 @@ from engine_ext.sglang._kv_memory import KVGeometry, cuda_index, reserve_kv, vir
 pytestmark = pytest.mark.sglang
 
 GIB = 1 << 30
-GEOMETRY = KVGeometry(page_size=16, head_num=2, head_dim=64, layer_num=3, dtype_bytes=2,
-                      max_tokens=40_000)
+GEOMETRY = KVGeometry(
+    page_size=16, head_num=2, head_dim=64, layer_num=3, dtype_bytes=2, max_tokens=40_000
+)
 
 
 class _Reserved(Exception):
@@ -115,6 +116,7 @@ def test_without_a_setting_the_cpu_harness_keeps_sglangs_sizing() -> None:
         seen.append(pre_model_load_memory)
         return 123
 
-    wrapped = _wrap_profile_bytes(sglang_profile, Session(EngineSettings(enable=True),
-                                                          "0.5.23", []))  # fmt: skip
+    wrapped = _wrap_profile_bytes(
+        sglang_profile, Session(EngineSettings(enable=True), "0.5.23", [])
+    )
     assert wrapped(SimpleNamespace(device="cpu", gpu_id=0), 7) == 123 and seen == [7]

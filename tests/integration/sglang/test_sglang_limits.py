@@ -64,7 +64,8 @@ def test_without_reclaim_mapped_stays_above(make_harness: Make, cache_kind: str)
 
 
 def test_locked_prefix_is_never_evicted_and_is_the_deferred_reason(
-        make_harness: Make, cache_kind: str) -> None:
+    make_harness: Make, cache_kind: str
+) -> None:
     h = make_harness(cache_kind)
     fill(h, 12)
     shared = prompt(3)  # cached by fill
@@ -93,8 +94,9 @@ def test_locked_prefix_is_never_evicted_and_is_the_deferred_reason(
     assert state.status is Status.APPLIED and h.mapped_bytes() == 0 == state.mapped_bytes
 
 
-def test_leak_check_stays_on_through_shrinks_and_growths(make_harness: Make,
-                                                          cache_kind: str) -> None:
+def test_leak_check_stays_on_through_shrinks_and_growths(
+    make_harness: Make, cache_kind: str
+) -> None:
     from sglang.srt.environ import envs
 
     assert envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get()  # strict: a leak raises
@@ -109,8 +111,10 @@ def test_leak_check_stays_on_through_shrinks_and_growths(make_harness: Make,
         checker_total = h.invariant_checker.max_total_num_tokens
         assert checker_total == h.token_to_kv_pool_allocator.capacity_tokens()
         stats = h.pool_stats_observer.get_pool_stats()
-        assert stats.full_available_size + stats.full_evictable_size \
-            + h.tree_cache.protected_size() == checker_total
+        assert (
+            stats.full_available_size + stats.full_evictable_size + h.tree_cache.protected_size()
+            == checker_total
+        )
         if limit is None:
             assert checker_total == configured
         # every holder of SGLang's (frozen) pool-stats observer sees the same one
@@ -126,8 +130,9 @@ def test_leak_check_stays_on_through_shrinks_and_growths(make_harness: Make,
         h.invariant_checker._report_leak("pool", "\n".join(messages))
 
 
-def test_prefill_that_no_longer_fits_waits_then_completes(make_harness: Make,
-                                                          cache_kind: str) -> None:
+def test_prefill_that_no_longer_fits_waits_then_completes(
+    make_harness: Make, cache_kind: str
+) -> None:
     h = make_harness(cache_kind)
     bundle = h.bundle_bytes
     fill(h, 10)
@@ -146,8 +151,9 @@ def test_prefill_that_no_longer_fits_waits_then_completes(make_harness: Make,
     assert h.token_to_kv_pool_allocator.num_failed_allocs == 0
 
 
-def test_prefill_under_a_partly_applied_shrink_never_crashes(make_harness: Make,
-                                                             cache_kind: str) -> None:
+def test_prefill_under_a_partly_applied_shrink_never_crashes(
+    make_harness: Make, cache_kind: str
+) -> None:
     """Evictable blocks on retired pages make no room: admission must not count them."""
     h = make_harness(cache_kind, max_evict_pages_per_step=1)
     bundle = h.bundle_bytes
@@ -171,8 +177,13 @@ def test_allocation_never_takes_a_new_target(make_harness: Make) -> None:
     target_before = h.pages.target_pages
     h.pool.set_limit(0)
     out = h.token_to_kv_pool_allocator.alloc_extend(
-        torch.tensor([0]), torch.tensor([0]), torch.tensor([16]), torch.tensor([16]),
-        torch.tensor([-1]), 16)
+        torch.tensor([0]),
+        torch.tensor([0]),
+        torch.tensor([16]),
+        torch.tensor([16]),
+        torch.tensor([-1]),
+        16,
+    )
     assert out is not None and len(out) == 16
     assert h.pages.target_pages == target_before  # not taken at allocation time
     h.token_to_kv_pool_allocator.free(out)
@@ -180,8 +191,9 @@ def test_allocation_never_takes_a_new_target(make_harness: Make) -> None:
     assert h.pages.target_pages == 0
 
 
-def test_limit_zero_drains_and_gives_back_the_padding_page(make_harness: Make,
-                                                           cache_kind: str) -> None:
+def test_limit_zero_drains_and_gives_back_the_padding_page(
+    make_harness: Make, cache_kind: str
+) -> None:
     h = make_harness(cache_kind)
     fill(h, 20)
     h.pool.set_limit(0)
@@ -212,8 +224,9 @@ def test_limit_retained_before_start_applies_before_first_request(make_harness: 
     assert small.pool.state().status is Status.APPLIED
 
 
-def test_shrink_keeps_a_shared_prefix_and_evicts_whole_pages(make_harness: Make,
-                                                             cache_kind: str) -> None:
+def test_shrink_keeps_a_shared_prefix_and_evicts_whole_pages(
+    make_harness: Make, cache_kind: str
+) -> None:
     """Leaves go first: a system prompt shared by every request survives a moderate shrink."""
     h = make_harness(cache_kind)
     system = [5] * 32
@@ -240,8 +253,9 @@ def test_publish_wakes_a_scheduler_sleeping_on_idle(make_harness: Make) -> None:
     poller = h.idle_sleeper.poller  # SGLang's IdleSleeper; the adapter registered its pipe
     fill(h, 10)
     assert poller.poll(0) == []  # nothing to wake for
-    publisher = threading.Thread(target=lambda: h.pool.set_limit(2 * h.bundle_bytes),
-                                 name="control-handler")
+    publisher = threading.Thread(
+        target=lambda: h.pool.set_limit(2 * h.bundle_bytes), name="control-handler"
+    )
     publisher.start()
     publisher.join(10)
     assert [fd for fd, _ in poller.poll(0)] == [h.pool.waker.fileno]  # the poll returns now
@@ -279,7 +293,8 @@ def test_only_the_scheduler_thread_may_touch_the_pool(make_harness: Make) -> Non
 
 
 def test_small_limit_running_request_finishes_and_waiting_one_is_named(
-        make_harness: Make, cache_kind: str) -> None:
+    make_harness: Make, cache_kind: str
+) -> None:
     """Issue 11 hang scenario: 2-page limit, A running, B waiting. A is never retracted
     for the limit (it finishes above it, reported), B waits with the state saying so
     and what it needs, and completes once the limit is raised."""

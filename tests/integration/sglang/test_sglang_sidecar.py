@@ -19,7 +19,6 @@ pytestmark = pytest.mark.sglang
 BUNDLE = 16384  # the harness pool's page bundle (HarnessConfig defaults)
 
 
-
 def wait_for(api: httpx.Client, path: str, done: Any, harness: CpuHarness) -> dict[str, Any]:
     """Spin the scheduler loop (as SGLang does) until the sidecar's view satisfies ``done``."""
     deadline = time.monotonic() + 15
@@ -32,12 +31,18 @@ def wait_for(api: httpx.Client, path: str, done: Any, harness: CpuHarness) -> di
 
 
 def test_retained_limit_applies_before_the_first_request_then_a_push(
-        tmp_path: Path, sidecar_url: str) -> None:
+    tmp_path: Path, sidecar_url: str
+) -> None:
     api = httpx.Client(base_url=sidecar_url, timeout=30)
     r = api.put("/instances/sgl-r/limit", json={"limit": 6 * BUNDLE})
     assert r.status_code in (200, 202) and r.json()["status"] == "pending", r.text
-    settings = EngineSettings(enable=True, instance_id="sgl-r", sidecar_url=sidecar_url,
-                              runtime_dir=tmp_path / "rt", heartbeat_s=0.2)
+    settings = EngineSettings(
+        enable=True,
+        instance_id="sgl-r",
+        sidecar_url=sidecar_url,
+        runtime_dir=tmp_path / "rt",
+        heartbeat_s=0.2,
+    )
     h = CpuHarness(settings, HarnessConfig())
     try:
         assert h.pages.target_pages == 6  # applied in attach, before any request
@@ -51,8 +56,12 @@ def test_retained_limit_applies_before_the_first_request_then_a_push(
         fill(h, 10, start=20)
         r = api.put("/instances/sgl-r/limit", json={"limit": 2 * BUNDLE})
         assert r.status_code in (200, 202), r.text
-        body = wait_for(api, "/instances/sgl-r",
-                        lambda b: b["observed"]["revision"] == 2 and b["status"] == "applied", h)
+        body = wait_for(
+            api,
+            "/instances/sgl-r",
+            lambda b: b["observed"]["revision"] == 2 and b["status"] == "applied",
+            h,
+        )
         assert h.mapped_bytes() <= 2 * BUNDLE
         assert body["observed"]["mapped_bytes"] <= 2 * BUNDLE
         assert body["engine"]["engine"] == "sglang"

@@ -40,8 +40,13 @@ CHILD = textwrap.dedent("""
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_removes_the_runtime_dir(tmp_path: Path, signum: signal.Signals) -> None:
     runtime = tmp_path / "run"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(runtime)], env=dict(os.environ),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(runtime)],
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout is not None
         line = child.stdout.readline()

@@ -53,7 +53,8 @@ def _fenced(monkeypatch: pytest.MonkeyPatch, log: list[str]) -> list[UnmapFence]
 
 
 def test_fence_recorded_every_batch_and_unmaps_wait_on_it(
-        make_harness: Make, cache_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_harness: Make, cache_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     log: list[str] = []
     made = _fenced(monkeypatch, log)
     h = make_harness(cache_kind)
@@ -81,11 +82,12 @@ def test_fence_recorded_every_batch_and_unmaps_wait_on_it(
     for index, what in enumerate(log):
         if what == "unmap":
             before = [w for w in log[:index] if w in ("record", "wait")]
-            assert before and before[-1] == "wait", log[max(0, index - 4): index + 1]
+            assert before and before[-1] == "wait", log[max(0, index - 4) : index + 1]
 
 
 def test_process_batch_result_patch_records_before_the_result_is_processed(
-        make_harness: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_harness: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
     log: list[str] = []
     _fenced(monkeypatch, log)
     h = make_harness("radix")
@@ -95,8 +97,9 @@ def test_process_batch_result_patch_records_before_the_result_is_processed(
             log.append("process")
             return "done"
 
-    wrapped = _wrap_process_batch_result(Scheduler.process_batch_result,
-                                         Session(h.pool.instance.settings, "0.5.23", print))
+    wrapped = _wrap_process_batch_result(
+        Scheduler.process_batch_result, Session(h.pool.instance.settings, "0.5.23", print)
+    )
     scheduler = Scheduler()
     setattr(scheduler, ATTR, h.pool)
     assert wrapped(scheduler, object(), object()) == "done"

@@ -63,20 +63,36 @@ def test_device_filling_under_the_allocation_is_a_refusal_never_an_error(
         return small
 
     plan = kv_geometry(config, layout, HOST_GRANULARITY)
-    views = allocate_on_reservation(config, torch.device("cpu"), layout, None, plan=plan,
-                                    granularity=HOST_GRANULARITY, reserve=reserve,  # type: ignore[arg-type]
-                                    synchronize=lambda: None, warmup_blocks=4)  # fmt: skip
+    views = allocate_on_reservation(
+        config,
+        torch.device("cpu"),
+        layout,
+        None,
+        plan=plan,
+        granularity=HOST_GRANULARITY,
+        reserve=reserve,  # type: ignore[arg-type]
+        synchronize=lambda: None,
+        warmup_blocks=4,
+    )
     (device,) = devices
     monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
     original = KVCacheManager.allocate_slots
-    monkeypatch.setattr(KVCacheManager, "allocate_slots",
-                        _patches._allocate_slots(original, None))  # the plugin's wrapper
+    monkeypatch.setattr(
+        KVCacheManager, "allocate_slots", _patches._allocate_slots(original, None)
+    )  # the plugin's wrapper
     monkeypatch.setattr(_runtime, "_configured", None)
     monkeypatch.setattr(_runtime, "_runtime", None)
-    _runtime.configure(EngineSettings(enable=True, thread_guard=True, runtime_dir=tmp_path),
-                       VllmSettings(enable=True))  # fmt: skip
-    manager = KVCacheManager(config, max_model_len=1024, scheduler_block_size=BLOCK_TOKENS,
-                             hash_block_size=BLOCK_TOKENS, enable_caching=True)  # fmt: skip
+    _runtime.configure(
+        EngineSettings(enable=True, thread_guard=True, runtime_dir=tmp_path),
+        VllmSettings(enable=True),
+    )
+    manager = KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=BLOCK_TOKENS,
+        hash_block_size=BLOCK_TOKENS,
+        enable_caching=True,
+    )
     runtime = _runtime.current_runtime()
     assert runtime is not None and runtime.pool is not None
     pool = runtime.pool
@@ -97,20 +113,25 @@ def test_device_filling_under_the_allocation_is_a_refusal_never_an_error(
     thread = threading.Thread(target=other_engine, name="other-engine")
     thread.start()
     try:
-        docs = [[rng.randrange(10, 3000) for _ in range(rng.randrange(2, 9) * BLOCK_TOKENS)]
-                for _ in range(5)]  # fmt: skip
+        docs = [
+            [rng.randrange(10, 3000) for _ in range(rng.randrange(2, 9) * BLOCK_TOKENS)]
+            for _ in range(5)
+        ]
         for i in range(3000):
             roll = rng.random()
             if roll < 0.35 or not live:  # an admission (often sharing a cached document)
                 prompt = rng.choice(docs) + [rng.randrange(10, 3000) for _ in range(5)]
-                request = Request(f"r{i}", prompt, SamplingParams(max_tokens=8), None,
-                                  block_hasher=hasher)  # fmt: skip
+                request = Request(
+                    f"r{i}", prompt, SamplingParams(max_tokens=8), None, block_hasher=hasher
+                )
                 hits, num_hit, _ = manager.get_computed_blocks(request)
                 got = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hits)
                 if got is None:
                     refusals["admission"] += 1
-                    assert not any(s.req_to_blocks.get(request.request_id)
-                                   for s in manager.coordinator.single_type_managers)
+                    assert not any(
+                        s.req_to_blocks.get(request.request_id)
+                        for s in manager.coordinator.single_type_managers
+                    )
                     if runtime._device_refused:  # the device, not a limit (there is none)
                         refusals["device"] += 1
                         runtime._scheduler = SimpleNamespace(waiting=[request], running=[])
@@ -132,9 +153,12 @@ def test_device_filling_under_the_allocation_is_a_refusal_never_an_error(
                 _touch(views, got.get_block_ids()[0])
             else:
                 manager.free(live.pop(rng.choice(sorted(live))))
-            held = {b.block_id for r in live.values()
-                    for b in manager.coordinator.single_type_managers[0].req_to_blocks[r.request_id]
-                    if not b.is_null}  # fmt: skip
+            held = {
+                b.block_id
+                for r in live.values()
+                for b in manager.coordinator.single_type_managers[0].req_to_blocks[r.request_id]
+                if not b.is_null
+            }
             cached = pool.num_evictable_blocks
             assert blocks.num_allocated_blocks == 1 + len(held) + cached  # + the null block
             assert len(reservations[0].mapped_pages()) <= 16

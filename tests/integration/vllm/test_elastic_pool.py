@@ -6,7 +6,6 @@ rebound to ``ElasticBlockPool`` for the test only, over a published host
 reservation: what the plugin does in an EngineCore, minus the process.
 """
 
-
 from __future__ import annotations
 
 import threading
@@ -67,9 +66,7 @@ class Elastic:
     def admit(self, request: Request) -> bool:
         """Prefix lookup + allocation for a whole prompt, as the scheduler does."""
         hit, num_hit, _ = self.manager.get_computed_blocks(request)
-        blocks = self.manager.allocate_slots(
-            request, request.num_tokens - num_hit, num_hit, hit
-        )
+        blocks = self.manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit)
         if blocks is None:
             return False
         request.num_computed_tokens = request.num_tokens
@@ -85,16 +82,26 @@ def make_elastic(
 ) -> Iterator[Callable[..., Elastic]]:
     made: list[Elastic] = []
 
-    def build(num_pages: int = 16, *, reclaim: bool = True, max_cached_tokens: int = -1,
-              reserve_pages: int = 0) -> Elastic:
+    def build(
+        num_pages: int = 16,
+        *,
+        reclaim: bool = True,
+        max_cached_tokens: int = -1,
+        reserve_pages: int = 0,
+    ) -> Elastic:
         layout = PageLayout(page_bytes=PAGE_BYTES, num_pages=num_pages, num_regions=NUM_REGIONS)
         backend = HostBackend.reserve(layout, name="kvs-test-vllm")
         num_blocks = num_pages * BLOCKS_PER_PAGE
         publish_kv_memory(KVMemory(backend, layout, PAGE_BYTES // BLOCKS_PER_PAGE, num_blocks))
         monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
         _runtime.configure(
-            EngineSettings(enable=True, thread_guard=True, reclaim=reclaim, runtime_dir=tmp_path,
-                           reserve_pages=reserve_pages),
+            EngineSettings(
+                enable=True,
+                thread_guard=True,
+                reclaim=reclaim,
+                runtime_dir=tmp_path,
+                reserve_pages=reserve_pages,
+            ),
             VllmSettings(enable=True, max_cached_tokens=max_cached_tokens),
         )
         spec = FullAttentionSpec(
@@ -106,9 +113,13 @@ def make_elastic(
             kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
         )
         manager = KVCacheManager(
-            config, max_model_len=4096, scheduler_block_size=BLOCK_TOKENS,
-            hash_block_size=BLOCK_TOKENS, enable_caching=True, enable_kv_cache_events=True,
-        )  # fmt: skip
+            config,
+            max_model_len=4096,
+            scheduler_block_size=BLOCK_TOKENS,
+            hash_block_size=BLOCK_TOKENS,
+            enable_caching=True,
+            enable_kv_cache_events=True,
+        )
         pool = manager.block_pool
         assert isinstance(pool, ElasticBlockPool)
         runtime = _runtime.current_runtime()
@@ -117,8 +128,9 @@ def make_elastic(
         hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
 
         def make_request(request_id: str, tokens: list[int]) -> Request:
-            return Request(request_id, tokens, SamplingParams(max_tokens=1), None,
-                           block_hasher=hasher)  # fmt: skip
+            return Request(
+                request_id, tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher
+            )
 
         elastic = Elastic(manager, pool, runtime, backend, make_request)
         made.append(elastic)
@@ -136,8 +148,6 @@ def make_elastic(
 def tokens(seed: int, num_tokens: int) -> list[int]:
     """Distinct deterministic token ids for a prompt."""
     return [(seed * 7919 + i * 31) % 30000 + 10 for i in range(num_tokens)]
-
-
 
 
 PAGE_TOKENS = BLOCK_TOKENS * BLOCKS_PER_PAGE
@@ -162,7 +172,8 @@ def test_pages_are_mapped_on_demand_and_prefix_hits_survive(
 
 @pytest.mark.parametrize("reserve", [2, 3])
 def test_a_premapped_reserve_still_gives_vllm_block_0_first(
-    make_elastic: Callable[..., Elastic], reserve: int,
+    make_elastic: Callable[..., Elastic],
+    reserve: int,
 ) -> None:
     e = make_elastic(reserve_pages=reserve)  # used to raise: block 16 came out first
     assert e.pool.null_block.block_id == 0 and e.pool.null_block.is_null
@@ -176,7 +187,8 @@ def test_a_premapped_reserve_still_gives_vllm_block_0_first(
 
 @pytest.mark.parametrize("seed", range(4))
 def test_figures_after_traffic_match_a_recount_once_idle(
-    make_elastic: Callable[..., Elastic], seed: int,
+    make_elastic: Callable[..., Elastic],
+    seed: int,
 ) -> None:
     """Evictable/pinned are kept per block event: right after the last free, no rescan."""
     import random

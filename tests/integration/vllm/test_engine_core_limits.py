@@ -48,10 +48,13 @@ NUM_PAGES = 64
 def plugin_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """The plugin on (patches applied for this test only), settings from the environment."""
     for key, value in {
-        "KVSIDECAR_ENABLE": "1", "KVSIDECAR_THREAD_GUARD": "1",
-        "KVSIDECAR_RUNTIME_DIR": str(tmp_path / "run"), "KVSIDECAR_PAGE_BYTES": str(PAGE_BYTES),
-        "KVSIDECAR_INSTANCE_ID": "core-test", "VLLM_TARGET_DEVICE": "cpu",
-    }.items():  # fmt: skip
+        "KVSIDECAR_ENABLE": "1",
+        "KVSIDECAR_THREAD_GUARD": "1",
+        "KVSIDECAR_RUNTIME_DIR": str(tmp_path / "run"),
+        "KVSIDECAR_PAGE_BYTES": str(PAGE_BYTES),
+        "KVSIDECAR_INSTANCE_ID": "core-test",
+        "VLLM_TARGET_DEVICE": "cpu",
+    }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("KVSIDECAR_SIDECAR_URL", raising=False)
     monkeypatch.setattr(_runtime, "_configured", None)
@@ -66,17 +69,27 @@ def plugin_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path
 
 
 def build_core(
-    model_dir: Path, num_pages: int = NUM_PAGES, *, page_bytes: int = PAGE_BYTES,
+    model_dir: Path,
+    num_pages: int = NUM_PAGES,
+    *,
+    page_bytes: int = PAGE_BYTES,
     max_model_len: int = 2048,
-) -> EngineCore:  # fmt: skip
+) -> EngineCore:
     bundle = page_bytes * 4  # 2 layers x (K, V) regions
     args = EngineArgs(
-        model=str(model_dir), load_format="dummy", dtype="float16", block_size=BLOCK_TOKENS,
-        max_model_len=max_model_len, enable_prefix_caching=True,
+        model=str(model_dir),
+        load_format="dummy",
+        dtype="float16",
+        block_size=BLOCK_TOKENS,
+        max_model_len=max_model_len,
+        enable_prefix_caching=True,
         kv_cache_memory_bytes=num_pages * bundle,
-        distributed_executor_backend=StubExecutor, max_num_seqs=6, max_num_batched_tokens=512,
-        disable_log_stats=True, enforce_eager=True,
-    )  # fmt: skip
+        distributed_executor_backend=StubExecutor,
+        max_num_seqs=6,
+        max_num_batched_tokens=512,
+        disable_log_stats=True,
+        enforce_eager=True,
+    )
     config = args.create_engine_config()
     return EngineCore(config, executor_class=StubExecutor, log_stats=False)
 
@@ -84,10 +97,16 @@ def build_core(
 def make_request(request_id: str, tokens: list[int], max_tokens: int) -> EngineCoreRequest:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     return EngineCoreRequest(
-        request_id=request_id, prompt_token_ids=tokens, mm_features=None, sampling_params=params,
-        pooling_params=None, arrival_time=time.time(), lora_request=None, cache_salt=None,
+        request_id=request_id,
+        prompt_token_ids=tokens,
+        mm_features=None,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
         data_parallel_rank=None,
-    )  # fmt: skip
+    )
 
 
 def in_foreign_thread(action: Callable[[], object]) -> None:
@@ -119,9 +138,13 @@ class Run:
 
 
 def drive(
-    core: EngineCore, seed: int, *, num_steps: int, limits: bool,
+    core: EngineCore,
+    seed: int,
+    *,
+    num_steps: int,
+    limits: bool,
     monkeypatch: pytest.MonkeyPatch,
-) -> Run:  # fmt: skip
+) -> Run:
     rng = random.Random(seed)
     limit_rng = random.Random(seed + 1)
     runtime = _runtime.current_runtime()
@@ -166,9 +189,12 @@ def drive(
         if step < num_steps and rng.random() < (0.5 if (step // 40) % 2 else 0.04):
             request_id = f"r{next_id}"
             next_id += 1
-            tokens = rng.choice(docs) + [rng.randrange(10, 3000) for _ in range(rng.randrange(1, 40))]
-            core.add_request(*core.preprocess_add_request(
-                make_request(request_id, tokens, rng.randrange(1, 40))))  # fmt: skip
+            tokens = rng.choice(docs) + [
+                rng.randrange(10, 3000) for _ in range(rng.randrange(1, 40))
+            ]
+            core.add_request(
+                *core.preprocess_add_request(make_request(request_id, tokens, rng.randrange(1, 40)))
+            )
             live[request_id] = []
             if rng.random() < 0.1:
                 abort_at[step + rng.randrange(0, 30)] = request_id

@@ -62,11 +62,13 @@ from engine_ext.vllm._settings import VllmSettings
 
 pytestmark = pytest.mark.vllm
 
-LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn",
-          "model.layers.2.self_attn.attn"]  # fmt: skip
+LAYERS = [
+    "model.layers.0.self_attn.attn",
+    "model.layers.1.self_attn.attn",
+    "model.layers.2.self_attn.attn",
+]
 BLOCK_TOKENS = 16
-SPEC = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=64,
-                         dtype=torch.float16)  # fmt: skip
+SPEC = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=64, dtype=torch.float16)
 BLOCK_BYTES = SPEC.page_size_bytes  # 16 tokens x 2 heads x (64 + 64) x 2 bytes = 8 KiB
 HOST_GRANULARITY = 32 << 10  # host stand-in for the CUDA granularity: 4 blocks per page
 
@@ -81,8 +83,9 @@ def planned(num_blocks: int, layout: str = "LBNHC", spec: object = SPEC) -> KVCa
     """vLLM's own planner: a config of exactly ``num_blocks`` blocks."""
     groups = [KVCacheGroupSpec(list(LAYERS), spec)]  # type: ignore[arg-type]
     bytes_per_block = BLOCK_BYTES * len(LAYERS)
-    return get_kv_cache_config_from_groups(vllm_config(layout), groups,
-                                           bytes_per_block * num_blocks + 5)  # fmt: skip
+    return get_kv_cache_config_from_groups(
+        vllm_config(layout), groups, bytes_per_block * num_blocks + 5
+    )
 
 
 # -- geometry and rounding ---------------------------------------------------------------
@@ -105,8 +108,9 @@ def test_geometry_follows_vllms_placement_and_cuda_granularity() -> None:
 
 
 def test_odd_block_bytes_give_pages_that_hold_whole_blocks() -> None:
-    spec = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=3, head_size=64,
-                             dtype=torch.float16)  # 12 KiB blocks  # fmt: skip
+    spec = FullAttentionSpec(
+        block_size=BLOCK_TOKENS, num_kv_heads=3, head_size=64, dtype=torch.float16
+    )  # 12 KiB blocks
     geometry = kv_geometry(planned(900, spec=spec), KVCacheLayout.LBNHC)
     assert geometry.page_bytes % CUDA_GRANULARITY == 0
     assert geometry.page_bytes % spec.page_size_bytes == 0
@@ -133,18 +137,43 @@ def test_too_few_blocks_for_two_pages_is_refused() -> None:
 @pytest.mark.parametrize(
     ("config", "layout", "match"),
     [
-        pytest.param(planned(1000, "BLNHC"), KVCacheLayout.BLNHC, r"layout BLNHC.*LBNHC",
-                     id="block-outermost"),
-        pytest.param(planned(1000, "LHBNC"), KVCacheLayout.LHBNC, r"layout LHBNC",
-                     id="head-outside-block"),
-        pytest.param(planned(1000, spec=SlidingWindowSpec(
-            block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=64, dtype=torch.float16,
-            sliding_window=128)), KVCacheLayout.LBNHC, r"SlidingWindowSpec", id="sliding"),
-        pytest.param(planned(1000, spec=MLAAttentionSpec(
-            block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=576, dtype=torch.float16)),
-            KVCacheLayout.LBNHC, r"MLAAttentionSpec", id="mla"),
+        pytest.param(
+            planned(1000, "BLNHC"),
+            KVCacheLayout.BLNHC,
+            r"layout BLNHC.*LBNHC",
+            id="block-outermost",
+        ),
+        pytest.param(
+            planned(1000, "LHBNC"), KVCacheLayout.LHBNC, r"layout LHBNC", id="head-outside-block"
+        ),
+        pytest.param(
+            planned(
+                1000,
+                spec=SlidingWindowSpec(
+                    block_size=BLOCK_TOKENS,
+                    num_kv_heads=2,
+                    head_size=64,
+                    dtype=torch.float16,
+                    sliding_window=128,
+                ),
+            ),
+            KVCacheLayout.LBNHC,
+            r"SlidingWindowSpec",
+            id="sliding",
+        ),
+        pytest.param(
+            planned(
+                1000,
+                spec=MLAAttentionSpec(
+                    block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=576, dtype=torch.float16
+                ),
+            ),
+            KVCacheLayout.LBNHC,
+            r"MLAAttentionSpec",
+            id="mla",
+        ),
     ],
-)  # fmt: skip
+)
 def test_unsupported_caches_are_refused_by_name(
     config: KVCacheConfig, layout: KVCacheLayout, match: str
 ) -> None:
@@ -174,9 +203,11 @@ def test_engine_refusals_name_the_setting() -> None:
 
 def test_patch_rows_are_declared_for_033() -> None:
     rows = {p.target: p for p in PATCHES}
-    for target in ("vllm.v1.engine.core:get_kv_cache_configs",
-                   "vllm.v1.worker.gpu_model_runner:allocate_kv_cache",
-                   "vllm.v1.worker.gpu.attn_utils:allocate_kv_cache"):  # fmt: skip
+    for target in (
+        "vllm.v1.engine.core:get_kv_cache_configs",
+        "vllm.v1.worker.gpu_model_runner:allocate_kv_cache",
+        "vllm.v1.worker.gpu.attn_utils:allocate_kv_cache",
+    ):
         assert rows[target].versions == SpecifierSet(">=0.33.0,<0.34")
         assert "0.33.0" in rows[target].versions and "0.34.0" not in rows[target].versions
 
@@ -209,16 +240,25 @@ def test_views_match_vllms_own_allocation(reservations: list[HostBackend]) -> No
     layout = KVCacheLayout.LBNHC
     native = allocate_kv_cache(config, torch.device("cpu"), layout, None)
     plan = kv_geometry(config, layout, HOST_GRANULARITY)
-    ours = allocate_on_reservation(config, torch.device("cpu"), layout, None, plan=plan,
-                                   granularity=HOST_GRANULARITY,
-                                   reserve=host_reserve(reservations),
-                                   synchronize=lambda: None)  # fmt: skip
+    ours = allocate_on_reservation(
+        config,
+        torch.device("cpu"),
+        layout,
+        None,
+        plan=plan,
+        granularity=HOST_GRANULARITY,
+        reserve=host_reserve(reservations),
+        synchronize=lambda: None,
+    )
     assert list(ours) == list(native) == LAYERS
     region_elems = plan.layout.region_bytes // SPEC.dtype.itemsize
     for index, name in enumerate(LAYERS):
         mine, theirs = ours[name], native[name]
-        assert (mine.shape, mine.stride(), mine.dtype) == (theirs.shape, theirs.stride(),
-                                                           theirs.dtype)  # fmt: skip
+        assert (mine.shape, mine.stride(), mine.dtype) == (
+            theirs.shape,
+            theirs.stride(),
+            theirs.dtype,
+        )
         assert mine.storage_offset() == index * region_elems
         assert mine.data_ptr() == reservations[0].base_address + index * plan.layout.region_bytes
     # 64 blocks = 16 whole pages of 4: regions are exactly vLLM's layer stride.
@@ -229,10 +269,16 @@ def test_kernel_block_split_views_match(reservations: list[HostBackend]) -> None
     config = planned(64)
     native = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBNHC, [8])
     plan = kv_geometry(config, KVCacheLayout.LBNHC, HOST_GRANULARITY)
-    ours = allocate_on_reservation(config, torch.device("cpu"), KVCacheLayout.LBNHC, [8],
-                                   plan=plan, granularity=HOST_GRANULARITY,
-                                   reserve=host_reserve(reservations),
-                                   synchronize=lambda: None)  # fmt: skip
+    ours = allocate_on_reservation(
+        config,
+        torch.device("cpu"),
+        KVCacheLayout.LBNHC,
+        [8],
+        plan=plan,
+        granularity=HOST_GRANULARITY,
+        reserve=host_reserve(reservations),
+        synchronize=lambda: None,
+    )
     for name in LAYERS:
         assert ours[name].shape == native[name].shape == (128, 2, 8, 128)
         assert ours[name].stride() == native[name].stride()
@@ -243,9 +289,15 @@ def test_a_worker_config_that_differs_from_the_plan_is_refused(
 ) -> None:
     plan = kv_geometry(planned(64), KVCacheLayout.LBNHC, HOST_GRANULARITY)
     with pytest.raises(UnsupportedKvCache, match=r"differs from the EngineCore's plan"):
-        allocate_on_reservation(planned(60), torch.device("cpu"), KVCacheLayout.LBNHC, None,
-                                plan=plan, granularity=HOST_GRANULARITY,
-                                reserve=host_reserve(reservations))  # fmt: skip
+        allocate_on_reservation(
+            planned(60),
+            torch.device("cpu"),
+            KVCacheLayout.LBNHC,
+            None,
+            plan=plan,
+            granularity=HOST_GRANULARITY,
+            reserve=host_reserve(reservations),
+        )
     assert reservations == [] and claim_kv_memory() is None  # nothing reserved or published
 
 
@@ -271,8 +323,9 @@ def test_a_plan_with_a_cpu_device_is_refused(
     reservations: list[HostBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = planned(64)
-    monkeypatch.setattr(_gpu_kv, "_state", _gpu_kv._State(
-        plan=kv_geometry(config, KVCacheLayout.LBNHC)))  # fmt: skip
+    monkeypatch.setattr(
+        _gpu_kv, "_state", _gpu_kv._State(plan=kv_geometry(config, KVCacheLayout.LBNHC))
+    )
     patched = place_kv_cache(allocate_kv_cache)
     with pytest.raises(UnsupportedKvCache, match=r"device cpu"):
         patched(config, torch.device("cpu"), KVCacheLayout.LBNHC, None)
@@ -323,10 +376,16 @@ def test_pool_maps_before_handing_out_and_unmaps_after_sync(
     layout = KVCacheLayout.LBNHC
     syncs: list[int] = []
     plan = kv_geometry(config, layout, HOST_GRANULARITY)
-    views = allocate_on_reservation(config, torch.device("cpu"), layout, None, plan=plan,
-                                    granularity=HOST_GRANULARITY,
-                                    reserve=host_reserve(reservations),
-                                    synchronize=lambda: syncs.append(1))  # fmt: skip
+    views = allocate_on_reservation(
+        config,
+        torch.device("cpu"),
+        layout,
+        None,
+        plan=plan,
+        granularity=HOST_GRANULARITY,
+        reserve=host_reserve(reservations),
+        synchronize=lambda: syncs.append(1),
+    )
     backend = reservations[0]
     assert backend.mapped_pages() == list(range(16))  # resident for vLLM's warm-up
     for name in LAYERS:
@@ -335,10 +394,17 @@ def test_pool_maps_before_handing_out_and_unmaps_after_sync(
     monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
     monkeypatch.setattr(_runtime, "_configured", None)
     monkeypatch.setattr(_runtime, "_runtime", None)
-    _runtime.configure(EngineSettings(enable=True, thread_guard=True, runtime_dir=tmp_path),
-                       VllmSettings(enable=True))  # fmt: skip
-    manager = KVCacheManager(config, max_model_len=1024, scheduler_block_size=BLOCK_TOKENS,
-                             hash_block_size=BLOCK_TOKENS, enable_caching=True)  # fmt: skip
+    _runtime.configure(
+        EngineSettings(enable=True, thread_guard=True, runtime_dir=tmp_path),
+        VllmSettings(enable=True),
+    )
+    manager = KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=BLOCK_TOKENS,
+        hash_block_size=BLOCK_TOKENS,
+        enable_caching=True,
+    )
     assert isinstance(manager.block_pool, ElasticBlockPool)
     runtime = _runtime.current_runtime()
     assert runtime is not None and runtime.instance is not None
@@ -399,7 +465,8 @@ def test_planning_rounds_down_before_the_scheduler_and_leaves_a_plan(
         return [planned(1000)]
 
     configs = _gpu_kv.plan_kv_cache(original, device_total=lambda: 1 << 30)(
-        engine_config, [{}], [0], [])  # fmt: skip
+        engine_config, [{}], [0], []
+    )
     assert calls == [4] and [c.num_blocks for c in configs] == [768]
     plan = _gpu_kv._state.plan
     assert plan is not None and plan.num_blocks == 768 and plan.blocks_per_page == 256
@@ -432,10 +499,14 @@ def _real_planner(engine_config: VllmConfig) -> tuple[list[dict[str, object]], l
 
 @pytest.mark.parametrize(
     ("setting", "explicit", "expected"),
-    [(6 * GIB, None, 6 * GIB), (None, 3 * GIB, 3 * GIB), (None, None, 8 * GIB),
-     (5 * GIB, 3 * GIB, 5 * GIB)],
+    [
+        (6 * GIB, None, 6 * GIB),
+        (None, 3 * GIB, 3 * GIB),
+        (None, None, 8 * GIB),
+        (5 * GIB, 3 * GIB, 5 * GIB),
+    ],
     ids=["setting", "kv-cache-memory-bytes", "device-total", "setting-wins"],
-)  # fmt: skip
+)
 def test_planning_uses_the_virtual_capacity_not_the_measured_free_memory(
     engine_config: VllmConfig, setting: int | None, explicit: int | None, expected: int
 ) -> None:
@@ -444,14 +515,14 @@ def test_planning_uses_the_virtual_capacity_not_the_measured_free_memory(
     engine_config.cache_config.kv_cache_memory_bytes = explicit
     seen: list[list[int]] = []
 
-    def original(config: VllmConfig, specs: list[object], available: list[int],
-                 groups: list[object]) -> list[KVCacheConfig]:  # fmt: skip
+    def original(
+        config: VllmConfig, specs: list[object], available: list[int], groups: list[object]
+    ) -> list[KVCacheConfig]:
         seen.append(list(available))
         return get_kv_cache_configs(config, specs, available, groups)  # type: ignore[arg-type]
 
     specs, groups = _real_planner(engine_config)
-    hook = _gpu_kv.plan_kv_cache(original, device_total=lambda: 8 * GIB,
-                                 setting=lambda: setting)  # fmt: skip
+    hook = _gpu_kv.plan_kv_cache(original, device_total=lambda: 8 * GIB, setting=lambda: setting)
     measured = 200 << 20  # what vLLM's profiler left for KV under a small utilization
     (config,) = hook(engine_config, specs, [measured], groups)
     assert seen == [[expected]]
@@ -468,8 +539,9 @@ def test_two_engines_each_plan_more_than_half_the_device(engine_config: VllmConf
     device = 8 * GIB
     capacities = []
     for virtual in (6 * GIB, 5 * GIB):
-        hook = _gpu_kv.plan_kv_cache(get_kv_cache_configs, device_total=lambda: device,
-                                     setting=lambda v=virtual: v)  # type: ignore[misc]  # fmt: skip
+        hook = _gpu_kv.plan_kv_cache(
+            get_kv_cache_configs, device_total=lambda: device, setting=lambda v=virtual: v
+        )  # type: ignore[misc]
         (config,) = hook(engine_config, specs, [100 << 20], groups)
         capacities.append(config.num_blocks * BLOCK_BYTES * len(LAYERS))
     assert all(c > device // 2 for c in capacities) and sum(capacities) > device
@@ -492,10 +564,17 @@ def test_only_the_warm_up_pages_are_mapped_before_the_pool(
     config = planned(64)  # 16 pages of 4 blocks
     layout = KVCacheLayout.LBNHC
     plan = kv_geometry(config, layout, HOST_GRANULARITY)
-    views = allocate_on_reservation(config, torch.device("cpu"), layout, None, plan=plan,
-                                    granularity=HOST_GRANULARITY,
-                                    reserve=host_reserve(reservations),
-                                    synchronize=lambda: None, warmup_blocks=10)  # fmt: skip
+    views = allocate_on_reservation(
+        config,
+        torch.device("cpu"),
+        layout,
+        None,
+        plan=plan,
+        granularity=HOST_GRANULARITY,
+        reserve=host_reserve(reservations),
+        synchronize=lambda: None,
+        warmup_blocks=10,
+    )
     backend = reservations[0]
     assert backend.mapped_pages() == [0, 1, 2]  # blocks 0..9 in pages of 4
     assert backend.mapped_bytes() == 3 * backend.layout.bundle_bytes  # measured (/proc)
@@ -507,8 +586,9 @@ def test_only_the_warm_up_pages_are_mapped_before_the_pool(
     assert backend.mapped_pages() == [0]
 
 
-@pytest.mark.parametrize(("blocks", "pages"), [(None, 16), (0, 1), (1, 1), (4, 1), (5, 2),
-                                               (10 ** 9, 16)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("blocks", "pages"), [(None, 16), (0, 1), (1, 1), (4, 1), (5, 2), (10**9, 16)]
+)
 def test_warm_up_pages_are_clamped_to_the_reservation(blocks: int | None, pages: int) -> None:
     plan = kv_geometry(planned(64), KVCacheLayout.LBNHC, HOST_GRANULARITY)
     assert _gpu_kv.warmup_pages(plan, blocks) == pages
@@ -522,8 +602,9 @@ def test_planning_hook_hands_the_warm_up_bound_to_the_allocation(
     expected = _gpu_kv.warmup_block_bound(engine_config, BLOCK_TOKENS)
     assert _gpu_kv._state.warmup_blocks == expected
     seen: list[int | None] = []
-    monkeypatch.setattr(_gpu_kv, "allocate_on_reservation",
-                        lambda *a, **kw: seen.append(kw["warmup_blocks"]) or {})  # fmt: skip
+    monkeypatch.setattr(
+        _gpu_kv, "allocate_on_reservation", lambda *a, **kw: seen.append(kw["warmup_blocks"]) or {}
+    )
     place_kv_cache(allocate_kv_cache)(planned(768), torch.device("cuda"), KVCacheLayout.LBNHC)
     assert seen == [expected] and _gpu_kv._state.warmup_blocks is None  # taken once
 
@@ -567,18 +648,33 @@ def test_a_full_device_reuses_cached_blocks_and_never_crashes_the_scheduler(
         return small
 
     plan = kv_geometry(config, layout, HOST_GRANULARITY)
-    views = allocate_on_reservation(config, torch.device("cpu"), layout, None, plan=plan,
-                                    granularity=HOST_GRANULARITY, reserve=reserve,  # type: ignore[arg-type]
-                                    synchronize=lambda: None, warmup_blocks=4)  # fmt: skip
+    views = allocate_on_reservation(
+        config,
+        torch.device("cpu"),
+        layout,
+        None,
+        plan=plan,
+        granularity=HOST_GRANULARITY,
+        reserve=reserve,  # type: ignore[arg-type]
+        synchronize=lambda: None,
+        warmup_blocks=4,
+    )
     (device,) = devices
     backend = reservations[0]
     monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
     monkeypatch.setattr(_runtime, "_configured", None)
     monkeypatch.setattr(_runtime, "_runtime", None)
-    _runtime.configure(EngineSettings(enable=True, thread_guard=True, runtime_dir=tmp_path),
-                       VllmSettings(enable=True))  # fmt: skip
-    manager = KVCacheManager(config, max_model_len=1024, scheduler_block_size=BLOCK_TOKENS,
-                             hash_block_size=BLOCK_TOKENS, enable_caching=True)  # fmt: skip
+    _runtime.configure(
+        EngineSettings(enable=True, thread_guard=True, runtime_dir=tmp_path),
+        VllmSettings(enable=True),
+    )
+    manager = KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=BLOCK_TOKENS,
+        hash_block_size=BLOCK_TOKENS,
+        enable_caching=True,
+    )
     runtime = _runtime.current_runtime()
     assert runtime is not None
     init_none_hash(sha256)
@@ -626,9 +722,17 @@ def test_warm_up_pages_on_a_full_device_empty_torchs_cache_once_then_refuse(
 
     plan = kv_geometry(config, layout, HOST_GRANULARITY)
     allocate = lambda: allocate_on_reservation(
-        config, torch.device("cpu"), layout, None, plan=plan, granularity=HOST_GRANULARITY,
-        reserve=reserve, synchronize=lambda: None, warmup_blocks=12,  # type: ignore[arg-type]
-        empty_cache=empty_cache)
+        config,
+        torch.device("cpu"),
+        layout,
+        None,
+        plan=plan,
+        granularity=HOST_GRANULARITY,
+        reserve=reserve,
+        synchronize=lambda: None,
+        warmup_blocks=12,  # type: ignore[arg-type]
+        empty_cache=empty_cache,
+    )
     if freed_by_torch:
         allocate()
         assert reservations[0].mapped_pages() == [0, 1, 2] and emptied == [1]

@@ -50,7 +50,9 @@ def test_installed_vllm_is_in_the_supported_range() -> None:
 
 @pytest.mark.usefixtures("restore_vllm")
 def test_unsupported_version_refuses_and_patches_nothing() -> None:
-    with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM <0.34,>=0.33.0 but vLLM 0.34.1"):
+    with pytest.raises(
+        UnsupportedVllmVersion, match=r"supports vLLM <0.34,>=0.33.0 but vLLM 0.34.1"
+    ):
         apply_patches("0.34.1")
     assert kv_cache_coordinator.BlockPool is block_pool.BlockPool
     assert not any(is_patched(p.target) for p in PATCHES)

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.vllm
 
 
 def test_usage_is_running_requests_over_what_the_limit_allows(
-        make_elastic: Callable[..., Elastic]) -> None:  # noqa: F811
+    make_elastic: Callable[..., Elastic],  # noqa: F811
+) -> None:
     e = make_elastic(num_pages=64)
     assert e.pool.get_usage() == 0.0
     e.runtime.instance.set_limit(4 * e.bundle_bytes)  # type: ignore[union-attr]

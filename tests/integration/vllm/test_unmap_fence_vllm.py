@@ -82,8 +82,11 @@ def test_fence_recorded_every_step_and_unmaps_wait_on_it(
         for i in range(60):
             if i % 3 == 0:
                 tokens = rng.choice(docs) + [rng.randrange(10, 3000) for _ in range(5)]
-                core.add_request(*core.preprocess_add_request(
-                    make_request(f"r{i}", tokens, rng.randrange(1, 20))))  # fmt: skip
+                core.add_request(
+                    *core.preprocess_add_request(
+                        make_request(f"r{i}", tokens, rng.randrange(1, 20))
+                    )
+                )
             if i % 7 == 3:  # shrink from the control thread: cached pages are unmapped
                 limit = max(0, instance.state().mapped_bytes - 2 * bundle)
                 in_foreign_thread(lambda limit=limit: instance.set_limit(limit))
@@ -107,4 +110,4 @@ def test_fence_recorded_every_step_and_unmaps_wait_on_it(
     for index, (what, mapped) in enumerate(log):
         if what == "unmap":  # the wait (or an earlier one with no record since) came first
             before = [w for w, _ in log[:index] if w in ("record", "wait")]
-            assert before and before[-1] == "wait", log[max(0, index - 4): index + 1]
+            assert before and before[-1] == "wait", log[max(0, index - 4) : index + 1]

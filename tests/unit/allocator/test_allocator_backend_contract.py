@@ -98,7 +98,7 @@ def test_tensor_view_reads_back_what_it_wrote(make_backend: MakeBackend) -> None
     lo, hi = 2 * layout.page_bytes, 4 * layout.page_bytes
     region[lo:hi] = 9
     start = layout.page_offset(1, 2)
-    assert int(whole[start:start + 2 * layout.page_bytes].sum()) == 9 * 2 * layout.page_bytes
+    assert int(whole[start : start + 2 * layout.page_bytes].sum()) == 9 * 2 * layout.page_bytes
 
 
 def test_release_is_idempotent_and_final(make_backend: MakeBackend) -> None:

@@ -44,8 +44,9 @@ def host() -> HostBackend:
 
 
 def _fence(backend: HostBackend, log: list[str]) -> UnmapFence:
-    return UnmapFence(lambda: _Event(backend, log),
-                      lambda: log.append(f"sync:{backend.mapped_bytes() // PAGE}"))
+    return UnmapFence(
+        lambda: _Event(backend, log), lambda: log.append(f"sync:{backend.mapped_bytes() // PAGE}")
+    )
 
 
 def test_unmap_waits_for_the_recorded_event_with_the_memory_still_there(host: HostBackend) -> None:

@@ -96,11 +96,27 @@ def test_default_comes_from_the_flag() -> None:
 def test_public_names_are_pinned_and_sorted() -> None:
     assert allocator.__all__ == sorted(allocator.__all__)
     assert set(allocator.__all__) == {
-        "AllocatorConfigError", "AllocatorContractError", "AllocatorError", "Backend",
-        "BackendError", "BlockAllocator", "CudaBackend", "ForeignThreadError", "HostBackend",
-        "PageAllocator", "PageLayout", "PageObserver", "PageState", "ThreadGuard",
-        "DeviceEvent", "DeviceOutOfMemory", "FencedBackend", "UnmapFence", "map_or_free_cache",
-        "torch_empty_cache", "torch_unmap_fence",
+        "AllocatorConfigError",
+        "AllocatorContractError",
+        "AllocatorError",
+        "Backend",
+        "BackendError",
+        "BlockAllocator",
+        "CudaBackend",
+        "ForeignThreadError",
+        "HostBackend",
+        "PageAllocator",
+        "PageLayout",
+        "PageObserver",
+        "PageState",
+        "ThreadGuard",
+        "DeviceEvent",
+        "DeviceOutOfMemory",
+        "FencedBackend",
+        "UnmapFence",
+        "map_or_free_cache",
+        "torch_empty_cache",
+        "torch_unmap_fence",
     }
     for name in ("AllocatorConfigError", "BackendError", "AllocatorContractError"):
         assert issubclass(getattr(allocator, name), allocator.AllocatorError)
@@ -108,9 +124,16 @@ def test_public_names_are_pinned_and_sorted() -> None:
 
 
 def test_allocator_imports_without_torch_or_cuda() -> None:
-    code = ("import sys, allocator; bad = [m for m in ('torch', 'cuda', 'engine_ext', 'sidecar')"
-            " if m in sys.modules]; assert not bad, bad")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, check=False,
-                          cwd=str(Path(allocator.__file__).parents[1]))
+    code = (
+        "import sys, allocator; bad = [m for m in ('torch', 'cuda', 'engine_ext', 'sidecar')"
+        " if m in sys.modules]; assert not bad, bad"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=str(Path(allocator.__file__).parents[1]),
+    )
     assert done.returncode == 0, done.stderr

@@ -93,7 +93,7 @@ def test_tensor_view_writes_land_in_the_page(make_host: MakeHost) -> None:
     region1 = backend.tensor(1)
     assert whole.dtype == torch.uint8 and whole.numel() == layout.total_bytes
     assert region1.numel() == layout.region_bytes
-    region1[3 * layout.page_bytes: 4 * layout.page_bytes] = 42
+    region1[3 * layout.page_bytes : 4 * layout.page_bytes] = 42
     addr = backend.base_address + layout.page_offset(1, 3)
     assert ctypes.string_at(addr, layout.page_bytes) == b"\x2a" * layout.page_bytes
     offset = layout.page_offset(0, 3)
@@ -122,8 +122,14 @@ def test_second_process_attaches_and_shares_the_pages(make_host: MakeHost) -> No
         print(seen.hex())
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", child, backend.fd_path], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", child, backend.fd_path],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "5a" * 16
     # The child's write is in our page, and its unmap did not free our memory.
@@ -163,7 +169,7 @@ def test_a_dropped_backend_gives_everything_back_but_not_under_a_live_tensor() -
     fd = os.dup(backend.fd)  # our own handle on the memfd, to measure it afterwards
     try:
         backend.map(1)
-        view = backend.tensor()[OS_PAGE: 2 * OS_PAGE]
+        view = backend.tensor()[OS_PAGE : 2 * OS_PAGE]
         view.fill_(3)
         del backend
         gc.collect()

@@ -27,8 +27,9 @@ def measured_pages(backend: HostBackend) -> int:
     return bytes_ // backend.layout.bundle_bytes
 
 
-def stack(make_host: MakeHost, *, pages: int = 8, bpp: int = 4, reserve: int = 0,
-          regions: int = 2) -> tuple[HostBackend, PageAllocator, BlockAllocator]:
+def stack(
+    make_host: MakeHost, *, pages: int = 8, bpp: int = 4, reserve: int = 0, regions: int = 2
+) -> tuple[HostBackend, PageAllocator, BlockAllocator]:
     backend = make_host(num_pages=pages, num_regions=regions)
     page_alloc = PageAllocator(backend, reserve_pages=reserve)
     return backend, page_alloc, BlockAllocator(page_alloc, bpp)
@@ -138,8 +139,11 @@ def test_bad_calls_raise_and_change_nothing(make_host: MakeHost) -> None:
     for bad in ([got[0], got[0]], [got[0], 31], [got[0], 999], [got[0], -1]):
         with pytest.raises(AllocatorContractError):
             blocks.free(bad)
-        assert (blocks.num_allocated_blocks, blocks.num_free_blocks,
-                measured_pages(backend)) == snapshot
+        assert (
+            blocks.num_allocated_blocks,
+            blocks.num_free_blocks,
+            measured_pages(backend),
+        ) == snapshot
         assert all(blocks.is_allocated(b) for b in got)
     with pytest.raises(AllocatorContractError):
         blocks.alloc(-1)
@@ -147,8 +151,13 @@ def test_bad_calls_raise_and_change_nothing(make_host: MakeHost) -> None:
         pages.set_target(-1)
     with pytest.raises(AllocatorContractError, match="not in use"):
         pages.release(5)
-    for query in (blocks.occupancy, blocks.blocks_on_page, pages.page_state, pages.is_retired,
-                  backend.is_mapped):
+    for query in (
+        blocks.occupancy,
+        blocks.blocks_on_page,
+        pages.page_state,
+        pages.is_retired,
+        backend.is_mapped,
+    ):
         with pytest.raises(AllocatorContractError, match="outside"):
             query(-1)
         with pytest.raises(AllocatorContractError, match="outside"):

@@ -63,15 +63,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         fresh = set(got)
         assert len(fresh) == n, "a block handed out twice in one call"
         assert not fresh & self.live, "a live block handed out again"
-        assert not {self.blocks.page_of(b) for b in fresh} & retired_before, \
+        assert not {self.blocks.page_of(b) for b in fresh} & retired_before, (
             "a retired page received a new block"
+        )
         self.live |= fresh
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
-        chosen = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1,
-                                    unique=True))
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, unique=True))
         self.blocks.free(chosen)
         self.live -= set(chosen)
         self.marked -= set(chosen)  # a freed block is no longer evictable
@@ -79,8 +79,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.live - self.marked))
     @rule(data=st.data())
     def mark(self, data: st.DataObject) -> None:
-        chosen = data.draw(st.lists(st.sampled_from(sorted(self.live - self.marked)),
-                                    min_size=1, unique=True))
+        chosen = data.draw(
+            st.lists(st.sampled_from(sorted(self.live - self.marked)), min_size=1, unique=True)
+        )
         before = self.blocks.changes
         self.blocks.mark_evictable(chosen)
         assert self.blocks.changes > before
@@ -89,8 +90,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.marked))
     @rule(data=st.data())
     def unmark(self, data: st.DataObject) -> None:
-        chosen = data.draw(st.lists(st.sampled_from(sorted(self.marked)), min_size=1,
-                                    unique=True))
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.marked)), min_size=1, unique=True))
         self.blocks.unmark_evictable(chosen)
         self.marked -= set(chosen)
 
@@ -103,8 +103,11 @@ class AllocatorMachine(RuleBasedStateMachine):
     def evictable_counts_match_a_recount(self) -> None:
         blocks, bpp = self.blocks, self.bpp
         assert blocks.num_evictable_blocks == len(self.marked)
-        reclaimable = sum(1 for p in self._live_pages()
-                          if all(b in self.marked for b in self.live if b // bpp == p))
+        reclaimable = sum(
+            1
+            for p in self._live_pages()
+            if all(b in self.marked for b in self.live if b // bpp == p)
+        )
         assert blocks.num_reclaimable_pages == reclaimable
         assert all(blocks.is_marked_evictable(b) == (b in self.marked) for b in self.live)
 
@@ -153,6 +156,8 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorProperties = AllocatorMachine.TestCase
 TestAllocatorProperties.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

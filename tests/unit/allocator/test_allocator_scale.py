@@ -92,7 +92,7 @@ def shrink_pass_ops(num_blocks: int, seed: int) -> float:
         rng.shuffle(got)
         # leave pages unevenly full so retirement has real choices to make
         blocks.free(got[: len(got) // 4])
-        live = got[len(got) // 4:]
+        live = got[len(got) // 4 :]
         in_use = pages.num_in_use
         blocks.calls = 0
         pages.set_target(in_use // 2)

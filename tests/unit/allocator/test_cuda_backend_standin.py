@@ -33,7 +33,6 @@ PAGE = 2 * MiB
 DEFAULT_TOTAL = 4096 * MiB
 
 
-
 @pytest.fixture
 def make(fc: fakecuda.FakeCuda) -> Iterator[Callable[..., CudaBackend]]:
     made: list[CudaBackend] = []
@@ -54,14 +53,18 @@ def _held(fc: fakecuda.FakeCuda) -> int:
 
 
 # ---------------------------------------------------------------- out of memory, overcommit
-def test_out_of_memory_is_a_clear_error_and_leaks_nothing(fc: fakecuda.FakeCuda,
-                                                          make: Callable[..., CudaBackend]) -> None:
+def test_out_of_memory_is_a_clear_error_and_leaks_nothing(
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
     backend = make(16, 2, spare_handles=0)
     fc.set_total_bytes(fc.used_bytes() + 10 * PAGE)  # room for 5 bundles of 2 regions
     backend.map_many([0, 1])
     used, free = fc.used_bytes(), backend.device_free_bytes()
-    with pytest.raises(DeviceOutOfMemory, match=r"out of memory: mapping 4 page\(s\) needs 16 "
-                                                r"MiB and the device has 12 MiB free"):
+    with pytest.raises(
+        DeviceOutOfMemory,
+        match=r"out of memory: mapping 4 page\(s\) needs 16 "
+        r"MiB and the device has 12 MiB free",
+    ):
         backend.map_many([3, 4, 5, 6])
     assert fc.used_bytes() == used and backend.device_free_bytes() == free
     assert [p for p in range(16) if backend.is_mapped(p)] == [0, 1]
@@ -71,7 +74,8 @@ def test_out_of_memory_is_a_clear_error_and_leaks_nothing(fc: fakecuda.FakeCuda,
 
 
 def test_out_of_memory_in_a_later_region_rolls_the_page_back(
-        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
     backend = make(4, 3)  # default spares: one bundle
     fc.set_total_bytes(fc.used_bytes() + 2 * PAGE)  # two of the three regions fit
     before = fc.num_mappings()
@@ -83,7 +87,8 @@ def test_out_of_memory_in_a_later_region_rolls_the_page_back(
 
 
 def test_two_overcommitted_pools_share_the_device_and_never_exceed_it(
-        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
     """Virtual 2 x 48 MiB on a 64 MiB device: memory follows the targets from one to the other."""
     base = fc.used_bytes()
     device = 32 * PAGE
@@ -133,7 +138,8 @@ def test_two_overcommitted_pools_share_the_device_and_never_exceed_it(
 
 # ---------------------------------------------------------------- bugs (fail on the old code)
 def test_a_failing_unmap_leaves_the_page_mapped_and_a_retry_frees_it(
-        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
     backend = make(4, 3, spare_handles=0)
     before = fc.used_bytes()
     backend.map_many([1, 2])
@@ -149,7 +155,8 @@ def test_a_failing_unmap_leaves_the_page_mapped_and_a_retry_frees_it(
 
 
 def test_release_after_a_failing_unmap_still_frees_the_range(
-        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
     backend = make(4, 2)
     before = fc.used_bytes()
     backend.map_many([0, 3])
@@ -168,7 +175,8 @@ def test_release_after_a_failing_unmap_still_frees_the_range(
 
 
 def test_a_failing_release_call_keeps_the_handle_for_a_retry(
-        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
     backend = make(4, 1, spare_handles=0)
     before = fc.used_bytes()
     backend.map(2)
@@ -181,7 +189,8 @@ def test_a_failing_release_call_keeps_the_handle_for_a_retry(
 
 
 def test_device_free_bytes_works_from_a_thread_without_a_context(
-        make: Callable[..., CudaBackend]) -> None:
+    make: Callable[..., CudaBackend],
+) -> None:
     backend = make(4, 1)
     backend.map(0)
     here = backend.device_free_bytes()
@@ -202,7 +211,8 @@ def test_device_free_bytes_works_from_a_thread_without_a_context(
 
 
 def test_priming_out_of_memory_frees_the_cache_once_then_says_so(
-        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
     cache = make(8, 1, spare_handles=0)  # stands for torch's caching allocator
     kv = make(8, 2, spare_handles=0)
     fc.set_total_bytes(fc.used_bytes() + 16 * PAGE)
@@ -227,8 +237,9 @@ def test_priming_out_of_memory_frees_the_cache_once_then_says_so(
 
 
 # ---------------------------------------------------------------- spare handles: driver calls
-def test_a_map_after_an_unmap_makes_no_cuMemCreate(fc: fakecuda.FakeCuda,
-                                                   make: Callable[..., CudaBackend]) -> None:
+def test_a_map_after_an_unmap_makes_no_cuMemCreate(
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
     regions = 4
     backend = make(8, regions)
     backend.map_many([0, 1])
@@ -239,7 +250,10 @@ def test_a_map_after_an_unmap_makes_no_cuMemCreate(fc: fakecuda.FakeCuda,
     fc.reset_calls()
     backend.map(5)
     assert (fc.calls("cuMemCreate"), fc.calls("cuMemMap"), fc.calls("cuMemSetAccess")) == (
-        0, regions, regions)
+        0,
+        regions,
+        regions,
+    )
     fc.reset_calls()
     backend.unmap_many([0, 5])  # two bundles: one kept, one released
     assert (fc.calls("cuMemUnmap"), fc.calls("cuMemRelease")) == (2 * regions, regions)
@@ -267,12 +281,14 @@ class _Event:
         self.log.append("record")
 
     def synchronize(self) -> None:
-        self.log.append(f"wait(mapped={self.backend.is_mapped(3)},"
-                        f"held={self.backend.mapped_bytes() // PAGE})")
+        self.log.append(
+            f"wait(mapped={self.backend.is_mapped(3)},held={self.backend.mapped_bytes() // PAGE})"
+        )
 
 
 def test_fenced_cuda_backend_waits_for_the_event_before_the_driver_unmaps(
-        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
     backend = make(8, 1)
     log: list[str] = []
     fence = UnmapFence(lambda: _Event(backend, log), lambda: log.append("device-sync"))
@@ -291,7 +307,8 @@ def test_fenced_cuda_backend_waits_for_the_event_before_the_driver_unmaps(
 # ---------------------------------------------------------------- adversarial
 @pytest.mark.parametrize("seed", [2026, 7, 99, 12345])
 def test_random_driver_failures_never_split_the_books_from_the_driver(
-        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend], seed: int) -> None:
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend], seed: int
+) -> None:
     """Random map/unmap/trim with random injected failures (unmap, release, create, map,
     access, out of memory): after every call the backend's books equal what the driver holds."""
     import random
@@ -344,15 +361,21 @@ def test_touching_an_unmapped_page_faults(fc: fakecuda.FakeCuda) -> None:
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[3]
-    proc = subprocess.run([sys.executable, "-c", code, str(repo / "tests"), str(repo)],
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(repo / "tests"), str(repo)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.stdout == "before\n", proc.stdout + proc.stderr
     assert proc.returncode == -signal.SIGSEGV
 
 
 # ---------------------------------------------------------------- failed rollbacks
 def test_a_map_whose_rollback_fails_leaves_the_page_unmapped_for_the_page_allocator(
-        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]) -> None:
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
     """The third region's map fails and the rollback cannot unmap the first: the page
     allocator saw the map fail, so the page must not be mapped for it either, and the next
     map of that page (or a trim) unmaps what was left before mapping again."""
@@ -376,8 +399,9 @@ def test_a_map_whose_rollback_fails_leaves_the_page_unmapped_for_the_page_alloca
     assert fc.num_mappings() == base_maps and backend.mapped_bytes() == 0
 
 
-def test_a_trim_finishes_a_failed_rollback(fc: fakecuda.FakeCuda,
-                                           make: Callable[..., CudaBackend]) -> None:
+def test_a_trim_finishes_a_failed_rollback(
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
     backend = make(4, 2, spare_handles=0)
     base_maps = fc.num_mappings()
     fc.fail("cuMemMap", after=1)
@@ -392,7 +416,8 @@ def test_a_trim_finishes_a_failed_rollback(fc: fakecuda.FakeCuda,
 
 @pytest.mark.parametrize("seed", [3, 41, 2027])
 def test_random_faults_never_split_the_page_allocator_from_the_backend(
-        fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend], seed: int) -> None:
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend], seed: int
+) -> None:
     """Blocks allocated and freed through PageAllocator/BlockAllocator over CudaBackend with
     random map failures whose rollback unmaps fail too: after every call a page is mapped for
     the page allocator exactly when the backend says so, and the driver holds what the books

@@ -86,17 +86,26 @@ class ToyEngine:
         guard.bind_current()
         blocks = BlockAllocator(PageAllocator(backend, guard=guard), BLOCKS_PER_PAGE)
         cache = PrefixCache(blocks)
-        settings = load_engine_settings(instance_id=self.iid, sidecar_url=self._url,
-                                        runtime_dir=self._runtime_dir, heartbeat_s=0.2,
-                                        device_id=self._device)
-        inst = ElasticInstance(settings, EngineBinding("vllm", "0.33.0", blocks, (cache,),
-                                                       wake=self._woken.set))
+        settings = load_engine_settings(
+            instance_id=self.iid,
+            sidecar_url=self._url,
+            runtime_dir=self._runtime_dir,
+            heartbeat_s=0.2,
+            device_id=self._device,
+        )
+        inst = ElasticInstance(
+            settings, EngineBinding("vllm", "0.33.0", blocks, (cache,), wake=self._woken.set)
+        )
         waiting: list[Job] = []
         running: list[tuple[Job, object, int]] = []
-        inst.coordinator.set_demand_probe(lambda: Demand(
-            num_running_requests=len(running), num_waiting_requests=len(waiting),
-            waiting_blocks=sum(j.pages for j in waiting) * BLOCKS_PER_PAGE,
-            waiting_for_memory=bool(waiting)))
+        inst.coordinator.set_demand_probe(
+            lambda: Demand(
+                num_running_requests=len(running),
+                num_waiting_requests=len(waiting),
+                waiting_blocks=sum(j.pages for j in waiting) * BLOCKS_PER_PAGE,
+                waiting_for_memory=bool(waiting),
+            )
+        )
         self.backend = backend
         try:
             inst.start()

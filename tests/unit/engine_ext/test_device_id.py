@@ -42,12 +42,13 @@ def _no_device_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSIDECAR_DEVICE_ID", raising=False)
 
 
-def _instance(iid: str, blocks: BlockAllocator, url: str, tmp_path: Path,
-              **settings: object) -> ElasticInstance:
-    conf = load_engine_settings(instance_id=iid, sidecar_url=url, runtime_dir=tmp_path / "rt",
-                                heartbeat_s=0.2, **settings)
-    return ElasticInstance(conf, EngineBinding("vllm", "0.33.0", blocks,
-                                               (PrefixCache(blocks),)))
+def _instance(
+    iid: str, blocks: BlockAllocator, url: str, tmp_path: Path, **settings: object
+) -> ElasticInstance:
+    conf = load_engine_settings(
+        instance_id=iid, sidecar_url=url, runtime_dir=tmp_path / "rt", heartbeat_s=0.2, **settings
+    )
+    return ElasticInstance(conf, EngineBinding("vllm", "0.33.0", blocks, (PrefixCache(blocks),)))
 
 
 def _device_members(url: str, device: str) -> list[str]:
@@ -64,7 +65,8 @@ def _start_all(instances: list[ElasticInstance]) -> None:
 
 # ------------------------------------------------------------------------- host backend
 def test_host_engines_register_on_the_host_device_with_nothing_set(
-        tmp_path: Path, sidecar_url: str) -> None:
+    tmp_path: Path, sidecar_url: str
+) -> None:
     pools = []
     instances = []
     try:
@@ -73,8 +75,9 @@ def test_host_engines_register_on_the_host_device_with_nothing_set(
             backend = HostBackend.reserve(layout, name=f"devid-{iid}")
             pages = PageAllocator(backend, guard=ThreadGuard(f"pool-{iid}"))
             pools.append(backend)
-            instances.append(_instance(iid, BlockAllocator(pages, BLOCKS_PER_PAGE),
-                                       sidecar_url, tmp_path))
+            instances.append(
+                _instance(iid, BlockAllocator(pages, BLOCKS_PER_PAGE), sidecar_url, tmp_path)
+            )
         expected = f"host-{socket.gethostname()}"
         assert [i.device_id for i in instances] == [expected, expected]
         _start_all(instances)
@@ -86,9 +89,9 @@ def test_host_engines_register_on_the_host_device_with_nothing_set(
             backend.release()
 
 
-def test_the_setting_wins_over_the_derived_device(pool: Pool, tmp_path: Path,
-                                                  sidecar_url: str,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_setting_wins_over_the_derived_device(
+    pool: Pool, tmp_path: Path, sidecar_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KVSIDECAR_DEVICE_ID", "node1-gpu3")
     inst = _instance("set", pool.blocks, sidecar_url, tmp_path)
     try:
@@ -103,16 +106,18 @@ def test_the_setting_wins_over_the_derived_device(pool: Pool, tmp_path: Path,
 
 def test_the_adapters_device_wins_over_the_derived_one(pool: Pool, tmp_path: Path) -> None:
     conf = load_engine_settings(instance_id="adp", runtime_dir=tmp_path / "rt")
-    inst = ElasticInstance(conf, EngineBinding("vllm", "0.33.0", pool.blocks,
-                                               device_id="node2-gpu0"))
+    inst = ElasticInstance(
+        conf, EngineBinding("vllm", "0.33.0", pool.blocks, device_id="node2-gpu0")
+    )
     try:
         assert inst.device_id == "node2-gpu0"
     finally:
         inst.close()
 
 
-@pytest.mark.parametrize("hostname", ["gpu-node-7.cluster.local", "wéird host/name",
-                                      "", "x" * 300, "-leading", "a:b_c"])
+@pytest.mark.parametrize(
+    "hostname", ["gpu-node-7.cluster.local", "wéird host/name", "", "x" * 300, "-leading", "a:b_c"]
+)
 def test_any_hostname_gives_a_valid_device_id(hostname: str) -> None:
     device = host_device_id(hostname)
     assert re.match(DEVICE_ID_PATTERN, device), device
@@ -148,15 +153,17 @@ def test_cuda_uuid_as_nvidia_smi_prints_it(cuda_backends: list[CudaBackend]) -> 
 
 
 def test_cuda_engines_on_one_gpu_share_one_device_with_nothing_set(
-        cuda_backends: list[CudaBackend], tmp_path: Path, sidecar_url: str) -> None:
+    cuda_backends: list[CudaBackend], tmp_path: Path, sidecar_url: str
+) -> None:
     instances = []
     try:
         for iid in ("g1", "g2"):
             backend = CudaBackend.reserve(PageLayout(2 * MiB, 4, 2))
             cuda_backends.append(backend)
             pages = PageAllocator(backend, guard=ThreadGuard(f"pool-{iid}"))
-            instances.append(_instance(iid, BlockAllocator(pages, BLOCKS_PER_PAGE),
-                                       sidecar_url, tmp_path))
+            instances.append(
+                _instance(iid, BlockAllocator(pages, BLOCKS_PER_PAGE), sidecar_url, tmp_path)
+            )
         _start_all(instances)
         assert {i.device_id for i in instances} == {FAKE_UUID0}
         assert _device_members(sidecar_url, FAKE_UUID0) == ["g1", "g2"]

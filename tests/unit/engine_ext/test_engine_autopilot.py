@@ -26,9 +26,13 @@ BUDGET = 24 * BUNDLE  # three engines of 32 pages each share 24 pages
 
 @pytest.fixture
 def sidecar(tmp_path: Path) -> Iterator[ThreadedSidecar]:
-    settings = SidecarSettings(db_path=tmp_path / "s.db", push_backoff_initial_s=0.02,
-                               push_backoff_max_s=0.2, autopilot_interval_s=0.05,
-                               autopilot_busy_hold_s=0.3)
+    settings = SidecarSettings(
+        db_path=tmp_path / "s.db",
+        push_backoff_initial_s=0.02,
+        push_backoff_max_s=0.2,
+        autopilot_interval_s=0.05,
+        autopilot_busy_hold_s=0.3,
+    )
     with ThreadedSidecar(settings) as server:
         yield server
 
@@ -65,8 +69,9 @@ class _Watch:
                     self.top_share[m["id"]] = max(self.top_share.get(m["id"], 0.0), share)
 
 
-def test_load_moving_between_three_engines_stays_in_budget(sidecar: ThreadedSidecar,
-                                                           tmp_path: Path) -> None:
+def test_load_moving_between_three_engines_stays_in_budget(
+    sidecar: ThreadedSidecar, tmp_path: Path
+) -> None:
     engines = [ToyEngine(iid, sidecar.url, tmp_path / "rt", DEVICE) for iid in "abc"]
     c = httpx.Client(base_url=sidecar.url, timeout=30)
     try:

@@ -36,8 +36,13 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.unix_path)
 
 
-def call(path: str, method: str, url: str, body: bytes | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
+def call(
+    path: str,
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, Any], str]:
     conn = UnixHTTPConnection(path)
     try:
         conn.request(method, url, body=body, headers=headers or {})
@@ -118,7 +123,11 @@ def test_stale_and_conflict_are_409(served: tuple[str, LimitMailbox, ShrinkCoord
 )
 def test_bad_requests_are_4xx_and_change_nothing(
     served: tuple[str, LimitMailbox, ShrinkCoordinator],
-    method: str, url: str, body: bytes | None, code: int, needle: str,
+    method: str,
+    url: str,
+    body: bytes | None,
+    code: int,
+    needle: str,
 ) -> None:
     path, mailbox, _ = served
     before = (mailbox.desired, mailbox.latest_state)
@@ -187,9 +196,11 @@ def test_one_connection_serves_several_requests(
     path, mailbox, _ = served
     conn = UnixHTTPConnection(path)
     try:
-        for method, url, body, code in (("PUT", "/nope", b'{"limit": 1}', 404),
-                                        ("PUT", "/limit", b'{"limit": "1M"}', 200),
-                                        ("GET", "/state", None, 200)):
+        for method, url, body, code in (
+            ("PUT", "/nope", b'{"limit": 1}', 404),
+            ("PUT", "/limit", b'{"limit": "1M"}', 200),
+            ("GET", "/state", None, 200),
+        ):
             conn.request(method, url, body=body)
             resp = conn.getresponse()
             resp.read()

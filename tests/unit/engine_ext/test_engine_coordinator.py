@@ -345,7 +345,11 @@ def test_limit_zero_is_applied_against_the_engine_floor(pool: Pool) -> None:
     state = coord.step()
     assert pool.backend.mapped_bytes() == BUNDLE  # only the floor page is left
     assert (state.status, state.limit_bytes) == (Status.APPLIED, 0)
-    assert (state.floor_bytes, state.effective_limit_bytes, state.overage_bytes) == (BUNDLE, BUNDLE, 0)
+    assert (state.floor_bytes, state.effective_limit_bytes, state.overage_bytes) == (
+        BUNDLE,
+        BUNDLE,
+        0,
+    )
     assert pool.blocks.alloc(1) is None  # a limit of 0 still admits nothing new
     assert pinned is not None
 
@@ -356,7 +360,10 @@ def test_without_a_floor_a_pinned_page_keeps_limit_zero_deferred(pool: Pool) -> 
     mailbox.publish_next(0)
     state = coord.step()
     assert (state.status, state.reason, state.overage_bytes) == (
-        Status.DEFERRED, "running_requests", BUNDLE)
+        Status.DEFERRED,
+        "running_requests",
+        BUNDLE,
+    )
 
 
 class _Demand:
@@ -387,8 +394,13 @@ def test_demand_is_fresh_at_every_step_while_settled(pool: Pool) -> None:
     reports.clear()
     reads = probe.reads
 
-    probe.value = Demand(num_running_requests=2, num_waiting_requests=1, waiting_blocks=3,
-                         num_preemptions=1, prefix_hit_rate=0.5)
+    probe.value = Demand(
+        num_running_requests=2,
+        num_waiting_requests=1,
+        waiting_blocks=3,
+        num_preemptions=1,
+        prefix_hit_rate=0.5,
+    )
     state = coord.step()
     assert probe.reads == reads + 1  # read at every step, not only when a target waits
     assert (state.num_running_requests, state.num_waiting_requests) == (2, 1)

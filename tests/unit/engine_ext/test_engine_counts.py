@@ -108,7 +108,8 @@ def _traffic(pool: Pool, rng: random.Random, steps: int) -> list[Request]:
         if roll < 0.45:
             cached = list(pool.cache.by_key)
             hashes = rng.sample(cached, min(len(cached), rng.randint(0, 2))) + [
-                rng.randint(10**6, 10**9) for _ in range(rng.randint(1, 3))]
+                rng.randint(10**6, 10**9) for _ in range(rng.randint(1, 3))
+            ]
             req = pool.cache.start(hashes)
             if req is not None:
                 live.append(req)

@@ -84,8 +84,12 @@ _CHILD = textwrap.dedent(
 def test_signal_removes_socket_and_dir(tmp_path: Path, signum: int) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(tmp_path)], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [sys.executable, "-c", _CHILD, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     ) as child:
         try:
             assert child.stdout is not None
@@ -130,7 +134,10 @@ def test_a_failed_unmap_during_a_pass_is_logged_not_fatal(
     revision = inst.set_limit(BUNDLE).revision
     state = inst.step()  # no exception
     assert (state.status, state.reason, state.revision) == (
-        Status.DEFERRED, "backend_error", revision)  # the target is held, truthfully
+        Status.DEFERRED,
+        "backend_error",
+        revision,
+    )  # the target is held, truthfully
     monkeypatch.undo()
     assert pool.backend.unmap_many == real_unmap_many
     deadline = time.monotonic() + 5

@@ -16,8 +16,11 @@ def test_stale_and_conflict_change_nothing() -> None:
     box = LimitMailbox()
     assert box.publish(100, 5).status is Status.DEFERRED
     assert box.take() == Target(100, 5)
-    for limit, revision, status in ((50, 4, Status.STALE), (50, 5, Status.CONFLICT),
-                                    (None, 5, Status.CONFLICT)):
+    for limit, revision, status in (
+        (50, 4, Status.STALE),
+        (50, 5, Status.CONFLICT),
+        (None, 5, Status.CONFLICT),
+    ):
         result = box.publish(limit, revision)
         assert not result.accepted and result.status is status
         assert result.state.status is status and result.message
@@ -104,11 +107,18 @@ def test_bad_values_raise_and_change_nothing(limit: object, revision: object) ->
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(
-    st.tuples(st.just("publish"), st.one_of(st.none(), st.integers(0, 50)), st.integers(1, 12)),
-    st.tuples(st.just("next"), st.one_of(st.none(), st.integers(0, 50)), st.just(0)),
-    st.tuples(st.just("take"), st.none(), st.just(0)),
-), max_size=40))
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("publish"), st.one_of(st.none(), st.integers(0, 50)), st.integers(1, 12)
+            ),
+            st.tuples(st.just("next"), st.one_of(st.none(), st.integers(0, 50)), st.just(0)),
+            st.tuples(st.just("take"), st.none(), st.just(0)),
+        ),
+        max_size=40,
+    )
+)
 def test_revision_rules_hold_for_any_sequence(ops: list[tuple[str, int | None, int]]) -> None:
     box = LimitMailbox()
     accepted: dict[int, int | None] = {}  # revision -> limit, as accepted

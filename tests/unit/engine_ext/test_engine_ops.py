@@ -51,6 +51,7 @@ def _dead_dir(root: Path, name: str) -> Path:
 
 # --- 7. the sweep removes only what the project created ---------------------------------
 
+
 def test_sweep_removes_exactly_our_files(tmp_path: Path) -> None:
     ours = _dead_dir(tmp_path, "ours")
     _bind(ours / "control.sock")
@@ -58,10 +59,18 @@ def test_sweep_removes_exactly_our_files(tmp_path: Path) -> None:
     assert sweep_stale_runtime_dirs(tmp_path) == [ours] and not ours.exists()
 
 
-@pytest.mark.parametrize("foreign", [".owner-notes", ".owner.bak", ".ownerX", "other.sock",
-                                     "control.sock.txt", ".owner.12.tmp.keep"])
-def test_sweep_leaves_a_dead_owners_dir_with_anything_else(tmp_path: Path,
-                                                          foreign: str) -> None:
+@pytest.mark.parametrize(
+    "foreign",
+    [
+        ".owner-notes",
+        ".owner.bak",
+        ".ownerX",
+        "other.sock",
+        "control.sock.txt",
+        ".owner.12.tmp.keep",
+    ],
+)
+def test_sweep_leaves_a_dead_owners_dir_with_anything_else(tmp_path: Path, foreign: str) -> None:
     path = _dead_dir(tmp_path, "mixed")
     _bind(path / "control.sock")
     if foreign.endswith(".sock"):
@@ -111,6 +120,7 @@ def test_the_engine_token_is_stripped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # --- 1. the engine never takes a revision past the bound --------------------------------
 
+
 def test_the_mailbox_refuses_a_revision_past_the_largest() -> None:
     box = LimitMailbox(lambda: None)
     assert box.publish(1 << 20, MAX_REVISION).accepted
@@ -122,26 +132,37 @@ def test_the_mailbox_refuses_a_revision_past_the_largest() -> None:
 
 # --- 4/5. deregistration and one id per process, with the real client -------------------
 
+
 @pytest.fixture
 def sidecar(tmp_path: Path) -> Iterator[ThreadedSidecar]:
-    settings = SidecarSettings(db_path=tmp_path / "s.db", push_backoff_initial_s=0.02,
-                               push_backoff_max_s=0.2, token="tok")
+    settings = SidecarSettings(
+        db_path=tmp_path / "s.db", push_backoff_initial_s=0.02, push_backoff_max_s=0.2, token="tok"
+    )
     with ThreadedSidecar(settings) as server:
         yield server
 
 
 def _instance(pool: Pool, root: Path, url: str, token: str = "tok") -> ElasticInstance:
-    settings = load_engine_settings(instance_id="eng-d", sidecar_url=url, runtime_dir=root,
-                                    heartbeat_s=0.2, register_timeout_s=1, token=token)
-    return ElasticInstance(settings, EngineBinding("vllm", "0.33.0", pool.blocks, (pool.cache,),
-                                                   wake=threading.Event().set))
+    settings = load_engine_settings(
+        instance_id="eng-d",
+        sidecar_url=url,
+        runtime_dir=root,
+        heartbeat_s=0.2,
+        register_timeout_s=1,
+        token=token,
+    )
+    return ElasticInstance(
+        settings,
+        EngineBinding("vllm", "0.33.0", pool.blocks, (pool.cache,), wake=threading.Event().set),
+    )
 
 
 def test_a_clean_shutdown_deregisters_and_a_second_process_is_refused(
-        pool: Pool, tmp_path: Path, sidecar: ThreadedSidecar,
-        caplog: pytest.LogCaptureFixture) -> None:
-    with httpx.Client(base_url=sidecar.url, timeout=30,
-                      headers={"Authorization": "Bearer tok"}) as api:
+    pool: Pool, tmp_path: Path, sidecar: ThreadedSidecar, caplog: pytest.LogCaptureFixture
+) -> None:
+    with httpx.Client(
+        base_url=sidecar.url, timeout=30, headers={"Authorization": "Bearer tok"}
+    ) as api:
         assert api.put("/instances/eng-d/limit", json={"limit": "1G"}).status_code == 200
         first = _instance(pool, tmp_path / "rt1", sidecar.url)
         first.start()

@@ -19,12 +19,13 @@ from engine_ext import ElasticInstance, EngineBinding, load_engine_settings
 from engine_ext.protocol import Status
 
 
-def start_instance(pool: Pool, tmp_path: Path, url: str, woken: threading.Event
-                   ) -> ElasticInstance:
-    settings = load_engine_settings(instance_id="eng-r", sidecar_url=url,
-                                    runtime_dir=tmp_path / "rt", heartbeat_s=0.2)
-    inst = ElasticInstance(settings, EngineBinding("vllm", "0.33.0", pool.blocks, (pool.cache,),
-                                                   wake=woken.set))
+def start_instance(pool: Pool, tmp_path: Path, url: str, woken: threading.Event) -> ElasticInstance:
+    settings = load_engine_settings(
+        instance_id="eng-r", sidecar_url=url, runtime_dir=tmp_path / "rt", heartbeat_s=0.2
+    )
+    inst = ElasticInstance(
+        settings, EngineBinding("vllm", "0.33.0", pool.blocks, (pool.cache,), wake=woken.set)
+    )
     inst.start()
     return inst
 
@@ -56,9 +57,13 @@ def test_retained_limit_then_pushed_limit(pool: Pool, tmp_path: Path, sidecar_ur
         #    thread (this one) applies it on the pass after the wake.
         woken.clear()
         result: dict[str, Any] = {}
-        put = threading.Thread(target=lambda: result.update(
-            api.put("/instances/eng-r/limit", params={"wait": 20},
-                    json={"limit": BUNDLE}).json()))
+        put = threading.Thread(
+            target=lambda: result.update(
+                api.put(
+                    "/instances/eng-r/limit", params={"wait": 20}, json={"limit": BUNDLE}
+                ).json()
+            )
+        )
         put.start()
         assert woken.wait(20), "the push never reached the engine"
         assert pool.backend.mapped_bytes() == 2 * BUNDLE  # nothing happened off-thread

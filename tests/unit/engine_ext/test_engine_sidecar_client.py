@@ -52,8 +52,11 @@ class StandIn:
                         outer.changed.notify_all()
                 elif self.path == "/instances/eng-1/report":
                     outer.gate.wait(10)
-                    code, reply = (404, b'{"detail": "unknown"}') if outer.forget else (
-                        200, outer.retained.model_dump_json().encode())
+                    code, reply = (
+                        (404, b'{"detail": "unknown"}')
+                        if outer.forget
+                        else (200, outer.retained.model_dump_json().encode())
+                    )
                     with outer.changed:
                         if not outer.forget:
                             outer.reports.append(EngineState.model_validate_json(data))
@@ -69,8 +72,9 @@ class StandIn:
         self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever,
-                                       kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self.thread.start()
 
     def wait(self, what: str, count: int) -> list[Any]:
@@ -82,8 +86,11 @@ class StandIn:
         """Wait until a report carries this revision and mapped figure."""
         with self.changed:
             assert self.changed.wait_for(
-                lambda: any(r.revision == revision and r.mapped_bytes == mapped_bytes
-                            for r in self.reports), timeout=10)
+                lambda: any(
+                    r.revision == revision and r.mapped_bytes == mapped_bytes for r in self.reports
+                ),
+                timeout=10,
+            )
 
     def close(self) -> None:
         self.gate.set()
@@ -98,14 +105,16 @@ def standin() -> Iterator[StandIn]:
     s.close()
 
 
-def make_instance(pool: Pool, tmp_path: Path, url: str, wake: threading.Event | None = None,
-                  **settings: Any) -> ElasticInstance:
+def make_instance(
+    pool: Pool, tmp_path: Path, url: str, wake: threading.Event | None = None, **settings: Any
+) -> ElasticInstance:
     settings.setdefault("register_timeout_s", 5)
     config = load_engine_settings(
         instance_id="eng-1", sidecar_url=url, runtime_dir=tmp_path, **settings
     )
-    binding = EngineBinding("vllm", "0.33.0", pool.blocks, (pool.cache,),
-                            wake=None if wake is None else wake.set)
+    binding = EngineBinding(
+        "vllm", "0.33.0", pool.blocks, (pool.cache,), wake=None if wake is None else wake.set
+    )
     return ElasticInstance(config, binding)
 
 
@@ -153,9 +162,7 @@ def test_reports_latest_state_and_never_blocks_the_engine(
         inst.close()
 
 
-def test_heartbeats_and_reregisters_after_404(
-    pool: Pool, tmp_path: Path, standin: StandIn
-) -> None:
+def test_heartbeats_and_reregisters_after_404(pool: Pool, tmp_path: Path, standin: StandIn) -> None:
     woken = threading.Event()
     inst = make_instance(pool, tmp_path, standin.url, woken, heartbeat_s=0.05)
     try:
@@ -172,11 +179,20 @@ def test_heartbeats_and_reregisters_after_404(
         inst.close()
 
 
-@pytest.mark.parametrize("bad", [{"limit": -5, "revision": 4}, {"limit": 1 << 61, "revision": 4},
-                                 {"limit": BUNDLE, "revision": 1 << 64}],
-                         ids=["negative", "over-1EiB", "huge-revision"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"limit": -5, "revision": 4},
+        {"limit": 1 << 61, "revision": 4},
+        {"limit": BUNDLE, "revision": 1 << 64},
+    ],
+    ids=["negative", "over-1EiB", "huge-revision"],
+)
 def test_a_bad_reply_is_ignored_and_the_client_keeps_going(
-    pool: Pool, tmp_path: Path, standin: StandIn, bad: dict[str, int],
+    pool: Pool,
+    tmp_path: Path,
+    standin: StandIn,
+    bad: dict[str, int],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     standin.retained = RegisterReply.model_construct(**bad)  # what a buggy sidecar might send
@@ -200,8 +216,9 @@ def test_sidecar_down_at_start_registers_in_background(pool: Pool, tmp_path: Pat
     port = probe.getsockname()[1]
     probe.close()
     woken = threading.Event()
-    inst = make_instance(pool, tmp_path, f"http://127.0.0.1:{port}", woken,
-                         register_timeout_s=0.2, limit="512K")
+    inst = make_instance(
+        pool, tmp_path, f"http://127.0.0.1:{port}", woken, register_timeout_s=0.2, limit="512K"
+    )
     try:
         inst.start()  # gives up after 0.2 s; the engine starts with the configured limit
         assert inst.sidecar is not None and not inst.sidecar.registered

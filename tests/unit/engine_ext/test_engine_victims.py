@@ -18,8 +18,9 @@ def test_page_shared_with_running_request_is_never_chosen(pool: Pool) -> None:
     shared = pages_of(pool, cached.blocks)
     assert shared == pages_of(pool, running.blocks)
     full = pool.fill(2)
-    chosen = select_victim_pages(pool.cache.evictable_blocks(), pool.blocks, 10,
-                                 pool.cache.is_evictable)
+    chosen = select_victim_pages(
+        pool.cache.evictable_blocks(), pool.blocks, 10, pool.cache.is_evictable
+    )
     assert {p for p, _ in chosen} == pages_of(pool, [b for r in full for b in r.blocks])
     assert not shared & {p for p, _ in chosen}
     assert count_reclaimable_pages(pool.cache.evictable_blocks(), pool.blocks) == 2
@@ -38,8 +39,9 @@ def test_block_referenced_between_listing_and_choice_is_skipped(pool: Pool) -> N
 def test_at_most_max_pages(pool: Pool) -> None:
     pool.fill(6)
     for max_pages in (0, 1, 4, 6, 9):
-        chosen = select_victim_pages(pool.cache.evictable_blocks(), pool.blocks, max_pages,
-                                     pool.cache.is_evictable)
+        chosen = select_victim_pages(
+            pool.cache.evictable_blocks(), pool.blocks, max_pages, pool.cache.is_evictable
+        )
         assert len(chosen) == min(max_pages, 6)
         assert all(len(blocks) == BLOCKS_PER_PAGE for _, blocks in chosen)
 
@@ -48,8 +50,9 @@ def test_fewest_blocks_first(pool: Pool) -> None:
     full = pool.fill(2)
     lone = pool.run(1)  # a page of its own with one block: 4x the memory per evicted block
     pool.cache.finish(lone)
-    chosen = select_victim_pages(pool.cache.evictable_blocks(), pool.blocks, 1,
-                                 pool.cache.is_evictable)
+    chosen = select_victim_pages(
+        pool.cache.evictable_blocks(), pool.blocks, 1, pool.cache.is_evictable
+    )
     assert chosen == [(pool.blocks.page_of(lone.blocks[0]), lone.blocks)]
     assert full  # the full pages wait
 

@@ -43,9 +43,13 @@ _OWNER = textwrap.dedent(
 
 
 def _owner(root: Path, name: str, mode: str = "plain") -> subprocess.Popen[str]:
-    child = subprocess.Popen([sys.executable, "-c", _OWNER, str(root), name, mode],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    child = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(root), name, mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert child.stdout is not None and child.stdout.readline().strip() == "ready"
     return child
 
@@ -110,7 +114,8 @@ def test_sweep_removes_a_killed_owners_dir_and_keeps_a_live_ones(tmp_path: Path)
 
 
 def test_sigterm_with_the_default_handler_removes_the_dir_and_still_ends_the_process(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     child = _owner(tmp_path, "sig", "signals")
     try:
         child.send_signal(signal.SIGTERM)
@@ -132,8 +137,9 @@ def test_remove_now_takes_the_sockets_too(tmp_path: Path) -> None:
     rd.remove()
 
 
-def test_remove_keeps_a_dir_holding_anything_else(tmp_path: Path,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_remove_keeps_a_dir_holding_anything_else(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     rd = RuntimeDir(tmp_path / "inst").create()
     (rd.path / "notes.txt").write_text("someone else's")
     with caplog.at_level("WARNING", logger="engine_ext.runtime_dir"):
