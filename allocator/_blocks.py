@@ -78,6 +78,8 @@ class BlockAllocator:
         self._rtop = 0  # no retired bucket above this index is non-empty
         self._partial_free = 0
         self.changes = 0  # block events so far (see the class doc)
+        # the last alloc() returned None because the device refused a map (read right after)
+        self.refused_by_device = False
         self._ev: bytearray | None = None  # 1 per block marked evictable (when tracking)
         #: Whether the cache above reports evictable blocks (:meth:`track_evictable`).
         self.tracks_evictable = False
@@ -226,6 +228,7 @@ class BlockAllocator:
         acquires pages from the :class:`PageAllocator`.
         """
         self.guard.check()
+        self.refused_by_device = False
         if type(n) is not int or n < 0:
             raise AllocatorContractError(f"alloc(n) needs an int >= 0; got {n!r}")
         if n > self._partial_free and n > self.num_free_blocks:
@@ -243,7 +246,8 @@ class BlockAllocator:
             while need:
                 fresh = self.pages.acquire()
                 if fresh is None:
-                    if self.pages.device_full:  # the device had no memory: all or nothing
+                    if self.pages.refused_by_device:  # no device memory: all or nothing
+                        self.refused_by_device = True
                         self._free_checked(out)
                         return None
                     raise AllocatorContractError("PageAllocator refused a page within headroom")

@@ -103,6 +103,9 @@ class PageAllocator:
         self._retired: set[int] = set()  # RETIRED
         self._observer: PageObserver | None = None
         self._device_full_at: float | None = None  # monotonic time of the last device OOM
+        # whether the last acquire() returned None because the device refused the map (not
+        # time-based, unlike device_full: the caller of acquire reads it right after)
+        self.refused_by_device = False
         self._device_cap = num_pages  # pages mapped when the device was found full
         self._top_up()
 
@@ -209,8 +212,12 @@ class PageAllocator:
             _log.warning("could not refill the page reserve after set_target: %s", exc)
 
     def acquire(self) -> int | None:
-        """A mapped page for new blocks, mapping one if the target allows; else ``None``."""
+        """A mapped page for new blocks, mapping one if the target allows; else ``None``.
+
+        After a ``None``, :attr:`refused_by_device` says whether the device refused the map.
+        """
         self.guard.check()
+        self.refused_by_device = False
         if self._free:
             page = self._free.pop()
         elif not self._retired and self.num_mapped < self.cap_pages():
@@ -218,6 +225,7 @@ class PageAllocator:
             try:
                 self.backend.map(page)
             except DeviceOutOfMemory as exc:
+                self.refused_by_device = True
                 self._device_full_at = time.monotonic()
                 self._device_cap = self.num_mapped
                 _log.warning(

@@ -247,7 +247,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
             if over is not None:
                 self._promised.extend(int(b) for b in over.tolist())
                 return True
-        if self.blocks.pages.device_full:
+        if self.blocks.refused_by_device:
             self.num_device_refusals += 1
         self.num_decode_shortages += 1  # SGLang retracts: the device is full, not the limit
         return False
@@ -264,7 +264,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
             return True
         got = self.blocks.alloc(num_pages)
         if got is None:
-            if self.blocks.pages.device_full:
+            if self.blocks.refused_by_device:
                 self.num_device_refusals += 1
             return False
         self._promised.extend(got)
