@@ -35,13 +35,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from engine_ext.cpu_harness._server import ServerProcess, free_port
 from engine_ext.cpu_harness._tiny_model import TinyModelSpec, make_document, make_tiny_model_dir
 from engine_ext.cpu_harness._toy_cache import ToyPrefixCache
 from engine_ext.cpu_harness.sglang._launcher import SglangServer, launch_sglang_server
 from engine_ext.cpu_harness.vllm._launcher import (
     STUB_EXECUTOR,
     VllmServer,
-    free_port,
     launch_vllm_server,
 )
 
@@ -59,6 +59,7 @@ __all__ = [
     "CpuHarness",
     "HarnessConfig",
     "HarnessRequest",
+    "ServerProcess",
     "SglangServer",
     "StubExecutor",
     "TinyModelSpec",

@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
-import httpx
+from .._server import ServerProcess, free_port, start_server
 
-__all__ = ["STUB_EXECUTOR", "VllmServer", "free_port", "launch_vllm_server"]
+__all__ = ["STUB_EXECUTOR", "VllmServer", "launch_vllm_server"]
 
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 _ENTRY_POINT = "kvsidecar = engine_ext.vllm.plugin:register"
@@ -41,95 +36,11 @@ CPU_ENV = {
 }
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+class VllmServer(ServerProcess):
+    """A running ``vllm serve`` process group (API server + EngineCore child)."""
 
-
-class VllmServer:
-    """A running ``vllm serve`` process group. Owned by the thread that launched it."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
-        self.proc = proc
-        self.port = port
-        self.log_path = log_path
-        self.base_url = f"http://127.0.0.1:{port}"
-
-    def log_tail(self, num_chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-num_chars:]
-        except OSError:
-            return ""
-
-    def kv_memfd_bytes(self, name: str = "kvsidecar-stub-kv") -> int:
-        """KV memory committed right now, measured from /proc (the memfd's allocated blocks).
-
-        Independent of the engine's own report: looks for the stub worker's memfd
-        among the open files of the server's process tree.
-        """
-        import psutil  # type: ignore[import-untyped]
-
-        total = 0
-        for proc in [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(True)]:
-            fd_dir = Path(f"/proc/{proc.pid}/fd")
-            try:
-                entries = list(fd_dir.iterdir())
-            except OSError:
-                continue
-            for entry in entries:
-                try:
-                    if os.readlink(entry).startswith(f"/memfd:{name}"):
-                        total += os.stat(entry).st_blocks * 512
-                except OSError:
-                    continue
-        return total
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        """Poll ``/health`` until 200; raise with the log tail if the server died or timed out."""
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"vllm serve exited with {self.proc.returncode} before it was healthy; "
-                        f"log {self.log_path}:\n{self.log_tail()}"
-                    )
-                try:
-                    if client.get(self.base_url + "/health").status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.25)
-        self.stop()
-        raise TimeoutError(
-            f"vllm serve was not healthy within {timeout_s:.0f}s; log {self.log_path}:\n"
-            f"{self.log_tail()}"
-        )
-
-    def stop(self, timeout_s: float = 20.0) -> int:
-        """SIGTERM the process group, SIGKILL it after ``timeout_s``; return the exit code."""
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers (EngineCore child)
-        return int(self.proc.returncode)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+    engine_name = "vllm serve"
+    kv_memfd_name = "kvsidecar-stub-kv"
 
 
 def launch_vllm_server(
@@ -152,7 +63,6 @@ def launch_vllm_server(
     """
     port = port or free_port()
     log = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="kvs-vllm-")) / "serve.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
     child_env = {**os.environ, **CPU_ENV, **(env or {})}
     child_env["PYTHONPATH"] = _pythonpath(child_env.get("PYTHONPATH", ""), log.parent)
     args = [
@@ -182,17 +92,7 @@ def launch_vllm_server(
         "--disable-log-stats",
         *extra_args,
     ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            args, env=child_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    server = VllmServer(proc, port, log)
-    try:
-        server.wait_healthy(timeout_s)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return start_server(VllmServer, args, child_env, port, log, timeout_s)
 
 
 def _pythonpath(existing: str, scratch: Path) -> str:

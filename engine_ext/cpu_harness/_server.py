@@ -1,0 +1,180 @@
+"""One engine server process group on a loopback port: start, health, /proc, stop.
+
+Shared by the vLLM and SGLang launchers (``vllm/_launcher.py``,
+``sglang/_launcher.py``), which only build the command line and the
+environment. The server runs in its own process group (API server and the
+engine's children); :meth:`ServerProcess.stop` terminates the whole group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Self, TypeVar
+
+import httpx
+
+__all__ = ["ServerProcess", "free_port", "start_server"]
+
+_S = TypeVar("_S", bound="ServerProcess")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """A running engine server process group. Owned by the thread that launched it.
+
+    Subclasses name the engine (:attr:`engine_name`, for errors) and the KV
+    memfd their stub reserves (:attr:`kv_memfd_name`).
+    """
+
+    engine_name = "the engine server"
+    kv_memfd_name = ""
+    health_poll_s = 0.25
+    stop_timeout_s = 20.0
+
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.log_path = log_path
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_text()[-num_chars:]
+
+    def pids(self) -> list[int]:
+        """The server process and all its descendants alive now."""
+        import psutil  # type: ignore[import-untyped]
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root.pid, *(child.pid for child in root.children(recursive=True))]
+        except psutil.NoSuchProcess:
+            return []
+
+    def kv_memfd_bytes(self, name: str | None = None) -> int:
+        """KV memory committed right now, measured from /proc (the memfd's allocated blocks).
+
+        Independent of the engine's own report: finds the KV memfd (default
+        :attr:`kv_memfd_name`) among the open files of the server's process
+        tree, counting each memfd once however many descriptors it has.
+        """
+        prefix = f"/memfd:{name or self.kv_memfd_name}"
+        total = 0
+        seen: set[tuple[int, int]] = set()
+        for pid in self.pids():
+            try:
+                entries = list(Path(f"/proc/{pid}/fd").iterdir())
+            except OSError:
+                continue
+            for entry in entries:
+                try:
+                    if not os.readlink(entry).startswith(prefix):
+                        continue
+                    st = os.stat(entry)
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+        return total
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Poll ``/health`` until 200; raise with the log tail if the server died or timed out."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.engine_name} exited with {self.proc.returncode} before it was "
+                        f"healthy; log {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(self.base_url + "/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(self.health_poll_s)
+        self.stop()
+        raise TimeoutError(
+            f"{self.engine_name} was not healthy within {timeout_s:.0f}s; log "
+            f"{self.log_path}:\n{self.log_tail()}"
+        )
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the server process only (the engine forwards shutdown)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float | None = None) -> int:
+        """SIGTERM the process group, SIGKILL it after ``timeout_s``; return the exit code."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_timeout_s if timeout_s is None else timeout_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers (the engine's children)
+        return int(self.proc.returncode)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def start_server(
+    kind: type[_S],
+    args: Sequence[str],
+    env: Mapping[str, str],
+    port: int,
+    log: Path,
+    timeout_s: float,
+    *,
+    wait: bool = True,
+) -> _S:
+    """Start ``args`` in a new process group logging to ``log``; wait until healthy."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            list(args), env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = kind(proc, port, log)
+    if wait:
+        try:
+            server.wait_healthy(timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+    return server
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
