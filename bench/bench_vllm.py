@@ -226,8 +226,13 @@ def _run_scheduler(elastic: bool, model_dir: Path, num_requests: int) -> float:
         engine.add_request(*engine.preprocess_add_request(request))
     gc.collect()
     gc.disable()
-    while engine.scheduler.has_requests():
-        engine.step()
+    if _step_tracer is not None:
+        sys.settrace(_step_tracer)
+    try:
+        while engine.scheduler.has_requests():
+            engine.step()
+    finally:
+        sys.settrace(None)
     gc.enable()
     if elastic:
         _idle_safe_point.append(idle_safe_point_s())
@@ -238,6 +243,7 @@ def _run_scheduler(elastic: bool, model_dir: Path, num_requests: int) -> float:
 
 
 _idle_safe_point: list[float] = []
+_step_tracer: Any = None  # count_step_bytecodes' tracer while it runs
 
 
 # -- 3. bytecodes executed (load-independent) ------------------------------------------
@@ -277,6 +283,29 @@ def count_pool_bytecodes(elastic: bool, prompts: list[list[int]]) -> Counter[str
     return counts
 
 
+def count_step_bytecodes(elastic: bool, model_dir: Path, num_requests: int = 64) -> Counter[str]:
+    """Python bytecodes per function of the engine steps (schedule, model stub,
+    update_from_output) for ``num_requests`` requests (``sys.settrace``, load-independent)."""
+    global _step_tracer
+    counts: Counter[str] = Counter()
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes = True
+            frame.f_trace_lines = False
+        elif event == "opcode":
+            counts[frame.f_code.co_name] += 1
+        return tracer
+
+    run_scheduler(elastic, model_dir, num_requests)  # warm-up (imports, caches)
+    _step_tracer = tracer
+    try:
+        run_scheduler(elastic, model_dir, num_requests)
+    finally:
+        _step_tracer = None
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -287,7 +316,24 @@ def main() -> None:
         action="store_true",
         help="only count the bytecodes of one pool trace per side (300 requests)",
     )
+    parser.add_argument(
+        "--step-bytecodes",
+        action="store_true",
+        help="only count the bytecodes of the engine steps for 64 requests, per side",
+    )
     args = parser.parse_args()
+    if args.step_bytecodes:
+        from engine_ext.cpu_harness import make_tiny_model_dir
+
+        model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
+        native = count_step_bytecodes(False, model_dir)
+        elastic = count_step_bytecodes(True, model_dir)
+        n, e = sum(native.values()), sum(elastic.values())
+        print(f"engine step bytecodes  native {n}  elastic {e}  ratio elastic/native {e / n:.3f}")
+        extra = {k: elastic[k] - native.get(k, 0) for k in elastic}
+        for name, diff in sorted(extra.items(), key=lambda kv: -kv[1])[:15]:
+            print(f"  {diff:>9}  {name}")
+        return
     if args.bytecodes:
         prompts = _trace(300)
         native, elastic = count_pool_bytecodes(False, prompts), count_pool_bytecodes(True, prompts)

@@ -278,7 +278,7 @@ class ShrinkCoordinator:
         if probe is None:
             return False
         demand = probe()
-        if demand == self._demand:
+        if demand is self._demand or demand == self._demand:
             return False
         self._demand = demand
         return True

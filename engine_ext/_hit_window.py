@@ -33,6 +33,7 @@ class PrefixHitWindow:
         self._size = size
         self._hit = 0
         self._looked_up = 0
+        self.changes = 0  # admissions recorded so far: a cheap "did the rate move" key
 
     def record(self, hit_tokens: int, looked_up_tokens: int) -> None:
         """One admission: ``hit_tokens`` of its ``looked_up_tokens`` came from the cache."""
@@ -47,6 +48,7 @@ class PrefixHitWindow:
         self._entries.append((hit, looked_up))
         self._hit += hit
         self._looked_up += looked_up
+        self.changes += 1
 
     @property
     def rate(self) -> float | None:

@@ -69,6 +69,8 @@ class VllmRuntime:
         self._device_refused = False  # ... refused because the device (not the limit) is full
         self._num_preemptions = 0  # Scheduler._preempt_request calls (exact, patched)
         self._hits = PrefixHitWindow()  # prefix_hit_rate over the last admissions
+        self._demand_key: tuple[int, int, int, bool, int, int] | None = None  # last Demand's inputs
+        self._last_demand = Demand()
         self._fence: Any = None  # allocator.UnmapFence of a GPU reservation (None on CPU)
 
     # -- construction (EngineCore main thread) -------------------------------------
@@ -208,8 +210,10 @@ class VllmRuntime:
         pool = self.pool
         if pool is None or manager.block_pool is not pool:
             return original(manager, request, *args, **kwargs)
-        running = request.status == _running_status()
-        held = _holds_blocks(manager, request.request_id)
+        running = request.status == (_RUNNING or _running_status())
+        # a RUNNING request holds its blocks; only an admission may hold none yet (then a
+        # failed map must give back the prefix hits it touched)
+        held = running or _holds_blocks(manager, request.request_id)
         was_in_schedule = pool.in_schedule
         pool.overdraft = running
         pool.in_schedule = True  # frees inside allocate_slots (sliding window) evict later
@@ -268,20 +272,32 @@ class VllmRuntime:
         return total
 
     def _demand(self) -> Demand:
+        """The demand probe (every safe point): the same :class:`Demand` object while
+        nothing it reads moved, so the coordinator's comparison is an identity check."""
         sched = self._scheduler
+        hits = self._hits
         if sched is None:
-            return Demand(num_preemptions=self._num_preemptions, prefix_hit_rate=self._hits.rate)
-        waiting = len(sched.waiting) + len(getattr(sched, "kv_holding_waiting", ()))
-        refused = self._refused_blocks if waiting else 0
-        return Demand(
-            num_running_requests=len(sched.running),
+            running = waiting = refused = 0
+        else:
+            running = len(sched.running)
+            waiting = len(sched.waiting) + len(getattr(sched, "kv_holding_waiting", ()))
+            refused = self._refused_blocks if waiting else 0
+        device = self._device_refused
+        key = (running, waiting, refused, device, self._num_preemptions, hits.changes)
+        if key == self._demand_key:
+            return self._last_demand
+        self._demand_key = key
+        demand = Demand(
+            num_running_requests=running,
             num_waiting_requests=waiting,
             waiting_blocks=refused,
-            waiting_for_memory=refused > 0 and not self._device_refused,
-            device_out_of_memory=refused > 0 and self._device_refused,
+            waiting_for_memory=refused > 0 and not device,
+            device_out_of_memory=refused > 0 and device,
             num_preemptions=self._num_preemptions,
-            prefix_hit_rate=self._hits.rate,
+            prefix_hit_rate=hits.rate,
         )
+        self._last_demand = demand
+        return demand
 
     # -- PoolHooks (busy-loop thread) ------------------------------------------------
     def after_change(self) -> None:
