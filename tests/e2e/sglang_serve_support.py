@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from support.control import ControlSocket
 
 from engine_ext.cpu_harness import SglangServer, launch_sglang_server
 
@@ -16,9 +17,10 @@ MAX_TOTAL_TOKENS = 32768
 
 
 @dataclass
-class Engine:
+class Engine(ControlSocket):
     """One SGLang server and its kvsidecar control socket."""
 
+    state_timeout_s = 30.0  # SGLang's passes run between its (slower) scheduler iterations
     server: SglangServer
     runtime_dir: Path
     name: str
@@ -30,30 +32,6 @@ class Engine:
     @property
     def socket_path(self) -> Path:
         return self.instance_dir / "control.sock"
-
-    def control(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        transport = httpx.HTTPTransport(uds=str(self.socket_path))
-        with httpx.Client(transport=transport, base_url="http://engine", timeout=10) as client:
-            response = client.request(method, path, json=body)
-        assert response.status_code in (200, 409), response.text
-        return response.json()
-
-    def state(self) -> dict[str, Any]:
-        return self.control("GET", "/state")  # type: ignore[no-any-return]
-
-    def set_limit(self, limit: int | None) -> int:
-        """Publish ``limit``; returns the revision."""
-        return int(self.control("PUT", "/limit", {"limit": limit})["revision"])
-
-    def wait_state(self, revision: int, *, status: str, timeout_s: float = 30.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        state = self.state()
-        while time.monotonic() < deadline:
-            if state["revision"] >= revision and state["status"] == status:
-                return state
-            time.sleep(0.02)
-            state = self.state()
-        raise AssertionError(f"no {status!r} state for revision {revision}: {state}")
 
     def quiet_state(self) -> dict[str, Any]:
         """The state once the scheduler has settled (no pass for a while): a baseline."""

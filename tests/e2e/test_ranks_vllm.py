@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from support import wait_until
+from support.control import ControlSocket
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
@@ -38,19 +38,9 @@ DOC = make_document(600, seed=7)
 KEPT = [f"{DOC} question {i}" for i in range(4)]
 
 
-class Engine:
+class Engine(ControlSocket):
     def __init__(self, server: VllmServer, socket_path: Path, model: str, world: int) -> None:
         self.server, self.socket_path, self.model, self.world = server, socket_path, model, world
-
-    def state(self) -> dict[str, Any]:
-        transport = httpx.HTTPTransport(uds=str(self.socket_path))
-        with httpx.Client(transport=transport, base_url="http://engine", timeout=10) as client:
-            return client.get("/state").json()  # type: ignore[no-any-return]
-
-    def set_limit(self, limit: int | None) -> int:
-        transport = httpx.HTTPTransport(uds=str(self.socket_path))
-        with httpx.Client(transport=transport, base_url="http://engine", timeout=10) as client:
-            return int(client.put("/limit", json={"limit": limit}).json()["revision"])
 
     def complete(self, prompt: str, max_tokens: int = 24, timeout_s: float = 120) -> str:
         response = httpx.post(

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from support import wait_until
+from support.control import ControlSocket
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
@@ -42,34 +43,10 @@ QUESTIONS = ["first question", "second question", "third question", "fourth ques
 
 
 @dataclass
-class Engine:
+class Engine(ControlSocket):
     server: VllmServer
     socket_path: Path
     model: str
-
-    def control(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        transport = httpx.HTTPTransport(uds=str(self.socket_path))
-        with httpx.Client(transport=transport, base_url="http://engine", timeout=10) as client:
-            response = client.request(method, path, json=body)
-        assert response.status_code in (200, 409), response.text
-        return response.json()
-
-    def state(self) -> dict[str, Any]:
-        return self.control("GET", "/state")  # type: ignore[no-any-return]
-
-    def set_limit(self, limit: int | None) -> int:
-        """Publish ``limit``; returns the revision."""
-        return int(self.control("PUT", "/limit", {"limit": limit})["revision"])
-
-    def wait_state(self, revision: int, *, status: str, timeout_s: float = 15.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        state = self.state()
-        while time.monotonic() < deadline:
-            if state["revision"] >= revision and state["status"] == status:
-                return state
-            time.sleep(0.02)
-            state = self.state()
-        raise AssertionError(f"no {status!r} state for revision {revision}: {state}")
 
     def complete(self, prompt: str, max_tokens: int = 16, timeout_s: float = 120) -> Any:
         response = httpx.post(

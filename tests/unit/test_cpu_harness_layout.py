@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.imports import REPO, loaded_after
 
-REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "engine_ext" / "cpu_harness"
 DEMO = REPO / "sidecar" / "demo"
 
@@ -80,21 +78,11 @@ def test_harness_and_demo_use_only_public_names_of_other_packages(root: Path) ->
 
 
 def test_importing_the_harness_loads_no_engine() -> None:
-    code = (
-        "import sys, engine_ext.cpu_harness as h; h.make_tiny_model_dir; h.launch_vllm_server; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('vllm', 'sglang', 'torch')))"
+    loaded = loaded_after(
+        "engine_ext.cpu_harness",
+        then="h = sys.modules['engine_ext.cpu_harness']; h.make_tiny_model_dir; h.launch_vllm_server",
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
+    assert [m for m in loaded if m.split(".")[0] in ("vllm", "sglang", "torch")] == []
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:

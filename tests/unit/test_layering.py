@@ -4,16 +4,14 @@ may import"). Each check runs in a fresh interpreter, so ``sys.modules`` is clea
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.imports import REPO, loaded_after
 
-REPO = Path(__file__).resolve().parents[2]
 _OURS = ("allocator", "engine_ext", "sidecar")
 #: Third-party distributions the contract may use besides the standard library.
 _CONTRACT_DEPS = {
@@ -25,34 +23,13 @@ _CONTRACT_DEPS = {
 }
 
 
-def _loaded_after(*modules: str) -> list[str]:
-    """Module names in ``sys.modules`` of a fresh interpreter after importing ``modules``."""
-    code = (
-        "import json, sys\n"
-        f"for name in {list(modules)!r}:\n"
-        "    __import__(name)\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    loaded: list[str] = json.loads(proc.stdout.splitlines()[-1])
-    return loaded
-
-
 def _ours(loaded: list[str]) -> list[str]:
     return [m for m in loaded if m.split(".")[0] in _OURS]
 
 
 @pytest.mark.parametrize("entry", ["sidecar", "sidecar.cli", "sidecar.kvctl"])
 def test_the_sidecar_loads_the_contract_and_no_engine_core(entry: str) -> None:
-    loaded = _loaded_after(entry)
+    loaded = loaded_after(entry)
     engine_side = [m for m in _ours(loaded) if not m.startswith("sidecar")]
     stray = [
         m for m in engine_side if m != "engine_ext" and not m.startswith("engine_ext.protocol")
@@ -63,8 +40,8 @@ def test_the_sidecar_loads_the_contract_and_no_engine_core(entry: str) -> None:
 
 
 def test_the_contract_loads_pydantic_and_the_standard_library_only() -> None:
-    baseline = set(_loaded_after())
-    loaded = _loaded_after("engine_ext.protocol")
+    baseline = set(loaded_after())
+    loaded = loaded_after("engine_ext.protocol")
     new_tops = {
         m.split(".")[0] for m in loaded if m not in baseline and not m.startswith("_sysconfigdata")
     }  # stdlib data

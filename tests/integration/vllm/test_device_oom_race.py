@@ -21,30 +21,22 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
-import torch
 from test_gpu_kv import (
     BLOCK_TOKENS,
-    HOST_GRANULARITY,
     LAYERS,
-    _SmallDevice,
-    host_reserve,
+    elastic_manager,
     planned,
     reservations,
+    small_device_views,
 )
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core import kv_cache_coordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import Request, RequestStatus
 
-from allocator import HostBackend, PageLayout
-from engine_ext import EngineSettings
-from engine_ext.vllm import _patches, _runtime
-from engine_ext.vllm._block_pool import ElasticBlockPool
-from engine_ext.vllm._gpu_kv import allocate_on_reservation, kv_geometry
-from engine_ext.vllm._settings import VllmSettings
+from allocator import HostBackend
+from engine_ext.vllm import _patches
 
 pytestmark = pytest.mark.vllm
 __all__ = ["reservations"]
@@ -54,46 +46,12 @@ def test_device_filling_under_the_allocation_is_a_refusal_never_an_error(
     reservations: list[HostBackend], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     config = planned(64)  # 16 pages of 4 blocks
-    layout = KVCacheLayout.LBNHC
-    devices: list[_SmallDevice] = []
-
-    def reserve(page_layout: PageLayout, device: torch.device) -> _SmallDevice:
-        small = _SmallDevice(host_reserve(reservations)(page_layout, device), total_pages=16)
-        devices.append(small)
-        return small
-
-    plan = kv_geometry(config, layout, HOST_GRANULARITY)
-    views = allocate_on_reservation(
-        config,
-        torch.device("cpu"),
-        layout,
-        None,
-        plan=plan,
-        granularity=HOST_GRANULARITY,
-        reserve=reserve,  # type: ignore[arg-type]
-        synchronize=lambda: None,
-        warmup_blocks=4,
-    )
-    (device,) = devices
-    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
+    views, device = small_device_views(config, reservations, total_pages=16)
     original = KVCacheManager.allocate_slots
     monkeypatch.setattr(
         KVCacheManager, "allocate_slots", _patches._allocate_slots(original, None)
     )  # the plugin's wrapper
-    monkeypatch.setattr(_runtime, "_configured", None)
-    monkeypatch.setattr(_runtime, "_runtime", None)
-    _runtime.configure(
-        EngineSettings(enable=True, thread_guard=True, runtime_dir=tmp_path),
-        VllmSettings(enable=True),
-    )
-    manager = KVCacheManager(
-        config,
-        max_model_len=1024,
-        scheduler_block_size=BLOCK_TOKENS,
-        hash_block_size=BLOCK_TOKENS,
-        enable_caching=True,
-    )
-    runtime = _runtime.current_runtime()
+    manager, runtime = elastic_manager(config, monkeypatch, tmp_path)
     assert runtime is not None and runtime.pool is not None
     pool = runtime.pool
     blocks = pool._blocks

@@ -391,30 +391,11 @@ def test_pool_maps_before_handing_out_and_unmaps_after_sync(
     for name in LAYERS:
         views[name].fill_(1)  # the warm-up writes made-up requests' KV into any block
 
-    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
-    monkeypatch.setattr(_runtime, "_configured", None)
-    monkeypatch.setattr(_runtime, "_runtime", None)
-    _runtime.configure(
-        EngineSettings(enable=True, thread_guard=True, runtime_dir=tmp_path),
-        VllmSettings(enable=True),
-    )
-    manager = KVCacheManager(
-        config,
-        max_model_len=1024,
-        scheduler_block_size=BLOCK_TOKENS,
-        hash_block_size=BLOCK_TOKENS,
-        enable_caching=True,
-    )
-    assert isinstance(manager.block_pool, ElasticBlockPool)
-    runtime = _runtime.current_runtime()
-    assert runtime is not None and runtime.instance is not None
+    manager, runtime = elastic_manager(config, monkeypatch, tmp_path)
     assert backend.mapped_pages() == [0]  # the pool kept page 0 (null block), dropped the rest
     assert syncs == [1]  # after a device synchronize
 
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
-    prompt = [(i * 31) % 3000 + 10 for i in range(10 * BLOCK_TOKENS)]
-    request = Request("r", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    request = request_maker()("r", 0, 10)
     blocks = manager.allocate_slots(request, request.num_tokens)
     assert blocks is not None
     block_ids = blocks.get_block_ids()[0]
@@ -635,32 +616,44 @@ class _SmallDevice:
         self.map_many([page])
 
 
-def test_a_full_device_reuses_cached_blocks_and_never_crashes_the_scheduler(
-    reservations: list[HostBackend], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    config = planned(64)  # 16 pages of 4 blocks: virtual capacity 4x the device below
-    layout = KVCacheLayout.LBNHC
+def small_device_views(
+    config: KVCacheConfig, made: list[HostBackend], total_pages: int
+) -> tuple[dict[str, torch.Tensor], _SmallDevice]:
+    """KV views over a host reservation whose device holds ``total_pages`` pages at most.
+
+    vLLM's warm-up maps 4 blocks; the device is the ``_SmallDevice`` the pool will
+    map through (its ``total_pages`` may be changed later: another engine).
+    """
     devices: list[_SmallDevice] = []
 
     def reserve(page_layout: PageLayout, device: torch.device) -> _SmallDevice:
-        small = _SmallDevice(host_reserve(reservations)(page_layout, device), total_pages=4)
-        devices.append(small)
-        return small
+        devices.append(_SmallDevice(host_reserve(made)(page_layout, device), total_pages))
+        return devices[-1]
 
-    plan = kv_geometry(config, layout, HOST_GRANULARITY)
+    layout = KVCacheLayout.LBNHC
     views = allocate_on_reservation(
         config,
         torch.device("cpu"),
         layout,
         None,
-        plan=plan,
+        plan=kv_geometry(config, layout, HOST_GRANULARITY),
         granularity=HOST_GRANULARITY,
         reserve=reserve,  # type: ignore[arg-type]
         synchronize=lambda: None,
         warmup_blocks=4,
     )
     (device,) = devices
-    backend = reservations[0]
+    return views, device
+
+
+def elastic_manager(
+    config: KVCacheConfig, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> tuple[KVCacheManager, _runtime.VllmRuntime]:
+    """vLLM's real ``KVCacheManager`` over an ``ElasticBlockPool``, configured as the plugin does.
+
+    The thread guard is on; the caller closes the runtime. Patch
+    ``KVCacheManager.allocate_slots`` before calling this to test the plugin's wrapper.
+    """
     monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
     monkeypatch.setattr(_runtime, "_configured", None)
     monkeypatch.setattr(_runtime, "_runtime", None)
@@ -675,14 +668,32 @@ def test_a_full_device_reuses_cached_blocks_and_never_crashes_the_scheduler(
         hash_block_size=BLOCK_TOKENS,
         enable_caching=True,
     )
+    assert isinstance(manager.block_pool, ElasticBlockPool)
     runtime = _runtime.current_runtime()
-    assert runtime is not None
+    assert runtime is not None and runtime.instance is not None
+    return manager, runtime
+
+
+def request_maker(seed_stride: int = 977) -> Callable[[str, int, int], Request]:
+    """``make(name, seed, blocks)``: a request of ``blocks`` full blocks, hashed for caching."""
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
 
-    def request(name: str, seed: int, blocks: int) -> Request:
-        prompt = [(i * 31 + seed * 977) % 3000 + 10 for i in range(blocks * BLOCK_TOKENS)]
+    def make(name: str, seed: int, blocks: int) -> Request:
+        prompt = [(i * 31 + seed * seed_stride) % 3000 + 10 for i in range(blocks * BLOCK_TOKENS)]
         return Request(name, prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+
+    return make
+
+
+def test_a_full_device_reuses_cached_blocks_and_never_crashes_the_scheduler(
+    reservations: list[HostBackend], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = planned(64)  # 16 pages of 4 blocks: virtual capacity 4x the device below
+    views, device = small_device_views(config, reservations, total_pages=4)
+    backend = reservations[0]
+    manager, runtime = elastic_manager(config, monkeypatch, tmp_path)
+    request = request_maker()
 
     first = request("a", 1, 10)  # null + 10 blocks: pages 0..2
     got = manager.allocate_slots(first, first.num_tokens)

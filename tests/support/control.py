@@ -1,0 +1,58 @@
+"""One client for an engine's unix control socket (``<runtime dir>/<id>/control.sock``).
+
+The e2e tests that run a real engine (``vllm serve``, SGLang's server, the
+multi-rank vLLM) steer it through this socket the way the sidecar does:
+``GET /state``, ``PUT /limit``. One copy here, used by every such test.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["ControlSocket"]
+
+
+class ControlSocket:
+    """Requests to the control socket at ``self.socket_path``; a fresh connection per request.
+
+    A mixin: the test's engine class provides ``socket_path`` (a field or a
+    property). A new ``httpx.Client`` per call keeps no connection open between
+    calls (an engine restarted under the same path is reached again), and the
+    ``with`` closes it also when the request fails.
+    """
+
+    socket_path: Path
+    #: How long :meth:`wait_state` waits by default.
+    state_timeout_s: float = 15.0
+
+    def control(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """The JSON answer; a 200 or a 409 (a stale revision) is expected, anything else fails."""
+        transport = httpx.HTTPTransport(uds=str(self.socket_path))
+        with httpx.Client(transport=transport, base_url="http://engine", timeout=10) as client:
+            response = client.request(method, path, json=body)
+        assert response.status_code in (200, 409), response.text
+        return response.json()
+
+    def state(self) -> dict[str, Any]:
+        return self.control("GET", "/state")  # type: ignore[no-any-return]
+
+    def set_limit(self, limit: int | None) -> int:
+        """Publish ``limit`` (bytes, or ``None`` for unlimited); returns the revision."""
+        return int(self.control("PUT", "/limit", {"limit": limit})["revision"])
+
+    def wait_state(
+        self, revision: int, *, status: str, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """The first state at ``revision`` or later with ``status``; fails after the timeout."""
+        deadline = time.monotonic() + (self.state_timeout_s if timeout_s is None else timeout_s)
+        state = self.state()
+        while time.monotonic() < deadline:
+            if state["revision"] >= revision and state["status"] == status:
+                return state
+            time.sleep(0.02)
+            state = self.state()
+        raise AssertionError(f"no {status!r} state for revision {revision}: {state}")
