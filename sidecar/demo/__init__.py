@@ -1,9 +1,11 @@
 """``kvsidecar demo``: the CPU colocation demo (the README's main job).
 
-Starts the sidecar and vLLM CPU-harness engines as separate processes, runs
-the two scenarios of :mod:`sidecar.demo._scenarios`, prints the limit table,
-writes ``demo-results.json`` and ``demo-mapped.png`` and exits non-zero if
-any check failed. Embedded defaults only: SQLite in a temporary directory,
+Starts the sidecar and vLLM and SGLang CPU-harness engines as separate
+processes (in parallel: an SGLang server takes minutes to start on a loaded
+machine), runs the two scenarios of :mod:`sidecar.demo._scenarios` (or, with
+``--autopilot``, the one of :mod:`sidecar.demo._autopilot`), prints the limit
+tables, writes ``demo-results.json`` and ``demo-mapped.png`` and exits
+non-zero if any check failed. Embedded defaults only: SQLite in a temporary directory,
 host memory, loopback, no GPU, no network.
 """
 
@@ -15,30 +17,39 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-__all__ = ["missing_dependencies", "run_demo"]
+if TYPE_CHECKING:
+    from ._cluster import Cluster, EngineKind, EngineSpec
+    from ._sampler import Sampler
 
+__all__ = ["ENGINES", "missing_dependencies", "run_demo"]
+
+#: the engine kinds of the default run, side by side under one sidecar
+ENGINES: tuple[EngineKind, ...] = ("vllm", "sglang")
 # what the demo imports beyond kvsidecar's own dependencies, and where it comes from
-_DEMO_MODULES = (("vllm", "vLLM 0.33"), ("torch", "PyTorch"))
+_DEMO_MODULES = (("vllm", "vLLM 0.33"), ("sglang", "SGLang 0.5.23"), ("torch", "PyTorch"))
 _INSTALL_HINT = (
     "from a checkout, 'bash scripts/dev.sh demo' builds an environment with the "
-    "CPU builds of both and runs the demo; or install them: "
-    "pip install 'kvsidecar[vllm]'"
+    "CPU builds of all three and runs the demo; or install them: "
+    "pip install 'kvsidecar[vllm,sglang]'"
 )
 
 
 def _parse(argv: tuple[str, ...]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="kvsidecar demo",
-        description="The CPU colocation demo: a sidecar and two vLLM CPU-harness engines on "
-        "loopback share one KV budget; prints the limit table, writes "
+        description="The CPU colocation demo: a sidecar and vLLM and SGLang CPU-harness "
+        "engines on loopback; prints the limit table of each engine (with and without "
+        "reclamation), runs a vLLM and an SGLang engine on one KV budget, writes "
         "demo-results.json and demo-mapped.png, exits 1 if a check failed. "
-        "Needs vLLM and torch (bash scripts/dev.sh demo installs them).",
+        "Needs vLLM, SGLang and torch (bash scripts/dev.sh demo installs them).",
     )
     parser.add_argument(
         "--out",
@@ -57,9 +68,9 @@ def _parse(argv: tuple[str, ...]) -> argparse.Namespace:
     parser.add_argument(
         "--autopilot",
         action="store_true",
-        help="run the autopilot scenario instead: three engines on one "
-        "budgeted host device, load moving A->B->C, against a static "
-        "equal split (heavier: three vLLM engines)",
+        help="run the autopilot scenario instead: three engines (vLLM, SGLang, vLLM) "
+        "on one budgeted host device, load moving A->B->C, against a static "
+        "equal split",
     )
     return parser.parse_args(list(argv))
 
@@ -92,48 +103,39 @@ def missing_dependencies() -> list[str]:
     return missing
 
 
+#: the body of a demo run: starts its engines on the cluster, fills ``results``, returns checks
+_Body = Callable[["Cluster", "Sampler", dict[str, Any], float], list[dict[str, Any]]]
+
+
 def _run(args: argparse.Namespace, console: Console) -> bool:
+    if args.autopilot:
+        return _session(args, console, "autopilot", _autopilot_body(args, console))
+    return _session(args, console, "colocation", _colocation_body(args, console))
+
+
+def _session(args: argparse.Namespace, console: Console, scenario: str, body: _Body) -> bool:
+    """What every demo run shares: output and work directories, the sidecar, the sampler,
+    the last-resort error record, ``demo-results.json`` and the plot, and teardown."""
     from engine_ext.cpu_harness import make_tiny_model_dir
 
-    from ._cluster import Cluster, EngineSpec
-    from ._report import print_checks, print_limit_table, write_json, write_plot
+    from ._cluster import Cluster
+    from ._report import print_checks, write_json, write_plot
     from ._sampler import Sampler
-    from ._scenarios import DemoConfig, elastic_colocation, limit_table
 
-    if args.autopilot:
-        return _run_autopilot(args, console)
-    cfg = DemoConfig(idle_s=args.idle_s, quick=args.quick)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-demo-"))
     t0 = time.monotonic()
-    results: dict[str, Any] = {"config": vars(cfg), "workdir": str(workdir)}
+    results: dict[str, Any] = {"scenario": scenario, "workdir": str(workdir)}
     cluster = Cluster(workdir, make_tiny_model_dir(workdir / "model"))
     sampler = Sampler(cluster.sidecar_url, t0)
     ok = False
     try:
-        with console.status("starting the sidecar and two vLLM engines (CPU harness)…"):
-            cluster.start_sidecar()
-            sampler.start()
-            cluster.start_engines(
-                [
-                    EngineSpec("without-reclaim", False, 64 << 20),
-                    EngineSpec("with-reclaim", True, 64 << 20),
-                ]
-            )
-        console.print(f"engines up in {time.monotonic() - t0:.0f}s; sidecar {cluster.sidecar_url}")
-        with console.status("scenario 1: fill, lower the limit, idle, traffic…"):
-            results["limit_table"] = limit_table(
-                cluster, sampler, "without-reclaim", "with-reclaim", cfg, t0
-            )
-        print_limit_table(console, results["limit_table"])
-        with console.status("scenario 2: elastic colocation on one budget…"):
-            cluster.stop_engine("without-reclaim")
-            cluster.start_engines([EngineSpec("engine-b", True, 64 << 20)])
-            results["elastic"] = elastic_colocation(cluster, "with-reclaim", "engine-b", cfg)
-        checks = results["limit_table"]["checks"] + results["elastic"]["checks"]
+        cluster.start_sidecar()
+        sampler.start()
+        checks = body(cluster, sampler, results, t0)
         print_checks(console, checks)
-        ok = all(c["ok"] for c in checks)
+        ok = bool(checks) and all(c["ok"] for c in checks)
     except Exception as exc:  # noqa: BLE001 -- last resort: record why, fail the demo, keep logs
         results["error"] = f"{type(exc).__name__}: {exc}"
         console.print(f"[red]demo failed:[/red] {results['error']}\nlogs in {workdir}")
@@ -155,34 +157,85 @@ def _run(args: argparse.Namespace, console: Console) -> bool:
     return ok
 
 
-def _run_autopilot(args: argparse.Namespace, console: Console) -> bool:
-    """``--autopilot``: three engines share one budgeted device (docs/autopilot.md)."""
-    from engine_ext.cpu_harness import make_tiny_model_dir
+def _start(console: Console, cluster: Cluster, specs: list[EngineSpec], t0: float) -> None:
+    kinds = ", ".join(f"{s.instance_id} ({s.engine})" for s in specs)
+    with console.status(f"starting {kinds} in parallel (CPU harness; SGLang takes minutes)…"):
+        cluster.start_engines(specs)
+    console.print(f"engines up in {time.monotonic() - t0:.0f}s; sidecar {cluster.sidecar_url}")
 
+
+def _colocation_body(args: argparse.Namespace, console: Console) -> _Body:
+    """The default run: the limit table per engine, then vLLM and SGLang on one budget."""
+    from ._cluster import EngineSpec
+    from ._report import print_limit_table
+    from ._scenarios import DemoConfig, elastic_colocation, limit_table
+
+    cfg = DemoConfig(idle_s=args.idle_s, quick=args.quick)
+
+    def body(
+        cluster: Cluster, sampler: Sampler, results: dict[str, Any], t0: float
+    ) -> list[dict[str, Any]]:
+        results["config"] = vars(cfg)
+        _start(
+            console,
+            cluster,
+            [
+                EngineSpec(f"{engine}-{kind}-reclaim", kind == "with", 64 << 20, engine=engine)
+                for engine in ENGINES
+                for kind in ("without", "with")
+            ],
+            t0,
+        )
+        with (
+            console.status("scenario 1: fill, lower the limit, idle, traffic (both engines)…"),
+            ThreadPoolExecutor(max_workers=len(ENGINES)) as pool,
+        ):
+            futures = {
+                e: pool.submit(
+                    limit_table,
+                    cluster,
+                    sampler,
+                    f"{e}-without-reclaim",
+                    f"{e}-with-reclaim",
+                    cfg,
+                    t0,
+                )
+                for e in ENGINES
+            }
+            tables: dict[str, dict[str, Any]] = {e: f.result() for e, f in futures.items()}
+        results["limit_table"] = tables
+        print_limit_table(console, tables)
+        with console.status("scenario 2: vLLM and SGLang elastic on one budget…"):
+            cluster.stop_engines([f"{e}-without-reclaim" for e in ENGINES])
+            elastic = elastic_colocation(cluster, "vllm-with-reclaim", "sglang-with-reclaim", cfg)
+        results["elastic"] = elastic
+        checks: list[dict[str, Any]] = [c for t in tables.values() for c in t["checks"]]
+        checks += elastic["checks"]
+        return checks
+
+    return body
+
+
+def _autopilot_body(args: argparse.Namespace, console: Console) -> _Body:
+    """``--autopilot``: vLLM, SGLang and vLLM engines share one budgeted device
+    (docs/autopilot.md)."""
     from ._autopilot import DEVICE, autopilot_vs_static
-    from ._cluster import Cluster, EngineSpec
-    from ._report import print_checks, write_json, write_plot
-    from ._sampler import Sampler
+    from ._cluster import EngineSpec
 
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-demo-"))
-    t0 = time.monotonic()
-    ids = ["engine-a", "engine-b", "engine-c"]
-    budget = 6 << 20
-    results: dict[str, Any] = {"workdir": str(workdir), "scenario": "autopilot"}
-    cluster = Cluster(workdir, make_tiny_model_dir(workdir / "model"))
-    sampler = Sampler(cluster.sidecar_url, t0)
-    ok = False
-    try:
-        with console.status("starting the sidecar and three vLLM engines (CPU harness)…"):
-            cluster.start_sidecar()
-            sampler.start()
-            cluster.start_engines([EngineSpec(i, True, 64 << 20, DEVICE) for i in ids])
-        console.print(f"engines up in {time.monotonic() - t0:.0f}s; sidecar {cluster.sidecar_url}")
+    engines: dict[str, EngineKind] = {"engine-a": "vllm", "engine-b": "sglang", "engine-c": "vllm"}
+
+    def body(
+        cluster: Cluster, sampler: Sampler, results: dict[str, Any], t0: float
+    ) -> list[dict[str, Any]]:
+        _start(
+            console,
+            cluster,
+            [EngineSpec(i, True, 64 << 20, DEVICE, engine=e) for i, e in engines.items()],
+            t0,
+        )
         with console.status("load A->B->C: static equal split, then the autopilot…"):
             results["autopilot"] = autopilot_vs_static(
-                cluster, ids, budget, per_engine=12 if args.quick else 24, words=1200
+                cluster, list(engines), 6 << 20, per_engine=12 if args.quick else 24, words=1200
             )
         a = results["autopilot"]
         console.print(
@@ -191,25 +244,7 @@ def _run_autopilot(args: argparse.Namespace, console: Console) -> bool:
             f"{a['static_split']['p99_latency_s']}s, autopilot "
             f"{a['autopilot']['p99_latency_s']}s"
         )
-        checks = a["checks"]
-        print_checks(console, checks)
-        ok = all(c["ok"] for c in checks)
-    except Exception as exc:  # noqa: BLE001 -- last resort: record why, fail the demo, keep logs
-        results["error"] = f"{type(exc).__name__}: {exc}"
-        console.print(f"[red]demo failed:[/red] {results['error']}\nlogs in {workdir}")
-        args.keep_workdir = True
-    finally:
-        sampler.stop()
-        cluster.close()
-        results["ok"] = ok
-        results["elapsed_s"] = round(time.monotonic() - t0, 1)
-        results["samples"] = [asdict(s) for s in sampler.samples]
-        write_json(out / "demo-results.json", results)
-        plotted = write_plot(out / "demo-mapped.png", sampler.samples)
-        console.print(
-            f"results: {out / 'demo-results.json'}"
-            + (f"; plot: {out / 'demo-mapped.png'}" if plotted else "")
-        )
-        if not args.keep_workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return ok
+        checks: list[dict[str, Any]] = a["checks"]
+        return checks
+
+    return body

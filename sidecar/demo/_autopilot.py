@@ -1,6 +1,6 @@
 """The autopilot scenario (``kvsidecar demo --autopilot``): three engines, one budgeted device.
 
-Three vLLM CPU-harness engines register on one host device. The same load,
+Three CPU-harness engines (vLLM, SGLang, vLLM) register on one host device. The same load,
 moving from A to B to C (each engine's burst starts while the last quarter
 of the previous one still runs), is run twice: once under a static equal
 split of the budget (three operator limits of budget/3), once under the
@@ -51,9 +51,8 @@ class _Watch:
         """The engine's KV memfd blocks from /proc (fd paths found once, then one stat)."""
         paths = self._fds.get(instance_id)
         if not paths:
-            paths = self._fds[instance_id] = _memfd_paths(
-                self.cluster.engines[instance_id].proc.pid
-            )
+            server = self.cluster.engines[instance_id]
+            paths = self._fds[instance_id] = _memfd_paths(server.proc.pid, server.kv_memfd_name)
         total = 0
         for path in paths:
             try:
@@ -93,11 +92,13 @@ class _Watch:
         return None
 
 
-def _memfd_paths(pid: int, name: str = "kvsidecar-stub-kv") -> list[str]:
-    """``/proc/<pid>/fd/<n>`` of the KV memfds open in the process tree of ``pid``."""
+def _memfd_paths(pid: int, name: str) -> list[str]:
+    """``/proc/<pid>/fd/<n>`` of the KV memfds open in the process tree of ``pid``, one
+    descriptor per memfd (a memfd open twice is counted once)."""
     import psutil  # type: ignore[import-untyped]
 
     out = []
+    seen: set[tuple[int, int]] = set()
     root = psutil.Process(pid)
     for proc in [root, *root.children(True)]:
         fd_dir = Path(f"/proc/{proc.pid}/fd")
@@ -107,10 +108,14 @@ def _memfd_paths(pid: int, name: str = "kvsidecar-stub-kv") -> list[str]:
             continue
         for entry in entries:
             try:
-                if os.readlink(entry).startswith(f"/memfd:{name}"):
-                    out.append(str(entry))
+                if not os.readlink(entry).startswith(f"/memfd:{name}"):
+                    continue
+                st = os.stat(entry)
             except OSError:
                 continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                out.append(str(entry))
     return out
 
 
@@ -221,6 +226,7 @@ def autopilot_vs_static(
     ]
     return {
         "budget_mib": round(budget / MiB, 3),
+        "engines": {i: cluster.kinds[i] for i in ids},
         "per_engine_requests": per_engine,
         "static_split": {k: v for k, v in static.items() if k != "failures"},
         "autopilot": {k: v for k, v in auto.items() if k != "failures"},

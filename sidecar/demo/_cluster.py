@@ -1,10 +1,13 @@
-"""The demo's processes: one sidecar and the vLLM CPU-harness engines.
+"""The demo's processes: one sidecar and the vLLM and SGLang CPU-harness engines.
 
 Everything is a real process talking HTTP on loopback: the sidecar is
-``kvsidecar serve`` on a temporary SQLite file, each engine is the real
-``vllm serve`` (EngineCore busy loop, stub executor, KV cache on the host
-backend) with the kvsidecar plugin enabled and registered with the sidecar.
-Owned by the demo's main thread; ``close()`` tears every process group down.
+``kvsidecar serve`` on a temporary SQLite file; a vLLM engine is the real
+``vllm serve`` (EngineCore busy loop, stub executor), an SGLang engine is
+SGLang's real server (HTTP server, tokenizer manager, ``Scheduler`` event
+loop, stub forward) started through kvsidecar's launcher. Both keep their KV
+cache on the host backend (a memfd measured in ``/proc``) and register with
+the sidecar. Owned by the demo's main thread; ``close()`` tears every process
+group down.
 """
 
 from __future__ import annotations
@@ -17,13 +20,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
-from engine_ext.cpu_harness import VllmServer, free_port, launch_vllm_server
+from engine_ext.cpu_harness import (
+    ServerProcess,
+    free_port,
+    launch_sglang_server,
+    launch_vllm_server,
+)
 
-__all__ = ["Cluster", "EngineSpec"]
+__all__ = ["Cluster", "EngineKind", "EngineSpec"]
+
+EngineKind = Literal["vllm", "sglang"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +42,14 @@ class EngineSpec:
 
     instance_id: str
     reclaim: bool  # False: the baseline "what a user of the old tool saw"
-    kv_cache_bytes: int  # virtual KV capacity of the engine
+    kv_cache_bytes: int  # virtual KV capacity of a vLLM engine (SGLang: SGLANG_MAX_TOTAL_TOKENS)
     device_id: str | None = None  # KVSIDECAR_DEVICE_ID (the autopilot scenario's host device)
+    engine: EngineKind = "vllm"
+
+
+#: KV capacity of an SGLang engine, in tokens (virtual: pages are mapped on demand);
+#: 1 KiB per token with the tiny model, so 16 MiB like the vLLM engines' order of size.
+SGLANG_MAX_TOTAL_TOKENS = 16384
 
 
 class Cluster:
@@ -44,7 +60,8 @@ class Cluster:
         self.model_dir = model_dir
         self.sidecar_port = free_port()
         self.sidecar_url = f"http://127.0.0.1:{self.sidecar_port}"
-        self.engines: dict[str, VllmServer] = {}
+        self.engines: dict[str, ServerProcess] = {}
+        self.kinds: dict[str, EngineKind] = {}  # instance -> "vllm" | "sglang"
         self._sidecar: subprocess.Popen[bytes] | None = None
         self.http = httpx.Client(timeout=60.0)
 
@@ -98,6 +115,7 @@ class Cluster:
         for spec, future in futures:  # keep every server that started, so close() stops it
             try:
                 self.engines[spec.instance_id] = future.result()
+                self.kinds[spec.instance_id] = spec.engine
             except Exception as exc:  # noqa: BLE001 -- re-raised below, after bookkeeping
                 failed = failed or exc
         if failed is not None:
@@ -105,7 +123,7 @@ class Cluster:
         for spec in specs:
             self.wait_registered(spec.instance_id)
 
-    def _launch(self, spec: EngineSpec) -> VllmServer:
+    def _launch(self, spec: EngineSpec) -> ServerProcess:
         env = {
             "KVSIDECAR_ENABLE": "1",
             "KVSIDECAR_INSTANCE_ID": spec.instance_id,
@@ -113,10 +131,20 @@ class Cluster:
             "KVSIDECAR_RUNTIME_DIR": str(self.workdir / "run" / spec.instance_id),
             "KVSIDECAR_RECLAIM": "1" if spec.reclaim else "0",
             "KVSIDECAR_HEARTBEAT_S": "1",
-            "VLLM_SERVER_DEV_MODE": "1",  # exposes POST /reset_prefix_cache
         }
         if spec.device_id is not None:
             env["KVSIDECAR_DEVICE_ID"] = spec.device_id
+        if spec.engine == "sglang":
+            # event_loop_normal, as docs/sglang.md's measured rows; start-up is minutes on 2 cores
+            return launch_sglang_server(
+                self.model_dir,
+                env=env,
+                extra_args=["--disable-overlap-schedule", "--max-running-requests", "8"],
+                log_path=self.workdir / f"{spec.instance_id}.log",
+                max_total_tokens=SGLANG_MAX_TOTAL_TOKENS,
+                timeout_s=900.0,
+            )
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes POST /reset_prefix_cache
         return launch_vllm_server(
             self.model_dir,
             env=env,
@@ -126,8 +154,18 @@ class Cluster:
             timeout_s=300.0,
         )
 
-    def stop_engine(self, instance_id: str) -> None:
-        self.engines.pop(instance_id).stop()
+    def stop_engines(self, instance_ids: list[str]) -> None:
+        """Stop engines in parallel (an SGLang server takes seconds to end its processes)."""
+        servers = [self.engines.pop(i) for i in instance_ids if i in self.engines]
+        for i in instance_ids:
+            self.kinds.pop(i, None)
+        if servers:
+            with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+                list(pool.map(lambda s: s.stop(), servers))
+
+    def proc_bytes(self, instance_id: str) -> int:
+        """The engine's KV memory committed now, from ``/proc`` (its memfd's allocated blocks)."""
+        return self.engines[instance_id].kv_memfd_bytes()
 
     def wait_registered(self, instance_id: str, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -176,17 +214,24 @@ class Cluster:
         body: dict[str, Any] = reply.json()
         return body
 
-    def reset_prefix_cache(self, instance_id: str) -> None:
+    def reset_prefix_cache(self, instance_id: str, timeout_s: float = 30.0) -> None:
+        """Empty the engine's prefix cache (vLLM ``/reset_prefix_cache``, SGLang ``/flush_cache``).
+
+        SGLang refuses a flush while requests are still finishing: retried until ``timeout_s``.
+        """
         server = self.engines[instance_id]
-        reply = self.http.post(server.base_url + "/reset_prefix_cache")
-        if reply.status_code != 200:
-            raise RuntimeError(
-                f"{instance_id}: reset_prefix_cache {reply.status_code}: {reply.text}"
-            )
+        path = "/flush_cache" if self.kinds[instance_id] == "sglang" else "/reset_prefix_cache"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self.http.post(server.base_url + path)
+            if reply.status_code == 200:
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"{instance_id}: {path} {reply.status_code}: {reply.text}")
+            time.sleep(0.2)
 
     def close(self) -> None:
-        for instance_id in list(self.engines):
-            self.stop_engine(instance_id)
+        self.stop_engines(list(self.engines))
         if self._sidecar is not None and self._sidecar.poll() is None:
             os.killpg(self._sidecar.pid, signal.SIGTERM)
             try:

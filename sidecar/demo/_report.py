@@ -14,9 +14,14 @@ from ._sampler import Sample
 __all__ = ["print_checks", "print_limit_table", "write_json", "write_plot"]
 
 
-def print_limit_table(console: Console, table1: dict[str, Any]) -> None:
-    table = Table(title="mapped KV MiB after a lowered limit (CPU, host backend)")
+def print_limit_table(console: Console, tables: dict[str, dict[str, Any]]) -> None:
+    """One table for all engines: rows of scenario 1, mapped MiB measured from ``/proc``."""
+    table = Table(
+        title="KV MiB mapped (/proc) after a lowered limit (CPU, host backend)",
+        caption="with reclaim: status in brackets; without: KVSIDECAR_RECLAIM=0",
+    )
     for col in (
+        "engine",
         "limit",
         "without reclaim, idle",
         "with reclaim, idle",
@@ -24,19 +29,22 @@ def print_limit_table(console: Console, table1: dict[str, Any]) -> None:
         "with, after traffic",
     ):
         table.add_column(col, justify="right")
-    for r in table1["rows"]:
-        table.add_row(
-            f"{r['limit_mib']:.2f}",
-            f"{r['without_idle_mib']:.2f}",
-            f"{r['with_idle_mib']:.2f} ({r['with_idle_status']})",
-            f"{r['without_after_traffic_mib']:.2f}",
-            f"{r['with_after_traffic_mib']:.2f} ({r['with_after_traffic_status']})",
-        )
+    for engine, table1 in tables.items():
+        for r in table1["rows"]:
+            table.add_row(
+                engine,
+                f"{r['limit_mib']:.2f}",
+                f"{r['without_idle_proc_mib']:.2f}",
+                f"{r['with_idle_proc_mib']:.2f} ({r['with_idle_status']})",
+                f"{r['without_after_traffic_proc_mib']:.2f}",
+                f"{r['with_after_traffic_proc_mib']:.2f} ({r['with_after_traffic_status']})",
+            )
     console.print(table)
-    for row_name, per_instance in table1["status_timelines"].items():
-        for instance_id, steps in per_instance.items():
-            seq = " -> ".join(f"{s['status']}@{s['t_s']:.2f}s" for s in steps) or "(no samples)"
-            console.print(f"  {row_name} {instance_id}: {seq}")
+    for table1 in tables.values():
+        for row_name, per_instance in table1["status_timelines"].items():
+            for instance_id, steps in per_instance.items():
+                seq = " -> ".join(f"{s['status']}@{s['t_s']:.2f}s" for s in steps)
+                console.print(f"  {row_name} {instance_id}: {seq or '(no samples)'}")
 
 
 def print_checks(console: Console, checks: list[dict[str, Any]]) -> None:

@@ -1,13 +1,16 @@
 """The demo's two scenarios, as plain functions over a :class:`Cluster`.
 
-1. *Limit table*: the reference A10 table reproduced on CPU. Two engines get
-   the same workload; one has reclamation disabled (what a user of the old
-   tool saw), one enabled. Each row lowers the limit over REST, waits idle,
-   reads the mapped bytes, runs a burst of traffic, reads them again.
-2. *Elastic colocation*: two engines share one budget. A fills, A's prefix
-   cache is reset and its memory released, B grows past what was free at
-   A's peak, then both run contended loads; every request succeeds and probe
-   prompts give the same tokens before and after.
+1. *Limit table*: the reference A10 tables (vLLM, and SGLang's seed row)
+   reproduced on CPU, once per engine. Two engines of the same kind get the
+   same workload; one has reclamation disabled (what a user of the old tool
+   saw), one enabled. Each row lowers the limit over REST, waits idle, reads
+   the mapped bytes (engine report and ``/proc``), runs a burst of traffic,
+   reads them again.
+2. *Elastic colocation*: a vLLM engine (A) and an SGLang engine (B) share one
+   budget. A fills, A's prefix cache is reset and its memory released, B
+   grows past what was free at A's peak, then both run contended loads;
+   every request succeeds and probe prompts give the same tokens before and
+   after.
 
 Every figure lands in the returned dict; checks are ``{"name", "ok", "detail"}``.
 """
@@ -80,8 +83,11 @@ def _mib(num_bytes: int) -> float:
 def limit_table(
     cluster: Cluster, sampler: Sampler, without: str, with_: str, cfg: DemoConfig, t0: float
 ) -> dict[str, Any]:
-    """Scenario 1. ``without``/``with_`` are the instance ids (reclaim off/on)."""
+    """Scenario 1 for one engine kind. ``without``/``with_`` are the instance ids (reclaim
+    off/on, same engine). Mapped bytes are read twice: the engine's report through the
+    sidecar and ``/proc`` (the KV memfd's allocated blocks); the checks use ``/proc``."""
     ids = (without, with_)
+    engine = cluster.kinds[with_]
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(lambda i: _fill(cluster, i, cfg, seed=1000), ids))
     filled = {i: cluster.instance(i)["mapped_bytes"] for i in ids}
@@ -96,6 +102,7 @@ def limit_table(
         since = time.monotonic() - t0
         time.sleep(cfg.idle_s)
         idle = {i: cluster.instance(i) for i in ids}
+        idle_proc = {i: cluster.proc_bytes(i) for i in ids}
         traffic = _prompts(
             f"burst{n}", cfg.traffic_requests, cfg.traffic_words, seed=5000 + 100 * n
         )
@@ -104,8 +111,9 @@ def limit_table(
         _wait_until(lambda: cluster.instance(with_)["status"] == "applied", timeout_s=10)
         time.sleep(1.0)
         after = {i: cluster.instance(i) for i in ids}
+        after_proc = {i: cluster.proc_bytes(i) for i in ids}
         # the PUT's own answer is the first step (the engine may apply within one sample)
-        timelines[f"row{n}"] = {
+        timelines[f"{engine}-row{n}"] = {
             i: _dedupe(
                 [
                     {
@@ -121,16 +129,26 @@ def limit_table(
         }
         rows.append(
             {
+                "engine": engine,
+                "without_id": without,
+                "with_id": with_,
                 "limit_bytes": limit,
                 "limit_mib": _mib(limit),
                 "put_status": {i: put[i]["status"] for i in ids},
+                # the engines' reports (through the sidecar)
                 "without_idle_mib": _mib(idle[without]["mapped_bytes"]),
                 "with_idle_mib": _mib(idle[with_]["mapped_bytes"]),
                 "without_after_traffic_mib": _mib(after[without]["mapped_bytes"]),
                 "with_after_traffic_mib": _mib(after[with_]["mapped_bytes"]),
+                # measured: the KV memfd's allocated blocks in /proc
+                "without_idle_proc_mib": _mib(idle_proc[without]),
+                "with_idle_proc_mib": _mib(idle_proc[with_]),
+                "without_after_traffic_proc_mib": _mib(after_proc[without]),
+                "with_after_traffic_proc_mib": _mib(after_proc[with_]),
                 "with_idle_status": idle[with_]["status"],
                 "with_after_traffic_status": after[with_]["status"],
                 "without_idle_status": idle[without]["status"],
+                "without_after_traffic_status": after[without]["status"],
             }
         )
     checks = []
@@ -138,22 +156,23 @@ def limit_table(
         lim = r["limit_mib"]
         checks += [
             _check(
-                f"with reclaim, idle, limit {lim} MiB: mapped <= limit and applied",
-                r["with_idle_mib"] <= lim and r["with_idle_status"] == "applied",
-                f"{r['with_idle_mib']} MiB, {r['with_idle_status']}",
+                f"{engine} with reclaim, idle, limit {lim} MiB: /proc <= limit and applied",
+                r["with_idle_proc_mib"] <= lim and r["with_idle_status"] == "applied",
+                f"{r['with_idle_proc_mib']} MiB, {r['with_idle_status']}",
             ),
             _check(
-                f"with reclaim, after traffic, limit {lim} MiB: mapped <= limit",
-                r["with_after_traffic_mib"] <= lim,
-                f"{r['with_after_traffic_mib']} MiB",
+                f"{engine} with reclaim, after traffic, limit {lim} MiB: /proc <= limit",
+                r["with_after_traffic_proc_mib"] <= lim,
+                f"{r['with_after_traffic_proc_mib']} MiB",
             ),
             _check(
-                f"without reclaim, idle, limit {lim} MiB: mapped stays > limit",
-                r["without_idle_mib"] > lim,
-                f"{r['without_idle_mib']} MiB",
+                f"{engine} without reclaim, idle, limit {lim} MiB: /proc stays > limit",
+                r["without_idle_proc_mib"] > lim,
+                f"{r['without_idle_proc_mib']} MiB",
             ),
         ]
     return {
+        "engine": engine,
         "filled_mib": {i: _mib(b) for i, b in filled.items()},
         "page_bundle_bytes": bundle,
         "rows": rows,
@@ -163,7 +182,8 @@ def limit_table(
 
 
 def elastic_colocation(cluster: Cluster, a: str, b: str, cfg: DemoConfig) -> dict[str, Any]:
-    """Scenario 2 on two reclaiming engines sharing ``cfg.budget_bytes``."""
+    """Scenario 2 on two reclaiming engines sharing ``cfg.budget_bytes``; ``a`` must be one
+    whose prefix cache can be reset while idle (either engine kind can)."""
     budget = cfg.budget_bytes
     probes = _prompts("probe", 2, 40, seed=9000)
     before = {i: [cluster.complete(i, p)["choices"][0]["text"] for p in probes] for i in (a, b)}
@@ -199,6 +219,7 @@ def elastic_colocation(cluster: Cluster, a: str, b: str, cfg: DemoConfig) -> dic
         lambda: all(cluster.instance(i)["status"] == "applied" for i in (a, b)), 20
     )
     end_mapped = {i: int(cluster.instance(i)["mapped_bytes"]) for i in (a, b)}
+    end_proc = {i: cluster.proc_bytes(i) for i in (a, b)}
     after = {i: [cluster.complete(i, p)["choices"][0]["text"] for p in probes] for i in (a, b)}
     checks = [
         _check(
@@ -217,9 +238,9 @@ def elastic_colocation(cluster: Cluster, a: str, b: str, cfg: DemoConfig) -> dic
             f"completed {completed}; failures {failures[:1]}",
         ),
         _check(
-            "both engines applied, together within the budget",
-            settled and sum(end_mapped.values()) <= budget,
-            f"{ {i: _mib(v) for i, v in end_mapped.items()} } of {_mib(budget)} MiB",
+            "both engines applied, together within the budget (/proc)",
+            settled and sum(end_proc.values()) <= budget,
+            f"{ {i: _mib(v) for i, v in end_proc.items()} } of {_mib(budget)} MiB",
         ),
         _check(
             "probe prompts give identical tokens before and after",
@@ -233,7 +254,9 @@ def elastic_colocation(cluster: Cluster, a: str, b: str, cfg: DemoConfig) -> dic
         "free_at_a_peak_mib": _mib(free_at_peak),
         "a_after_reset_mib": _mib(a_after_reset),
         "peak_b_mib": _mib(peak_b),
+        "engines": {i: cluster.kinds[i] for i in (a, b)},
         "end_mapped_mib": {i: _mib(v) for i, v in end_mapped.items()},
+        "end_proc_mib": {i: _mib(v) for i, v in end_proc.items()},
         "completed": completed,
         "probes_identical": before == after,
         "checks": checks,

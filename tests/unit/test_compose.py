@@ -259,3 +259,33 @@ def test_the_second_engine_waits_for_the_first(path: Path) -> None:
     assert _services(path)[first]["depends_on"] == {"sidecar": {"condition": "service_healthy"}}
     assert _services(path)[second]["depends_on"][first] == {"condition": "service_healthy"}
     assert _services(path)[second]["depends_on"]["sidecar"] == {"condition": "service_healthy"}
+
+
+def test_cpu_demo_runs_the_demo_and_a_live_vllm_and_sglang_engine() -> None:
+    """The CPU file: the scripted demo, and the sidecar with one engine of each kind."""
+    services = _services(REPO / "compose" / "cpu-demo.yml")
+    assert services["demo"]["command"] == ["bash", "scripts/dev.sh", "demo", "--out", "/out"]
+    assert "profiles" not in services["demo"]  # a plain `up demo` runs the main job
+    sidecar_volumes = {str(v).split(":")[0] for v in services["sidecar"]["volumes"]}
+    kinds: dict[str, str] = {}
+    for name in ("vllm", "sglang"):
+        service = services[name]
+        command = [str(w) for w in service["command"]]
+        kind = command[command.index("engine_ext.cpu_harness.run_engine") + 1]
+        kinds[kind] = name
+        env = service["environment"]
+        assert env["KVSIDECAR_ENABLE"] == "1"
+        assert env["KVSIDECAR_SIDECAR_URL"] == "http://sidecar:8570"
+        # the control socket's directory is on a volume the sidecar mounts at the same path
+        run_volume = next(v for v in service["volumes"] if str(v).endswith(":/run/kvsidecar"))
+        assert str(run_volume).split(":")[0] in sidecar_volumes
+        assert env["KVSIDECAR_RUNTIME_DIR"].startswith("/run/kvsidecar/")
+        assert service["depends_on"]["sidecar"] == {"condition": "service_healthy"}
+        assert _args(service)["--host"] == "0.0.0.0"
+    assert set(kinds) == {"vllm", "sglang"}
+    ids = [services[n]["environment"]["KVSIDECAR_INSTANCE_ID"] for n in kinds.values()]
+    ports = [services[n]["ports"][0] for n in kinds.values()]
+    assert len(set(ids)) == 2 and len(set(ports)) == 2
+    for name, service in services.items():
+        if name != "env":  # everything reuses the environment `env` builds, once
+            assert service["depends_on"]["env"] == {"condition": "service_completed_successfully"}
