@@ -83,11 +83,14 @@ def run_demo(*argv: str) -> None:
     missing = missing_dependencies()
     if missing:  # before anything is created: no output dir, no temp dir, no process
         sys.exit(
-            f"kvsidecar demo: needs {' and '.join(missing)}, not installed in "
-            f"{sys.prefix}; {_INSTALL_HINT}"
+            f"kvsidecar demo: needs {_and(missing)}, not installed in {sys.prefix}; {_INSTALL_HINT}"
         )
     console = Console()
     sys.exit(0 if _run(args, console) else 1)
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def missing_dependencies() -> list[str]:

@@ -51,13 +51,14 @@ def test_demo_help_lists_its_options() -> None:
         assert option in proc.stdout
 
 
-# Runs the real CLI in a process where vllm and torch cannot be imported, as in an install
-# of kvsidecar without the demo's extras (a meta-path finder that refuses those names).
+# Runs the real CLI in a process where vllm, sglang and torch cannot be imported, as in an
+# install of kvsidecar without the demo's extras (a meta-path finder that refuses those names).
 _WITHOUT_ENGINES = """
 import importlib.abc, sys
+ABSENT = sys.argv[2].split(',')
 class _Absent(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('vllm', 'torch'):
+        if name.split('.')[0] in ABSENT:
             raise ModuleNotFoundError(name)
         return None
 sys.meta_path.insert(0, _Absent())
@@ -67,14 +68,25 @@ main()
 """
 
 
+@pytest.mark.parametrize(
+    ("absent", "named", "not_named"),
+    [
+        (
+            "vllm,sglang,torch",
+            ["vLLM 0.33 (vllm)", "SGLang 0.5.23 (sglang)", "PyTorch (torch)"],
+            [],
+        ),
+        ("sglang", ["SGLang 0.5.23 (sglang)"], ["vLLM 0.33 (vllm)", "PyTorch (torch)"]),
+    ],
+)
 def test_demo_without_its_dependencies_says_what_to_install_and_leaves_nothing(
-    tmp_path: Path,
+    tmp_path: Path, absent: str, named: list[str], not_named: list[str]
 ) -> None:
     out = tmp_path / "out"
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_ENGINES, str(out)],
+        [sys.executable, "-c", _WITHOUT_ENGINES, str(out), absent],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)},
         capture_output=True,
@@ -84,7 +96,9 @@ def test_demo_without_its_dependencies_says_what_to_install_and_leaves_nothing(
     )
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert "vLLM" in proc.stderr and "pip install 'kvsidecar[vllm]'" in proc.stderr
+    assert all(n in proc.stderr for n in named), proc.stderr
+    assert not any(n in proc.stderr for n in not_named), proc.stderr
+    assert "pip install 'kvsidecar[vllm,sglang]'" in proc.stderr
     assert "scripts/dev.sh demo" in proc.stderr
     assert not out.exists() and list(scratch.iterdir()) == []
     assert [p.name for p in tmp_path.iterdir()] == ["tmp"]
