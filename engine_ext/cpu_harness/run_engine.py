@@ -39,6 +39,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, required=True, help="HTTP port of the engine")
     parser.add_argument("--model-dir", type=Path, help="where the tiny model goes [a temp dir]")
     parser.add_argument(
+        "--served-model-name", default="tiny", help="the model name clients send [tiny]"
+    )
+    parser.add_argument(
         "--start-timeout-s",
         type=float,
         default=900.0,
@@ -57,15 +60,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit)
     signal.signal(signal.SIGINT, _exit)
     model_dir = make_tiny_model_dir(args.model_dir or Path(tempfile.mkdtemp()) / "model")
-    host = ["--host", args.host]
+    extra = ["--host", args.host, "--served-model-name", args.served_model_name]
     server: ServerProcess
     if args.engine == "sglang":
         server = launch_sglang_server(
-            model_dir, port=args.port, extra_args=host, timeout_s=args.start_timeout_s
+            model_dir, port=args.port, extra_args=extra, timeout_s=args.start_timeout_s
         )
     else:
         server = launch_vllm_server(
-            model_dir, port=args.port, extra_args=host, timeout_s=args.start_timeout_s
+            model_dir, port=args.port, extra_args=extra, timeout_s=args.start_timeout_s
         )
     try:
         print(f"{args.engine} engine healthy on {args.host}:{args.port} (log {server.log_path})")
