@@ -43,6 +43,7 @@ def test_limit_table_with_reclaim_fits_and_without_does_not_in_proc(
         assert 0 < r["with_idle_proc_mib"] <= r["limit_mib"]
         assert r["with_after_traffic_proc_mib"] <= r["limit_mib"]
         assert r["with_idle_status"] == "applied"
+        assert r["with_idle_mib"] == r["with_idle_proc_mib"]  # the engine's report is true
         assert r["without_idle_proc_mib"] > r["limit_mib"]
         assert r["without_idle_status"] != "applied"
 
