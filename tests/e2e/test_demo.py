@@ -40,7 +40,8 @@ def test_limit_table_with_reclaim_fits_and_without_does_not_in_proc(
     assert len(rows) >= 2
     for r in rows:
         assert r["engine"] == engine
-        assert 0 < r["with_idle_proc_mib"] <= r["limit_mib"]
+        # at or under (SGLang's whole-node eviction may overshoot to 0: docs/sglang.md)
+        assert r["with_idle_proc_mib"] <= r["limit_mib"]
         assert r["with_after_traffic_proc_mib"] <= r["limit_mib"]
         assert r["with_idle_status"] == "applied"
         assert r["with_idle_mib"] == r["with_idle_proc_mib"]  # the engine's report is true
