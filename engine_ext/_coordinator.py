@@ -42,6 +42,11 @@ class Demand:
     # the device (not the limit) refused the pages an admission needed
     device_out_of_memory: bool = False
     prefix_hit_rate: float | None = None  # recent window, None = no lookups yet
+    # output reservation (KVSIDECAR_RESERVE_OUTPUT): blocks the running requests may still
+    # add, and how many of those the headroom under the target cannot hold (while > 0 the
+    # limit is not applied: the running requests would end above it)
+    reserved_blocks: int = 0
+    reserve_shortfall_blocks: int = 0
 
 
 #: The adapter's demand reader (engine thread, O(1)).
@@ -119,6 +124,7 @@ class ShrinkCoordinator:
         self._passes = 0
         self._seen_num_mapped = -1  # allocator's mapped-page count at the last state
         self._seen_device_full = False  # the allocator's device_full at the last state
+        self._seen_shortfall = 0  # the demand's reserve_shortfall_blocks at the last state
         self._reclaimable_pages = 0  # from the last scan
         self._scanned_at = float("-inf")
         self._reported: tuple[Status, int, int, str | None] | None = None
@@ -174,6 +180,7 @@ class ShrinkCoordinator:
             moved = (
                 self._pages.num_mapped != self._seen_num_mapped
                 or self._pages.device_full != self._seen_device_full
+                or self._demand.reserve_shortfall_blocks != self._seen_shortfall
             )
             rank_died = self._barrier is not None and self._barrier.epoch != self._barrier_epoch
             if self._settled and not rank_died:
@@ -303,6 +310,7 @@ class ShrinkCoordinator:
             ),
             "num_preemptions": demand.num_preemptions,
             "prefix_hit_rate": demand.prefix_hit_rate,
+            "reserved_bytes": demand.reserved_blocks * self._block_bytes,
         }
 
     def _apply_target(self, target: Target) -> None:
@@ -397,6 +405,15 @@ class ShrinkCoordinator:
         # while a rank has not confirmed (docs/design.md, "Statuses")
         reason = self._reason(over, reclaimable, barrier, limited=limit is not None)
         bundle = self._bundle_bytes
+        shortfall = self._seen_shortfall = self._demand.reserve_shortfall_blocks
+        if shortfall and limit is not None:
+            # output reservation: the running requests' remaining output does not fit under
+            # the limit; they would end above it, so the limit is not applied yet (the
+            # overage is what they would add beyond it, in whole pages)
+            per_page = self._blocks.blocks_per_page
+            over = max(over, -(-shortfall // per_page) * bundle)
+            if reason is None:
+                reason = DeferReason.RUNNING_REQUESTS
         # model_construct: every field is computed here from the allocator and the
         # backend (no outside input to validate), and a validated model costs tens of
         # microseconds, paid at every scheduler step that maps or unmaps a page.

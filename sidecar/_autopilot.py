@@ -585,8 +585,9 @@ class Autopilot:
             held=held,
             mapped=obs.mapped_bytes,
             waiting=obs.waiting_bytes,
-            # pinned bytes are a periodic scan: without running requests nothing is pinned
-            pinned=obs.pinned_bytes if obs.num_running_requests else 0,
+            # pinned bytes are a periodic scan: without running requests nothing is pinned;
+            # with the output reservation (vLLM) what they may still add is theirs too
+            pinned=obs.pinned_bytes + obs.reserved_bytes if obs.num_running_requests else 0,
             busy=busy,
             floor=obs.floor_bytes,
             capacity=obs.capacity_bytes,

@@ -106,6 +106,9 @@ class EngineState(BaseModel):
     num_running_requests: int = Field(default=0, ge=0)
     num_waiting_requests: int = Field(default=0, ge=0)
     waiting_bytes: ByteCount = 0  # KV bytes the waiting requests still need to start
+    # KV bytes the running requests may still add (their output up to max_tokens), counted
+    # with KVSIDECAR_RESERVE_OUTPUT=1 (docs/limits.md, "Output reservation"); 0 otherwise
+    reserved_bytes: ByteCount = 0
     # why waiting requests do not start: "waiting_for_memory" when the limit (not the
     # engine's own batch limits) keeps at least one of them out; None otherwise. Independent
     # of ``status``: a limit can be applied while requests wait for memory under it.

@@ -39,6 +39,7 @@ from engine_ext._hit_window import PrefixHitWindow
 from engine_ext.protocol import DeferReason, EngineState, Status
 from engine_ext.vllm._kv_memory import claim_kv_memory
 from engine_ext.vllm._pool_backing import DeviceFullError, PoolBacking
+from engine_ext.vllm._reserve import OutputReservation
 
 if TYPE_CHECKING:
     from engine_ext import ElasticInstance, EngineSettings
@@ -69,9 +70,11 @@ class VllmRuntime:
         self._device_refused = False  # ... refused because the device (not the limit) is full
         self._num_preemptions = 0  # Scheduler._preempt_request calls (exact, patched)
         self._hits = PrefixHitWindow()  # prefix_hit_rate over the last admissions
-        self._demand_key: tuple[int, int, int, bool, int, int] | None = None  # last Demand's inputs
+        self._demand_key: tuple[int, ...] | None = None  # last Demand's inputs
         self._last_demand = Demand()
         self._fence: Any = None  # allocator.UnmapFence of a GPU reservation (None on CPU)
+        self._reservation: OutputReservation | None = None  # KVSIDECAR_RESERVE_OUTPUT
+        self._manager: Any = None  # vLLM's KVCacheManager, seen at the first allocate_slots
 
     # -- construction (EngineCore main thread) -------------------------------------
     def build_backing(self, pool: ElasticBlockPool, num_gpu_blocks: int) -> PoolBacking:
@@ -110,6 +113,9 @@ class VllmRuntime:
         blocks = BlockAllocator(pages, memory.blocks_per_page, guard=guard)
         self.pool = pool
         self._fence = memory.fence
+        if self.vllm_settings.reserve_output:
+            # max_model_len is read from the KVCacheManager at its first allocate_slots
+            self._reservation = OutputReservation(pool.hash_block_size, max_model_len=1 << 62)
         self._blocks = blocks
         binding = EngineBinding(
             engine="vllm",
@@ -182,6 +188,8 @@ class VllmRuntime:
         self.safe_point(scheduler)
         self._refused_blocks = 0
         self._device_refused = False
+        if self._reservation is not None:
+            self._reservation.begin_step()
         if self.pool is not None:
             self.pool.in_schedule = True
 
@@ -211,6 +219,17 @@ class VllmRuntime:
         if pool is None or manager.block_pool is not pool:
             return original(manager, request, *args, **kwargs)
         running = request.status == (_RUNNING or _running_status())
+        reservation = self._reservation
+        if reservation is not None:
+            if self._manager is not manager:  # the probe reads the requests' blocks from it
+                self._manager = manager
+                reservation.max_model_len = int(manager.max_model_len)
+            if (
+                not running
+                and pool.blocks_target() is not None
+                and self._reserve_refuses(manager, request, args, kwargs)
+            ):
+                return None  # its whole output would not fit under the limit: it waits
         # a RUNNING request holds its blocks; only an admission may hold none yet (then a
         # failed map must give back the prefix hits it touched)
         held = running or _holds_blocks(manager, request.request_id)
@@ -239,7 +258,38 @@ class VllmRuntime:
                 )
         elif not running:  # an admission: its prefix lookup feeds prefix_hit_rate
             self._hits.record(_hit_tokens(args, kwargs), int(request.num_tokens))
+            if self._reservation is not None:
+                held_now = manager.coordinator.single_type_managers[0].req_to_blocks
+                self._reservation.admitted(request, len(held_now.get(request.request_id, ())))
         return result
+
+    def _reserve_refuses(
+        self, manager: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> bool:
+        """Output reservation: whether an admission's whole life does not fit under the
+        target beside the running requests' remaining output (then it is refused)."""
+        reservation = self._reservation
+        pool = self.pool
+        assert reservation is not None and pool is not None
+        computed = (
+            int(request.num_computed_tokens)
+            + _hit_tokens(args, kwargs)
+            + int(kwargs.get("num_external_computed_tokens", 0))
+        )
+        need = reservation.admission_blocks(request, computed)
+        held = manager.coordinator.single_type_managers[0].req_to_blocks
+        sched = self._scheduler
+        running = sched.running if sched is not None else ()
+        spare = (
+            pool.get_num_free_blocks()
+            - _evictable_hits(args, kwargs)
+            - reservation.outstanding(running, held)
+        )
+        if need <= spare:
+            return False
+        self._device_refused = False
+        self._refused_blocks = self._waiting_blocks(request, args, kwargs, pool.hash_block_size)
+        return True
 
     def after_forward(self) -> None:
         """``Scheduler.update_from_output`` (patched), before it frees anything: the
@@ -264,11 +314,21 @@ class VllmRuntime:
         O(waiting), once per scheduler step at most (vLLM stops admitting at the
         first refusal).
         """
-        total = _blocks_needed(refused, args, kwargs, block_tokens)
+        reservation = self._reservation
+        if reservation is None:
+            total = _blocks_needed(refused, args, kwargs, block_tokens)
+        else:  # with the output reserved, a request needs its whole life to start
+            hit = _hit_tokens(args, kwargs) + int(kwargs.get("num_external_computed_tokens", 0))
+            computed = int(refused.num_computed_tokens) + hit
+            total = max(1, reservation.admission_blocks(refused, computed))
         sched = self._scheduler
         for request in getattr(sched, "waiting", ()) if sched is not None else ():
             if request is not refused:
-                total += -(-int(request.num_tokens) // block_tokens)
+                total += (
+                    -(-int(request.num_tokens) // block_tokens)
+                    if reservation is None
+                    else reservation.final_blocks(request)
+                )
         return total
 
     def _demand(self) -> Demand:
@@ -283,11 +343,25 @@ class VllmRuntime:
             waiting = len(sched.waiting) + len(getattr(sched, "kv_holding_waiting", ()))
             refused = self._refused_blocks if waiting else 0
         device = self._device_refused
-        key = (running, waiting, refused, device, self._num_preemptions, hits.changes)
+        reserved = shortfall = 0
+        if self._reservation is not None and sched is not None:
+            reserved, shortfall = self._reserved_growth(sched)
+        key = (
+            running,
+            waiting,
+            refused,
+            device,
+            self._num_preemptions,
+            hits.changes,
+            reserved,
+            shortfall,
+        )
         if key == self._demand_key:
             return self._last_demand
         self._demand_key = key
         demand = Demand(
+            reserved_blocks=reserved,
+            reserve_shortfall_blocks=shortfall,
             num_running_requests=running,
             num_waiting_requests=waiting,
             waiting_blocks=refused,
@@ -298,6 +372,18 @@ class VllmRuntime:
         )
         self._last_demand = demand
         return demand
+
+    def _reserved_growth(self, sched: Any) -> tuple[int, int]:
+        """Output reservation: (blocks the running requests may still add, how many of
+        them the headroom under the target cannot hold). O(running)."""
+        reservation, pool, manager = self._reservation, self.pool, self._manager
+        if reservation is None or pool is None or manager is None:
+            return 0, 0
+        held = manager.coordinator.single_type_managers[0].req_to_blocks
+        reserved = reservation.remaining(sched.running, held)
+        if pool.blocks_target() is None:
+            return reserved, 0
+        return reserved, max(0, reserved - pool.get_num_free_blocks())
 
     # -- PoolHooks (busy-loop thread) ------------------------------------------------
     def after_change(self) -> None:
@@ -380,6 +466,14 @@ def _holds_blocks(manager: Any, request_id: str) -> bool:
 def _hit_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """``allocate_slots``' ``num_new_computed_tokens``: the local prefix-cache hit."""
     return int(args[1]) if len(args) > 1 else int(kwargs.get("num_new_computed_tokens", 0))
+
+
+def _evictable_hits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Prefix-hit blocks an admission will take out of the evictable ones (``ref_cnt`` 0)."""
+    hits = args[2] if len(args) > 2 else kwargs.get("new_computed_blocks")
+    if hits is None:
+        return 0
+    return sum(1 for block in hits.blocks[0] if block.ref_cnt == 0 and not block.is_null)
 
 
 def _blocks_needed(
