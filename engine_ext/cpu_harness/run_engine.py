@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from ._server import ServerProcess
-from ._tiny_model import make_tiny_model_dir
-from .sglang._launcher import launch_sglang_server
-from .vllm._launcher import launch_vllm_server
+from engine_ext.cpu_harness import (
+    ServerProcess,
+    launch_sglang_server,
+    launch_vllm_server,
+    make_tiny_model_dir,
+)
 
 __all__ = ["main"]
 
