@@ -53,6 +53,79 @@ class _Device:
         self.map_many([page])
 
 
+def _install_device(monkeypatch: pytest.MonkeyPatch, *, racing: bool = True) -> list[_Device]:
+    """Every harness built after this maps through a :class:`_Device` (returned list)."""
+    devices: list[_Device] = []
+
+    def pages(backend: Any, **kwargs: Any) -> PageAllocator:
+        device = _Device(backend, total_pages=10_000)
+        device.racing = racing
+        devices.append(device)
+        return PageAllocator(device, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_harness, "PageAllocator", pages)
+    return devices
+
+
+def test_a_decode_the_device_refuses_is_counted_once(
+    make_harness: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    devices = _install_device(monkeypatch, racing=False)
+    h = make_harness()
+    (device,) = devices
+    allocator = h.token_to_kv_pool_allocator
+    req = h.submit(prompt(1, length=12), max_new_tokens=3)
+    h.iterate()  # admission + prefill: blocks 1..3, so page 0 is full
+    assert h.running == [req] and req.kv_len == 12
+    device.total_pages = len(device.inner.mapped_pages())  # another engine takes the rest
+    h.iterate()  # the decode check needs page 1: the device refuses, SGLang retracts
+    assert device.refusals == 1 and h.num_retracted == 1
+    assert allocator.num_decode_shortages == 1
+    assert allocator.num_device_refusals == 1  # one refusal, counted once (was twice)
+    device.total_pages = 10_000
+    h.run_until_idle()
+    assert req.done and allocator.num_device_refusals == 1
+
+
+def test_a_chunked_prompt_whose_device_fills_mid_prompt_waits_then_finishes(
+    make_harness: Make, cache_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A continuation has no admission check in SGLang (it is forced through), so a device
+    that another engine filled after the first chunk failed its allocation ("Prefill out of
+    memory" ends the scheduler). Now it takes its pages in the budget, or waits a round."""
+    reference = make_harness(cache_kind)  # the same prompts, no chunks, no device limit
+    want_long = reference.submit(prompt(3, length=150), max_new_tokens=4)
+    want_short = reference.submit(prompt(4, length=8), max_new_tokens=4)
+    reference.run_until_idle()
+    devices = _install_device(monkeypatch, racing=False)
+    h = make_harness(cache_kind, chunked_prefill_size=16)
+    (device,) = devices
+    allocator = h.token_to_kv_pool_allocator
+    long = h.submit(prompt(3, length=150), max_new_tokens=4)
+    h.iterate()  # admission: the first chunk only (16 tokens)
+    assert h.chunked is long and long.kv_len == 16
+    h.pool.before_schedule()  # unused promises go back: only the chunk's pages stay mapped
+    device.total_pages = len(device.inner.mapped_pages())  # the device is full mid-prompt
+    short = h.submit(prompt(4, length=8), max_new_tokens=4)
+    for _ in range(8):
+        h.iterate()  # was: RuntimeError("Prefill out of memory")
+        assert h.chunked is long  # waits, keeps its KV
+        assert short in h.waiting  # nothing jumps the continuation
+    # it used the mapped pages' room (7 blocks after the padding: 28 tokens), then waited
+    assert long.kv_len == 28 and h.num_parked_chunks >= 6 and device.refusals >= 6
+    assert allocator.num_device_refusals == device.refusals
+    h.pool.before_schedule()
+    state = h.pool.state()
+    assert state.waiting_reason == "device_out_of_memory"
+    assert state.waiting_bytes > 0 and state.num_running_requests == 0
+    device.total_pages = 10_000  # the other engine gives memory back
+    h.run_until_idle()  # the strict leak check runs at idle
+    assert long.done and short.done
+    assert (long.generated, short.generated) == (want_long.generated, want_short.generated)
+    h.pool.before_schedule()
+    assert h.pool.state().waiting_reason is None
+
+
 def test_a_device_filling_under_admission_never_fails_an_allocation(
     make_harness: Make, cache_kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
