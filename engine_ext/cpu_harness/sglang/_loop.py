@@ -412,7 +412,9 @@ class CpuHarness:
                 self._check_kv(req, path.tolist())
         starts = [req.kv_len for req in batch]
         ends = [req.extend_end for req in batch]
-        last_loc = [int(table[r.row, start - 1]) if start else -1 for r, start in zip(batch, starts)]
+        last_loc = [
+            int(table[r.row, start - 1]) if start else -1 for r, start in zip(batch, starts)
+        ]
         p, s = torch.tensor(starts), torch.tensor(ends)
         out = alloc_paged_token_slots_extend(
             tree_cache=self.tree_cache,
