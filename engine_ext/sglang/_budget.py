@@ -58,6 +58,43 @@ class ElasticPrefillBudget(PrefillBudget):  # type: ignore[misc]
         allocator.parked_chunk_tokens = tokens
         return None
 
+    def can_allocate_prefill(
+        self,
+        *,
+        paged_input: int,
+        extend_input_len: int,
+        max_new_tokens: int,
+        chunk_limit: int | None,
+    ) -> bool:
+        """SGLang's admission for ``ignore_eos`` requests without a radix cache
+        (``PrefillAdder.add_one_req_ignore_eos``, which skips :meth:`check_prefill`):
+        its pages (this round's chunk) are taken the same way, or it waits."""
+        allocator = self.allocator
+        if self._chunk_parked:
+            fits = False
+            allocator.refused_by_device = True
+        else:
+            fits = bool(
+                super().can_allocate_prefill(
+                    paged_input=paged_input,
+                    extend_input_len=extend_input_len,
+                    max_new_tokens=max_new_tokens,
+                    chunk_limit=chunk_limit,
+                )
+            )
+        if fits:
+            extend = int(extend_input_len)
+            if chunk_limit is not None:
+                extend = min(extend, int(chunk_limit))
+            allocator.evict_to_free_tokens(self.tree_cache, extend)
+            if not allocator.promise(-(-extend // allocator.page_size)):
+                allocator.refused_by_device = True
+                fits = False
+        if not fits:
+            allocator.refused_tokens = int(paged_input)
+            allocator.refused_input_tokens = int(extend_input_len)
+        return fits
+
     def check_prefill(self, **kwargs: Any) -> tuple[bool, int | None]:
         allocator = self.allocator
         input_tokens = int(kwargs["input_tokens"])

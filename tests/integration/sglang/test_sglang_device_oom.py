@@ -126,6 +126,36 @@ def test_a_chunked_prompt_whose_device_fills_mid_prompt_waits_then_finishes(
     assert h.pool.state().waiting_reason is None
 
 
+def test_an_ignore_eos_admission_takes_its_pages_or_waits(
+    make_harness: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang admits ``ignore_eos`` requests without a radix cache through
+    ``PrefillBudget.can_allocate_prefill`` (``add_one_req_ignore_eos``), not ``check_prefill``:
+    that admission takes its pages too, so a full device refuses it instead of failing the
+    allocation that follows. Called as ``PrefillAdder`` calls it."""
+    devices = _install_device(monkeypatch, racing=False)
+    monkeypatch.setattr(allocator_pages, "DEVICE_RETRY_S", 0.0)  # no hold after the refusal
+    h = make_harness()
+    (device,) = devices
+    allocator = h.token_to_kv_pool_allocator
+    ask = {"paged_input": 44, "extend_input_len": 40, "max_new_tokens": 8, "chunk_limit": None}
+    device.total_pages = len(device.inner.mapped_pages())  # page 0: 3 free blocks, no more
+    budget = allocator.create_prefill_budget(h.tree_cache)
+    assert budget.can_allocate_prefill(**ask) is False  # 10 blocks: page 1 is refused
+    assert device.refusals == 1 and allocator.num_device_refusals == 1
+    assert allocator.refused_by_device and allocator.refused_tokens == 44
+    assert allocator.promised_tokens == 0
+    device.total_pages = 10_000
+    budget = allocator.create_prefill_budget(h.tree_cache)
+    assert budget.can_allocate_prefill(**ask) is True
+    assert allocator.promised_tokens == 40  # mapped now: the allocation cannot meet a full device
+    chunked = allocator.create_prefill_budget(h.tree_cache)  # a chunk: only its pages
+    assert chunked.can_allocate_prefill(**{**ask, "chunk_limit": 16}) is True
+    assert allocator.promised_tokens == 40 + 16
+    h.pool.before_schedule()  # unused promises go back at the next iteration
+    assert allocator.promised_tokens == 0 and h.blocks.num_allocated_blocks == 1
+
+
 @pytest.mark.parametrize("chunk", [None, 32], ids=["whole", "chunked"])
 def test_a_device_filling_under_admission_never_fails_an_allocation(
     make_harness: Make, cache_kind: str, monkeypatch: pytest.MonkeyPatch, chunk: int | None
