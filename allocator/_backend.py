@@ -37,7 +37,12 @@ class Backend(Protocol):
         ...
 
     def unmap_many(self, pages: Sequence[int]) -> None:
-        """Unmap several pages; runs of consecutive pages cost one call per region."""
+        """Unmap several pages; runs of consecutive pages cost one call per region.
+
+        Not all or nothing: on a failure every page is still tried, the pages
+        that did not unmap stay mapped (:meth:`is_mapped`; unmapping again
+        retries them), then the first error is raised.
+        """
         ...
 
     def is_mapped(self, page: int) -> bool:

@@ -154,9 +154,9 @@ class HostBackend:
             raise AllocatorContractError(f"page {page} is outside 0..{self.layout.num_pages - 1}")
         if not self._mapped[page]:
             raise AllocatorContractError(f"page {page} is not mapped")
+        self._unmap_run(page, 1)  # raises with the page still mapped (see unmap_many)
         self._mapped[page] = 0
         self._num_mapped -= 1
-        self._unmap_run(page, 1)
 
     def map_many(self, pages: Sequence[int]) -> None:
         """Map several pages; each run of consecutive pages is one commit + one mmap per region."""
@@ -176,14 +176,26 @@ class HostBackend:
         self._num_mapped += len(ordered)
 
     def unmap_many(self, pages: Sequence[int]) -> None:
-        """Unmap several pages; each run of consecutive pages is one call per region."""
+        """Unmap several pages; each run of consecutive pages is one call per region.
+
+        Not all or nothing: every run is tried; a run whose ``mprotect`` or
+        punch failed in any region stays mapped in the books (:meth:`is_mapped`
+        says so, and unmapping it again retries every region), the others are
+        unmapped; then the first error is raised.
+        """
         self._check_live()
         ordered = check_pages(pages, self.layout.num_pages, self._mapped, True)
-        for page in ordered:
-            self._mapped[page] = 0
-        self._num_mapped -= len(ordered)
+        first_error: BackendError | None = None
         for first, count in runs(ordered):
-            self._unmap_run(first, count)
+            try:
+                self._unmap_run(first, count)
+            except BackendError as exc:
+                first_error = first_error or exc
+                continue
+            self._mapped[first : first + count] = bytes(count)
+            self._num_mapped -= count
+        if first_error is not None:
+            raise first_error
 
     def is_mapped(self, page: int) -> bool:
         """Whether this process maps ``page``."""
@@ -249,12 +261,19 @@ class HostBackend:
             raise
 
     def _unmap_run(self, first: int, count: int) -> None:
+        """Drop the run in every region (each tried even after a failure); raise the first."""
         layout = self.layout
         length = count * layout.page_bytes
         offset = first * layout.page_bytes
+        first_error: BackendError | None = None
         for _ in range(layout.num_regions):
-            self._drop(offset, length)
+            try:
+                self._drop(offset, length)
+            except BackendError as exc:
+                first_error = first_error or exc
             offset += layout.region_bytes
+        if first_error is not None:
+            raise first_error
 
     def _drop(self, offset: int, length: int) -> None:
         _libc.close_range(self.base_address + offset, length)

@@ -33,6 +33,7 @@ class PageState(IntEnum):
     FREE = 1  # mapped, holds no blocks: the pre-mapped reserve
     IN_USE = 2  # handed out by acquire(); may take new blocks
     RETIRED = 3  # in use but above the target: no new blocks, unmapped when emptied
+    UNMAP_FAILED = 4  # holds no blocks, its unmap failed: out of service, mapped, retried
 
 
 class PageObserver(Protocol):
@@ -67,6 +68,12 @@ class PageAllocator:
     * retired pages == max(0, in-use pages - ``cap``) after every call, and
       free pages == 0 while any page is retired;
     * free mapped pages <= ``reserve_pages``; they count as mapped.
+    * a page whose unmap failed (the backend still maps it, maybe in some
+      regions only) is ``UNMAP_FAILED``: it holds no blocks, is never handed
+      out, counts as mapped, and is unmapped again by the next
+      ``release_many`` or ``set_target`` (:meth:`retry_unmaps`). After any
+      failed unmap, a page is ``UNMAPPED`` exactly when the backend says it
+      is not mapped.
 
     Costs: ``acquire`` and ``release`` are O(1) (plus one map/unmap): taking
     back the fullest retired page asks the observer's
@@ -101,6 +108,7 @@ class PageAllocator:
         self._free: list[int] = []  # stack of FREE pages
         self._in_use: set[int] = set()  # IN_USE (not retired)
         self._retired: set[int] = set()  # RETIRED
+        self._unmap_failed: list[int] = []  # UNMAP_FAILED
         self._observer: PageObserver | None = None
         self._device_full_at: float | None = None  # monotonic time of the last device OOM
         # whether the last acquire() returned None because the device refused the map (not
@@ -124,6 +132,11 @@ class PageAllocator:
     def num_in_use(self) -> int:
         """Pages handed out by :meth:`acquire` and not yet released (retired included)."""
         return len(self._in_use) + len(self._retired)
+
+    @property
+    def num_unmap_failed(self) -> int:
+        """Mapped pages out of service because their unmap failed (retried later)."""
+        return len(self._unmap_failed)
 
     @property
     def num_retired(self) -> int:
@@ -193,13 +206,18 @@ class PageAllocator:
             raise AllocatorContractError(f"target must be None or an int >= 0; got {pages!r}")
         self.target_pages = pages
         self._device_full_at = None  # limits moved: memory may be free again, try the device
+        error: BackendError | None = None
+        if self._unmap_failed:
+            try:
+                self.retry_unmaps()
+            except BackendError as exc:
+                error = exc
         cap = self.cap_pages()
         drop = min(self.num_mapped - cap, len(self._free))
         if drop > 0:
             victims = self._free[-drop:]
-            self.backend.unmap_many(victims)
             del self._free[-drop:]
-            self._mark_unmapped(victims)
+            error = self._unmap_out_of_service(victims) or error
         self._trim_spares()
         want_retired = max(0, self.num_in_use - cap)
         if want_retired > len(self._retired):
@@ -210,6 +228,8 @@ class PageAllocator:
             self._top_up()
         except BackendError as exc:
             _log.warning("could not refill the page reserve after set_target: %s", exc)
+        if error is not None:
+            raise error
 
     def acquire(self) -> int | None:
         """A mapped page for new blocks, mapping one if the target allows; else ``None``.
@@ -258,8 +278,11 @@ class PageAllocator:
         """:meth:`release` each of ``pages`` (retired ones first), with one ``unmap_many``.
 
         Checks every page first (in range, in use or retired, no repeats) and
-        changes nothing if one is wrong. The backend unmaps before any state
-        changes, so a failed unmap leaves these pages as they were.
+        changes nothing if one is wrong. A failed unmap still releases every
+        page (they hold no blocks): those the backend unmapped are booked
+        unmapped, those it still maps become ``UNMAP_FAILED`` (out of service,
+        retried by the next release or :meth:`set_target`), then
+        :class:`BackendError` is raised.
         """
         self.guard.check()
         state, num_pages = self._state, self.num_pages
@@ -297,16 +320,23 @@ class PageAllocator:
                 free_room -= 1
             else:
                 unmap.append(page)
-        if len(unmap) == 1:
-            self.backend.unmap(unmap[0])
-        elif unmap:
-            self.backend.unmap_many(unmap)
+        error: BackendError | None = None
+        try:
+            if len(unmap) == 1:
+                self.backend.unmap(unmap[0])
+            elif unmap:
+                self.backend.unmap_many(unmap)
+        except BackendError as exc:  # not all or nothing: book what the backend did
+            error = exc
         for page in unmap:
             if state[page] == PageState.RETIRED:
                 self._retired.discard(page)
             else:
                 self._in_use.discard(page)
-        self._mark_unmapped(unmap)
+        if error is None:
+            self._mark_unmapped(unmap)
+        else:
+            error = self._book_failed_unmap(unmap, error)
         if take_back:
             self._unretire(take_back)
         for page in keep:
@@ -315,11 +345,62 @@ class PageAllocator:
             self._free.append(page)
         if unmap:
             self._trim_spares()
+        if error is not None:
+            raise error
+        if self._unmap_failed:
+            try:
+                self.retry_unmaps()
+            except BackendError as exc:  # raised when it first failed; still held, counted
+                _log.debug("pages %s still cannot be unmapped: %s", self._unmap_failed, exc)
+
+    def retry_unmaps(self) -> None:
+        """Unmap the pages whose unmap failed earlier (``UNMAP_FAILED``).
+
+        Raises :class:`BackendError` if some still fail; those stay out of service.
+        """
+        self.guard.check()
+        pages, self._unmap_failed = self._unmap_failed, []
+        if not pages:
+            return
+        error = self._unmap_out_of_service(pages)
+        self._trim_spares()
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ internals
     def _check_page(self, page: int) -> None:
         if not 0 <= page < self.num_pages:
             raise AllocatorContractError(f"page {page} is outside 0..{self.num_pages - 1}")
+
+    def _unmap_out_of_service(self, pages: list[int]) -> BackendError | None:
+        """Unmap ``pages``, already out of every state list; book what the backend did."""
+        try:
+            self.backend.unmap_many(pages)
+        except BackendError as exc:
+            return self._book_failed_unmap(pages, exc)
+        self._mark_unmapped(pages)
+        return None
+
+    def _book_failed_unmap(self, pages: list[int], exc: BackendError) -> BackendError:
+        """After a failed unmap of ``pages`` (out of every state list): the ones the backend
+        still maps become UNMAP_FAILED, the others UNMAPPED. Returns the error to raise."""
+        mapped = self.backend.is_mapped
+        stuck: list[int] = []
+        gone: list[int] = []
+        for page in pages:
+            (stuck if mapped(page) else gone).append(page)
+        self._mark_unmapped(gone)
+        for page in stuck:
+            self._state[page] = PageState.UNMAP_FAILED
+        self._unmap_failed.extend(stuck)
+        error = BackendError(
+            f"could not unmap page(s) {sorted(stuck)} of {len(pages)} ({exc}); they hold no blocks "
+            "and stay mapped out of service (counted as mapped) until the next release or "
+            "limit change unmaps them; the others were unmapped",
+            errno=exc.errno,
+        )
+        error.__cause__ = exc
+        return error
 
     def _mark_unmapped(self, pages: list[int]) -> None:
         for page in pages:

@@ -99,7 +99,10 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         self.refused_tokens = 0  # tokens of the request admission just refused (0: none)
         self.refused_input_tokens = 0  # ... its sequence length (to find it in the queue)
         self.refused_by_device = False  # ... because the device, not the limit, was full
-        self.num_device_refusals = 0  # admissions/decodes refused for device memory
+        # tokens of the chunked-prefill continuation this round could not schedule because
+        # the device refused its pages (0: none); it waits for the next round
+        self.parked_chunk_tokens = 0
+        self.num_device_refusals = 0  # admissions/decodes/continuations refused for device memory
         # Blocks taken (pages mapped) when admission or the decode check said yes, so the
         # allocation that follows cannot find the device full (another engine may take the
         # memory in between); the allocations use them first, the next pass frees the rest.
@@ -209,6 +212,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         self.refused_tokens = 0
         self.refused_input_tokens = 0
         self.refused_by_device = False
+        self.parked_chunk_tokens = 0
         return ElasticPrefillBudget(
             self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens
         )
@@ -242,13 +246,14 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         if self.available_size() >= num_tokens:
             if self.promise(pages):
                 return True
+            # promise() counted a device refusal already
         elif self._padding_held and self._physical_free_blocks() * self.page_size >= num_tokens:
             over = self._take_over_target(pages)
             if over is not None:
                 self._promised.extend(int(b) for b in over.tolist())
                 return True
-        if self.blocks.refused_by_device:
-            self.num_device_refusals += 1
+            if self.blocks.refused_by_device:
+                self.num_device_refusals += 1
         self.num_decode_shortages += 1  # SGLang retracts: the device is full, not the limit
         return False
 
@@ -269,6 +274,42 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
             return False
         self._promised.extend(got)
         return True
+
+    def promise_chunk(self, tree_cache: Any, num_tokens: int) -> bool:
+        """Take the pages of a chunked-prefill continuation when SGLang schedules it.
+
+        SGLang gives a continuation no admission check (it forces it through so
+        the request progresses), so without this its allocation is the first to
+        meet a device another engine filled, and fails ("Prefill out of memory").
+        Here it takes its pages first: under the limit after evicting, else above
+        it (a running request, as :meth:`alloc_extend` would serve it). False only
+        when the device refused the pages: the continuation waits a round.
+        """
+        tokens = int(num_tokens)
+        if tokens <= 0:
+            return True
+        self.evict_to_free_tokens(tree_cache, tokens)
+        pages = -(-tokens // self.page_size)
+        if self.available_size() >= pages * self.page_size:
+            if self.promise(pages):
+                return True
+            if self.blocks.refused_by_device:
+                return False  # promise() counted it
+        if self._padding_held and self._physical_free_blocks() >= pages:
+            over = self._take_over_target(pages)
+            if over is not None:
+                self._promised.extend(int(b) for b in over.tolist())
+                self.num_prefill_overdrafts += 1
+                _log.warning(
+                    "kvsidecar: a chunked-prefill continuation took %d page(s) above the KV "
+                    "limit (a running request is served, not retracted)",
+                    pages,
+                )
+                return True
+            if self.blocks.refused_by_device:
+                self.num_device_refusals += 1
+                return False
+        return True  # no room even without a limit: SGLang's own allocation decides, as before
 
     @property
     def promised_tokens(self) -> int:

@@ -173,17 +173,20 @@ class SglangRuntime:
         request: the refused one's budget (its prompt less its prefix hit, plus
         the decode headroom SGLang reserves) and every other one's whole sequence
         (their hits are looked up only when they reach the budget: an upper bound).
-        O(1) unless a request was refused; then O(waiting).
+        ``device_out_of_memory`` also while a chunked-prefill continuation waits
+        because the device refused its pages (its chunk counts in
+        ``waiting_blocks``). O(1) unless a request was refused; then O(waiting).
         """
         scheduler, allocator = self.scheduler, self.allocator
         waiting = _num_waiting(scheduler)
         refused = allocator.refused_tokens if waiting else 0
+        parked = allocator.parked_chunk_tokens
         pages = allocator.blocks.pages
         limited = pages.target_pages is not None and pages.target_pages < pages.num_pages
-        blocks = 0
+        page = allocator.page_size
+        blocks = -(-parked // page)
         if refused:
-            page = allocator.page_size
-            blocks = (
+            blocks += (
                 -(-refused // page)
                 + _queued_pages(scheduler, page)
                 - -(-allocator.refused_input_tokens // page)
@@ -193,7 +196,7 @@ class SglangRuntime:
             num_waiting_requests=waiting,
             waiting_blocks=max(0, blocks),
             waiting_for_memory=bool(refused and limited and not allocator.refused_by_device),
-            device_out_of_memory=bool(refused and allocator.refused_by_device),
+            device_out_of_memory=bool((refused and allocator.refused_by_device) or parked),
             num_preemptions=allocator.num_decode_shortages,
             prefix_hit_rate=allocator.hits.rate,
         )

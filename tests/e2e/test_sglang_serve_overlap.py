@@ -1,7 +1,10 @@
 """SGLang's real server with its default ``event_loop_overlap`` and ``--sleep-on-idle``, on CPU.
 
 One server for the module (the same harness as ``test_sglang_serve.py``, which
-runs ``event_loop_normal``). With ``--sleep-on-idle`` the scheduler parks in
+runs ``event_loop_normal``), with chunked prefill of ``CHUNK`` tokens, so the
+long prompts here are prefilled in chunks: every continuation goes through
+the budget's ``fit_chunk`` (its pages taken there; above a lowered limit in
+the traffic test), in the loop where a chunk may still be in flight. With ``--sleep-on-idle`` the scheduler parks in
 SGLang's ``IdleSleeper`` between requests; a limit published over the control
 socket wakes it. The module ends with SIGINT to the whole process group (a
 Ctrl-C in the terminal), which must leave no control socket and no owner
@@ -29,6 +32,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 NAME = "sgl-overlap"
 DOC = make_document(500, seed=5)
+CHUNK = 128  # --chunked-prefill-size: DOC is prefilled in 4 chunks
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     tmp = tmp_path_factory.mktemp("sglang-overlap")
     model_dir = make_tiny_model_dir(tmp / "model")
     started = time.monotonic()
-    eng = start_engine(tmp, model_dir, NAME, {}, ["--sleep-on-idle"])
+    eng = start_engine(
+        tmp, model_dir, NAME, {}, ["--sleep-on-idle", "--chunked-prefill-size", str(CHUNK)]
+    )
     print(f"\nSGLang server (overlap loop) healthy after {time.monotonic() - started:.0f} s")
     try:
         yield eng
@@ -47,6 +53,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
 def test_the_overlap_loop_serves_with_the_extension(engine: Engine) -> None:
     info = httpx.get(engine.server.base_url + "/server_info", timeout=30).json()
     assert info["disable_overlap_schedule"] is False and info["sleep_on_idle"] is True
+    assert info["chunked_prefill_size"] == CHUNK
     first, meta = engine.generate(f"{DOC} overlap", max_new_tokens=16)
     again, meta_again = engine.generate(f"{DOC} overlap", max_new_tokens=16)
     assert first == again and len(first) == 16

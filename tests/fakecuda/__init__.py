@@ -48,6 +48,7 @@ class FakeCuda:
         self.lib.fakecuda_calls.restype = ctypes.c_long
         self.lib.fakecuda_used_bytes.restype = ctypes.c_size_t
         self.lib.fakecuda_set_total_bytes.argtypes = [ctypes.c_size_t]
+        self.lib.fakecuda_mapped_at.argtypes = [ctypes.c_ulonglong]
 
     def fail(
         self, name: str, *, after: int = 0, count: int = 1, err: int = CUDA_ERROR_INVALID_VALUE
@@ -73,6 +74,10 @@ class FakeCuda:
 
     def num_mappings(self) -> int:
         return int(self.lib.fakecuda_num_mappings())
+
+    def mapped_at(self, address: int) -> bool:
+        """Whether the driver has a mapping covering ``address`` (its state, not a backend's)."""
+        return bool(self.lib.fakecuda_mapped_at(address))
 
     def set_total_bytes(self, total: int) -> None:
         if self.lib.fakecuda_set_total_bytes(total) != 0:

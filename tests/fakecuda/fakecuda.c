@@ -445,6 +445,16 @@ CUresult cuGetErrorString(CUresult e, const char **s) { return cuGetErrorName(e,
 /* Test hook (not a CUDA API): bytes held by live physical allocations. */
 size_t fakecuda_used_bytes(void) { return used_bytes; }
 int fakecuda_num_mappings(void) { return (int)nmaps; }
+/* Test hook: whether one of this driver's mappings covers `ptr` (the driver's own state,
+ * whatever a backend's books say; not a hooked entry point: no call counted). */
+int fakecuda_mapped_at(CUdeviceptr ptr) {
+    int found = 0;
+    pthread_mutex_lock(&mu);
+    for (size_t j = 0; j < nmaps && !found; j++)
+        found = ptr >= maps[j].addr && ptr < maps[j].addr + maps[j].size;
+    pthread_mutex_unlock(&mu);
+    return found;
+}
 
 CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, unsigned long long flags, int *status);
 static const struct { const char *name; void *fn; } table[] = {

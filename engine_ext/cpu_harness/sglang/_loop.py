@@ -58,6 +58,9 @@ class HarnessConfig:
     max_context: int = 1024
     sleep_on_idle: bool = False  # build SGLang's IdleSleeper (the adapter registers its waker)
     signal_cleanup: bool = False  # as a scheduler process: SIGTERM/SIGINT remove the runtime dir
+    # SGLang's --chunked-prefill-size: tokens prefilled per round; a longer prompt is
+    # prefilled in chunks, one chunked request at a time (None: off)
+    chunked_prefill_size: int | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -72,6 +75,7 @@ class HarnessRequest:
     prefix_len: int = 0  # matched (page-aligned) prefix, owned by the tree
     lock: Any = None  # tree lock on the matched node
     kv_len: int = 0  # token slots written for this request
+    extend_end: int = 0  # end of the tokens this round prefills (a chunk, or the prompt)
     done: bool = False
     aborted: bool = False  # aborted by :meth:`CpuHarness.abort` (not in ``finished``)
 
@@ -128,6 +132,8 @@ class CpuHarness:
             self.idle_sleeper = IdleSleeper(sockets=[])
         self.waiting: list[HarnessRequest] = []
         self.running: list[HarnessRequest] = []
+        self.chunked: HarnessRequest | None = None  # SGLang's chunked_req: prompt in chunks
+        self.num_parked_chunks = 0  # rounds whose continuation the budget held back
         self.finished: list[HarnessRequest] = []
         self._rids = itertools.count()
         self.num_retracted = 0  # decode shortages answered by retraction (as SGLang does)
@@ -252,7 +258,7 @@ class CpuHarness:
         return True
 
     def is_fully_idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and self.chunked is None
 
     def iterate(self) -> None:
         """One scheduler iteration: pass, admission + prefill, one decode step; idle hook."""
@@ -320,58 +326,96 @@ class CpuHarness:
         return sum(max(r.max_new_tokens - len(r.generated), 0) for r in self.running)
 
     def _admit(self) -> list[HarnessRequest]:
-        """``PrefillAdder``'s memory part: the allocator's budget, ``check_prefill``, ``reserve``."""
+        """``PrefillAdder``'s memory part: the allocator's budget, the chunked request's
+        continuation first (``add_chunked_req``: ``available_chunk_tokens``, ``fit_chunk``),
+        then ``check_prefill`` and ``reserve`` per waiting request."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
         ps = self.config.page_size
         admitted: list[HarnessRequest] = []
         budget = self.token_to_kv_pool_allocator.create_prefill_budget(self.tree_cache)
         budget.total_offset += self._running_offset()
+        rem_chunk = self.config.chunked_prefill_size
+        if self.chunked is not None and rem_chunk is not None:
+            req = self.chunked
+            left = len(req.tokens) - req.kv_len
+            size = budget.available_chunk_tokens(rem_chunk)
+            if size is not None:
+                size = budget.fit_chunk(
+                    extend_input_len=left, max_new_tokens=req.max_new_tokens, chunk_limit=size
+                )
+            if size is None:  # SGLang parks it: no chunk this round, the request keeps its KV
+                self.num_parked_chunks += 1
+            else:
+                last = left <= size
+                chunk = left if last else size
+                req.extend_end = req.kv_len + chunk
+                budget.reserve(chunk, req.max_new_tokens if last else 0)
+                rem_chunk -= chunk
+                admitted.append(req)
         for req in list(self.waiting):
             if len(admitted) + len(self.running) >= self.config.max_running:
+                break
+            if rem_chunk is not None and rem_chunk <= 0:
                 break
             match = self.tree_cache.match_prefix(MatchPrefixParams(key=self._key(req.tokens)))
             prefix = min(match.device_prefix_len, (len(req.tokens) - 1) // ps * ps)
             extend = len(req.tokens) - prefix
             total = budget.ceil_paged_tokens(extend) + ps + req.max_new_tokens
             lock = self.tree_cache.lock(match.last_device_node)  # the pin before the check
-            ok, _ = budget.check_prefill(
+            ok, limit = budget.check_prefill(
                 extend_input_len=extend,
                 total_tokens=total,
                 max_new_tokens=req.max_new_tokens,
                 input_tokens=len(req.tokens),
                 swa_host_hit_length=0,
-                chunk_limit=None,
+                chunk_limit=rem_chunk,
             )
+            chunk = extend
+            if ok and limit is not None and budget.ceil_paged_tokens(extend) > limit:
+                # truncated to a page-aligned end; one chunked request at a time
+                chunk = (prefix + limit // ps * ps) // ps * ps - prefix
+                if self.chunked is not None or chunk <= 0:
+                    ok = False
             if not ok:  # SGLang's NO_TOKEN: stay waiting
                 self.tree_cache.unlock(lock)
                 break
             req.prefix_len, req.lock = prefix, lock
-            budget.reserve(extend, req.max_new_tokens)
+            req.extend_end = prefix + chunk
+            budget.reserve(chunk, req.max_new_tokens if chunk == extend else 0)
+            if chunk < extend:
+                self.chunked = req
+            if rem_chunk is not None:
+                rem_chunk -= chunk
             self.num_prefix_hits += prefix > 0
             self.waiting.remove(req)
             admitted.append(req)
         return admitted
 
     def _prefill(self, batch: list[HarnessRequest]) -> None:
+        """One extend pass: each request's tokens from its KV end (or matched prefix) to its
+        ``extend_end``; a request whose prompt is done joins the running batch."""
         import torch
         from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
 
-        rows = self.req_to_token_pool.alloc_rows(len(batch))
+        fresh = [req for req in batch if req.row is None]
+        rows = self.req_to_token_pool.alloc_rows(len(fresh)) if fresh else []
         if rows is None:
             raise RuntimeError("ReqToTokenPool exhausted (admission bounds running requests)")
         table = self.req_to_token_pool.req_to_token
-        prefix_lens, seq_lens, last_loc = [], [], []
-        for req, row in zip(batch, rows):
+        for req, row in zip(fresh, rows):
             req.row = row
+            req.kv_len = req.prefix_len
             if req.prefix_len:
                 path = self.tree_cache.path_device_indices(req.lock.node)[: req.prefix_len]
                 table[row, : req.prefix_len] = path.to(table.dtype)
                 self._check_kv(req, path.tolist())
-            prefix_lens.append(req.prefix_len)
-            seq_lens.append(len(req.tokens))
-            last_loc.append(int(table[row, req.prefix_len - 1]) if req.prefix_len else -1)
-        p, s = torch.tensor(prefix_lens), torch.tensor(seq_lens)
+        starts = [req.kv_len for req in batch]
+        ends = [req.extend_end for req in batch]
+        last_loc = [
+            int(table[r.row, start - 1]) if start else -1 for r, start in zip(batch, starts)
+        ]
+        p, s = torch.tensor(starts), torch.tensor(ends)
         out = alloc_paged_token_slots_extend(
             tree_cache=self.tree_cache,
             prefix_lens=p,
@@ -382,13 +426,16 @@ class CpuHarness:
             extend_num_tokens=int((s - p).sum()),
         )
         offset = 0
-        for req in batch:
-            n = len(req.tokens) - req.prefix_len
-            slots = out[offset : offset + n]
-            offset += n
-            table[req.row, req.prefix_len : len(req.tokens)] = slots.to(table.dtype)
-            self._write(slots.tolist(), req.tokens[req.prefix_len :])
-            req.kv_len = len(req.tokens)
+        for req, start, end in zip(batch, starts, ends):
+            slots = out[offset : offset + end - start]
+            offset += end - start
+            table[req.row, start:end] = slots.to(table.dtype)
+            self._write(slots.tolist(), req.tokens[start:end])
+            req.kv_len = end
+            if end < len(req.tokens):
+                continue  # the chunked request: its next chunk comes in a later round
+            if self.chunked is req:
+                self.chunked = None
             self.running.append(req)
 
     def _decode(self) -> None:

@@ -44,8 +44,16 @@ def cache_kind(request: pytest.FixtureRequest) -> str:
 def make_harness(tmp_path: Path) -> Iterator[Callable[..., CpuHarness]]:
     made: list[CpuHarness] = []
 
-    def make(cache: str = "unified", *, sleep_on_idle: bool = False, **settings: Any) -> CpuHarness:
-        config = HarnessConfig(cache=cache, sleep_on_idle=sleep_on_idle)
+    def make(
+        cache: str = "unified",
+        *,
+        sleep_on_idle: bool = False,
+        chunked_prefill_size: int | None = None,
+        **settings: Any,
+    ) -> CpuHarness:
+        config = HarnessConfig(
+            cache=cache, sleep_on_idle=sleep_on_idle, chunked_prefill_size=chunked_prefill_size
+        )
         full = EngineSettings(
             enable=True, runtime_dir=tmp_path / "run", instance_id=f"sgl-{len(made)}", **settings
         )

@@ -171,23 +171,29 @@ def test_release_many_matches_sequential_releases_while_pages_are_retired(
     assert inner.mapped_bytes() == 3 * inner.layout.bundle_bytes
 
 
-def test_a_failed_batched_unmap_changes_no_page_state(make_host: MakeHost) -> None:
+def test_a_batched_unmap_that_unmaps_nothing_parks_the_pages_out_of_service(
+    make_host: MakeHost,
+) -> None:
     inner = make_host(num_pages=4)
     backend = CountingBackend(inner)
     pages = PageAllocator(backend)
     pages.acquire(), pages.acquire()
-    backend.fail_unmap = True
-    with pytest.raises(BackendError, match="injected"):
+    backend.fail_unmap = True  # the whole call fails: nothing unmapped
+    with pytest.raises(BackendError, match=r"could not unmap page\(s\) \[0, 1\].*injected"):
         pages.release_many([0, 1])
-    assert pages.num_in_use == 2 and inner.mapped_bytes() == 2 * inner.layout.bundle_bytes
+    # released (they hold no blocks) but still mapped: out of service, counted as mapped
+    assert pages.num_in_use == 0 and pages.num_unmap_failed == 2 and pages.num_mapped == 2
+    assert [pages.page_state(p) for p in (0, 1)] == [PageState.UNMAP_FAILED] * 2
+    assert inner.mapped_bytes() == 2 * inner.layout.bundle_bytes
+    assert pages.acquire() == 2  # a parked page is never handed out
     backend.fail_unmap = False
     with pytest.raises(AllocatorContractError, match="twice"):
-        pages.release_many([0, 0])
-    with pytest.raises(AllocatorContractError, match="not in use"):
+        pages.release_many([2, 2])
+    with pytest.raises(AllocatorContractError, match="UNMAP_FAILED, not in use"):
         pages.release_many([1, 2])
-    assert pages.num_in_use == 2  # bad batches change nothing
-    pages.release_many([1, 0])
-    assert pages.num_in_use == 0 and inner.mapped_bytes() == 0
+    assert pages.num_in_use == 1 and pages.num_unmap_failed == 2  # bad batches change nothing
+    pages.release_many([2])  # a good release retries the parked pages too
+    assert pages.num_mapped == 0 and pages.num_unmap_failed == 0 and inner.mapped_bytes() == 0
 
 
 @pytest.mark.parametrize("reserve", [1, 2, 5])

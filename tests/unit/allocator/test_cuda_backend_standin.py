@@ -421,8 +421,7 @@ def test_random_faults_never_split_the_page_allocator_from_the_backend(
     """Blocks allocated and freed through PageAllocator/BlockAllocator over CudaBackend with
     random map failures whose rollback unmaps fail too: after every call a page is mapped for
     the page allocator exactly when the backend says so, and the driver holds what the books
-    count. (A failing unmap on the *free* path is another matter: PageAllocator.release_many
-    treats unmap_many as all or nothing, which it is not; not covered here.)"""
+    count. (Unmap failures on the free path: test_allocator_unmap_failures.py.)"""
     import random
 
     rng = random.Random(seed)
