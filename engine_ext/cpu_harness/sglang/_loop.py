@@ -390,6 +390,33 @@ class CpuHarness:
             self._write(slots.tolist(), req.tokens[req.prefix_len :])
             req.kv_len = len(req.tokens)
             self.running.append(req)
+            self._checkpoint(req)
+
+    def _checkpoint(self, req: HarnessRequest) -> None:
+        """``checkpoint_kv_cache`` after a prefill (SGLang 0.5.23 publishes the prompt of a
+        request that keeps decoding): insert its page-aligned prompt, move the lock onto the
+        node the insert ended on. The finish then inserts only the generated pages, as a
+        child of the prompt's node (the tree shape the real server builds)."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+
+        ps = self.config.page_size
+        aligned = req.kv_len // ps * ps
+        if aligned <= req.prefix_len:
+            return
+        kv = self.req_to_token_pool.req_to_token[req.row, :aligned].to("cpu").long()
+        key = self._key(req.tokens[:aligned])
+        result = self.tree_cache.insert(
+            InsertParams(key=key, value=kv.clone(), prev_prefix_len=req.prefix_len)
+        )
+        if self.config.cache == "radix" and result.prefix_len > req.prefix_len:
+            self.token_to_kv_pool_allocator.free(kv[req.prefix_len : result.prefix_len])
+        node = self.tree_cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
+        path = self.tree_cache.path_device_indices(node)
+        table = self.req_to_token_pool.req_to_token
+        table[req.row, req.prefix_len : len(path)] = path[req.prefix_len :].to(table.dtype)
+        self.tree_cache.unlock(req.lock)
+        req.lock = self.tree_cache.lock(node)
+        req.prefix_len = len(path)
 
     def _decode(self) -> None:
         """One decode step; on shortage SGLang retracts requests to the queue, so do we."""
