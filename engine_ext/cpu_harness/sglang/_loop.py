@@ -13,7 +13,8 @@ allocation, as in the server) and SGLang's ``SchedulerInvariantChecker`` +
 loop calls them in the scheduler's order: before-schedule pass, admission
 (match_prefix, lock), req row + ``alloc_extend``, a "forward" that writes
 each token's id into every layer's K/V rows (a write to an unmapped page
-would fault), decode steps, and on finish insert / free duplicates / unlock.
+would fault), the prompt checkpointed into the tree (as SGLang 0.5.23 does
+after a prefill), decode steps, and on finish insert / free duplicates / unlock.
 KV tensors live on a :class:`allocator.HostBackend`, so mapped memory is
 measured from the memfd.
 

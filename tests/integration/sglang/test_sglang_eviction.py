@@ -165,3 +165,47 @@ def test_figures_are_exact_after_one_idle_iteration_following_traffic(
             h.pool.set_limit(None)
             _idle_iteration(h)
             check()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fuzz_one_pass_applies_whenever_the_cache_can_cover_the_cut(
+    make_big: Callable[[str], CpuHarness], cache_kind: str, seed: int
+) -> None:
+    """Random trees (shared prefixes of random depth, random lengths), some requests
+    still running (locked), random limits: after one pass either the limit is met or no
+    page is left whose every block is unlocked (nothing more eviction could free). The
+    running requests' KV stays intact (their tokens are computed from it), and SGLang's
+    strict idle leak check runs at every idle iteration."""
+    h = make_big(cache_kind)
+    rng = random.Random(seed)
+    bundle = h.bundle_bytes
+    prefixes = [[rng.randrange(1, 2000) for _ in range(rng.randrange(4, 90))] for _ in range(4)]
+
+    def request() -> list[int]:
+        head = rng.choice(prefixes)[: rng.randrange(0, 90)] if rng.random() < 0.7 else []
+        return head + [rng.randrange(1, 2000) for _ in range(rng.randrange(1, 120))]
+
+    for _round in range(5):
+        h.pool.set_limit(None)
+        for _ in range(rng.randrange(3, 12)):
+            h.submit(request(), rng.randrange(1, 6))
+        h.run_until_idle()
+        runners = [h.submit(request(), 40) for _ in range(rng.randrange(0, 3))]
+        for _ in range(2):
+            h.iterate()  # admitted and prefilled: they hold (lock) their KV
+        before = h.pool.state()
+        limit = rng.randrange(0, max(1, before.mapped_bytes // bundle)) * bundle
+        h.pool.set_limit(limit)
+        h.pool.before_schedule()  # one pass
+        state = h.pool.state()
+        assert state.passes - before.passes == 1
+        if state.status is not Status.APPLIED:
+            slots = _unlocked_slots(h)
+            unlocked = {s // h.config.page_size for s in slots}
+            assert count_reclaimable_pages(unlocked, h.blocks) == 0, state
+            assert state.reason == "running_requests"
+        assert state.mapped_bytes == h.mapped_bytes()
+        for req in runners:
+            if not req.done:
+                h.abort(req)  # a client gone: SGLang finishes it as aborted
+        h.run_until_idle()
