@@ -90,7 +90,7 @@ def native(h: CpuHarness, limit: int) -> tuple[int, int, float]:
 def main() -> None:
     print(
         f"{'cache':8} {'workload':9} {'method':10} {'freed (needed)':>14} {'blocks/page':>11} "
-        f"{'kept tokens':>11} {'time ×native':>12}"
+        f"{'kept tokens':>11} {'time ×native':>12} {'ms':>6}"
     )
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("unified", "radix"):
@@ -108,7 +108,7 @@ def main() -> None:
                     per = f"{evicted / freed:.2f}" if freed else "inf"
                     print(
                         f"{kind:8} {workload:9} {method:10} {f'{freed} ({needed})':>14} "
-                        f"{per:>11} {kept:>11} {dt / base:>12.1f}"
+                        f"{per:>11} {kept:>11} {dt / base:>12.1f} {dt * 1e3:>6.1f}"
                     )
     print("minimum blocks/page = SGLang pages per mapping page = 4")
 
