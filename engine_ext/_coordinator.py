@@ -224,6 +224,17 @@ class ShrinkCoordinator:
         self._tried_key = self._change_key()
         return state
 
+    def refresh_figures(self) -> EngineState:
+        """Engine thread: recompute evictable/pinned now (same status, revision, mapped).
+
+        For adapters whose allocator does not track evictable blocks: the figures
+        are otherwise rescanned at most every ``stats_interval_s`` while busy. Costs
+        one O(evictable) scan; call it where that is cheap (an idle iteration after
+        the cache changed), not at every step.
+        """
+        self._guard.check()
+        return self._refresh_figures()
+
     def _change_key(self) -> object:
         """What a pass looks at, as cheap counters: equal keys mean nothing moved.
 
@@ -332,6 +343,15 @@ class ShrinkCoordinator:
             return _Pass(over, 0)  # no page is all evictable: listing the cache frees nothing
         cap = self._config.max_evict_pages_per_step
         max_pages = over if cap is None else min(over, cap)
+        page_reclaims = [getattr(r, "reclaim_pages", None) for r in self._reclaimers]
+        if all(callable(reclaim) for reclaim in page_reclaims):
+            # tree caches (SGLang): each frees whole pages its own way, until the target
+            freed = 0
+            for reclaim in page_reclaims:
+                if freed >= max_pages or not self._overage_pages():
+                    break
+                freed += int(reclaim(max_pages - freed))  # type: ignore[misc]
+            return _Pass(over, freed)
         owners: dict[int, Reclaimer] = {}
         for reclaimer in self._reclaimers:
             for block in reclaimer.evictable_blocks():

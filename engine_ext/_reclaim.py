@@ -40,6 +40,12 @@ class Reclaimer(Protocol):
     cache entries of exactly these blocks and frees them to the block
     allocator, returning how many it evicted. A reclaimer never evicts a block
     a request references, whatever it is asked.
+
+    Optional: ``reclaim_pages(max_pages) -> int``. When every registered
+    reclaimer has it, a shrink pass calls it instead of :func:`select_victim_pages`
+    (tree caches, where evicting a block takes every block after it in its node
+    and the node's subtree): it evicts until the pool is at its target or
+    ``max_pages`` pages emptied, in one call, and returns the pages emptied.
     """
 
     name: str

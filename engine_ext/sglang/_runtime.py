@@ -66,6 +66,7 @@ class SglangRuntime:
         self.reclaimer = reclaimer
         self.waker: PipeWaker | None = None  # wakes --sleep-on-idle polls on publish
         self._stepped = False
+        self._figures_key: object = None  # the reclaimer's figures_key() at the last refresh
         # GPU: the fence the KV backend's unmaps wait on (allocator.FencedBackend, placed by
         # _kv_placement); recorded after each batch (after_batch). None: no ordering needed.
         self.fence: Any = getattr(allocator.blocks.pages.backend, "fence", None)
@@ -143,7 +144,19 @@ class SglangRuntime:
             and self._drain_padding_page()
         ):
             self._step()  # page 0 unmapped: recompute the status
+        self._refresh_figures()
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
+
+    def _refresh_figures(self) -> None:
+        """Idle: evictable/pinned exact once the cache changed (one scan per change; the
+        busy path rescans at most every ``stats_interval_s``)."""
+        key_of = getattr(self.reclaimer, "figures_key", None)
+        if key_of is None:
+            return
+        key = key_of()
+        if key != self._figures_key:
+            self._figures_key = key
+            self.instance.coordinator.refresh_figures()
 
     def after_batch(self) -> None:
         """``Scheduler.process_batch_result`` (patched), before it frees anything: record

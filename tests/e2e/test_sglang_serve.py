@@ -119,14 +119,6 @@ def test_limit_lowered_while_idle_applies_in_one_idle_pass_and_holds_under_traff
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "on the real server an idle limit cut takes 2-5 coordinator passes (the small loop: 1): "
-        "SGLang calls get_next_batch_to_run (a pass) before on_idle in every idle iteration, and "
-        "UnifiedTreeReclaimer frees whole leaf nodes, so a pass may stop short; see docs/sglang.md"
-    ),
-)
 def test_limit_lowered_while_idle_converges_in_one_pass(engine: Engine) -> None:
     engine.flush()
     _fill(engine)

@@ -13,7 +13,8 @@ allocation, as in the server) and SGLang's ``SchedulerInvariantChecker`` +
 loop calls them in the scheduler's order: before-schedule pass, admission
 (match_prefix, lock), req row + ``alloc_extend``, a "forward" that writes
 each token's id into every layer's K/V rows (a write to an unmapped page
-would fault), decode steps, and on finish insert / free duplicates / unlock.
+would fault), the prompt checkpointed into the tree (as SGLang 0.5.23 does
+after a prefill), decode steps, and on finish insert / free duplicates / unlock.
 KV tensors live on a :class:`allocator.HostBackend`, so mapped memory is
 measured from the memfd.
 
@@ -72,7 +73,8 @@ class HarnessRequest:
     max_new_tokens: int
     generated: list[int] = field(default_factory=list)
     row: int | None = None  # ReqToTokenPool row
-    prefix_len: int = 0  # matched (page-aligned) prefix, owned by the tree
+    prefix_len: int = 0  # matched (page-aligned) prefix at admission
+    owned_len: int = 0  # tokens of its KV the tree owns (SGLang's cache_protected_len)
     lock: Any = None  # tree lock on the matched node
     kv_len: int = 0  # token slots written for this request
     extend_end: int = 0  # end of the tokens this round prefills (a chunk, or the prompt)
@@ -380,7 +382,7 @@ class CpuHarness:
             if not ok:  # SGLang's NO_TOKEN: stay waiting
                 self.tree_cache.unlock(lock)
                 break
-            req.prefix_len, req.lock = prefix, lock
+            req.prefix_len, req.owned_len, req.lock = prefix, prefix, lock
             req.extend_end = prefix + chunk
             budget.reserve(chunk, req.max_new_tokens if chunk == extend else 0)
             if chunk < extend:
@@ -437,6 +439,33 @@ class CpuHarness:
             if self.chunked is req:
                 self.chunked = None
             self.running.append(req)
+            self._checkpoint(req)
+
+    def _checkpoint(self, req: HarnessRequest) -> None:
+        """``checkpoint_kv_cache`` after a prefill (SGLang 0.5.23 publishes the prompt of a
+        request that keeps decoding): insert its page-aligned prompt, move the lock onto the
+        node the insert ended on. The finish then inserts only the generated pages, as a
+        child of the prompt's node (the tree shape the real server builds)."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+
+        ps = self.config.page_size
+        aligned = req.kv_len // ps * ps
+        if aligned <= req.owned_len:
+            return
+        kv = self.req_to_token_pool.req_to_token[req.row, :aligned].to("cpu").long()
+        key = self._key(req.tokens[:aligned])
+        result = self.tree_cache.insert(
+            InsertParams(key=key, value=kv.clone(), prev_prefix_len=req.owned_len)
+        )
+        if self.config.cache == "radix" and result.prefix_len > req.owned_len:
+            self.token_to_kv_pool_allocator.free(kv[req.owned_len : result.prefix_len])
+        node = self.tree_cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
+        path = self.tree_cache.path_device_indices(node)
+        table = self.req_to_token_pool.req_to_token
+        table[req.row, req.owned_len : len(path)] = path[req.owned_len :].to(table.dtype)
+        self.tree_cache.unlock(req.lock)
+        req.lock = self.tree_cache.lock(node)
+        req.owned_len = len(path)
 
     def _decode(self) -> None:
         """One decode step; on shortage SGLang retracts requests to the queue, so do we."""
@@ -474,11 +503,11 @@ class CpuHarness:
     def _retract(self, req: HarnessRequest) -> None:
         """``retract_decode``: give the request's own KV back and queue it again."""
         kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].to("cpu").long()
-        if req.kv_len > req.prefix_len:
-            self.token_to_kv_pool_allocator.free(kv[req.prefix_len :])
+        if req.kv_len > req.owned_len:
+            self.token_to_kv_pool_allocator.free(kv[req.owned_len :])
         self.tree_cache.unlock(req.lock)
         self.req_to_token_pool.free_rows([req.row])
-        req.row, req.lock, req.kv_len, req.prefix_len = None, None, 0, 0
+        req.row, req.lock, req.kv_len, req.prefix_len, req.owned_len = None, None, 0, 0, 0
         req.generated.clear()
         self.running.remove(req)
         self.waiting.insert(0, req)
@@ -495,13 +524,13 @@ class CpuHarness:
             InsertParams(
                 key=self._key(req.seq[:aligned]),
                 value=kv[:aligned].clone(),
-                prev_prefix_len=req.prefix_len,
+                prev_prefix_len=req.owned_len,
             )
         )
         allocator = self.token_to_kv_pool_allocator
-        if self.config.cache == "radix" and result.prefix_len > req.prefix_len:
+        if self.config.cache == "radix" and result.prefix_len > req.owned_len:
             # RadixCache leaves duplicates to the caller; the unified tree frees them itself.
-            allocator.free(kv[req.prefix_len : result.prefix_len])
+            allocator.free(kv[req.owned_len : result.prefix_len])
         if req.kv_len > aligned:
             allocator.free(kv[aligned:])
         self.tree_cache.unlock(req.lock)
