@@ -206,6 +206,8 @@ class ShrinkCoordinator:
         try:
             if target is not None:
                 self._apply_target(target)
+                if self._demand.reserved_blocks:
+                    self._probe_demand()  # the reservation's shortfall is against the new target
             done = self._shrink()
             self._backend_failed = False
         except BackendError as exc:

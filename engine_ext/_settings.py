@@ -57,6 +57,10 @@ class EngineSettings(BaseSettings):
     #: backend (the CUDA device UUID on a GPU, ``host-<hostname>`` on CPU; engine_ext._device_id).
     device_id: str | None = Field(default=None, pattern=DEVICE_ID_PATTERN)
     register_timeout_s: float = Field(default=10.0, ge=0, le=600)
+    #: Admit a request under a limit only if its whole output (``max_tokens``) fits beside
+    #: what the running requests may still add; ``applied`` then includes that growth
+    #: (docs/limits.md, "Output reservation"). For engines on a budgeted device.
+    reserve_output: bool = False
 
     @field_validator("instance_id")
     @classmethod

@@ -123,6 +123,8 @@ class SglangRuntime:
     def before_schedule(self) -> EngineState:
         """Top of a scheduler iteration: one coordinator pass, then truthful totals."""
         self._stepped = True
+        if self.instance.settings.reserve_output:
+            self._pin_output_ratio()
         self.allocator.release_promises()  # last iteration's unused promises, before the pass
         if not self.allocator.padding_held and not self.scheduler.is_fully_idle():
             self.allocator.claim_padding()  # work arrived: padded writes need page 0 again
@@ -178,6 +180,33 @@ class SglangRuntime:
         with torch.cuda.stream(stream):
             fence.record()
 
+    def _pin_output_ratio(self) -> None:
+        """Output reservation (``KVSIDECAR_RESERVE_OUTPUT``): SGLang admits against an
+        estimate of each request's output, ``new_token_ratio`` x ``max_new_tokens``
+        (from 0.7 decaying to about 0.1, lowered again after a retraction). Held at 1.0
+        the estimate is the whole ``max_new_tokens``: SGLang's own admission then keeps
+        every running request's remaining output inside the headroom under the limit.
+        One attribute read per iteration once pinned."""
+        tracker = getattr(self.scheduler, "new_token_ratio_tracker", None)
+        if tracker is not None and (tracker.current != 1.0 or tracker.min != 1.0):
+            tracker.init = tracker.min = tracker.current = 1.0
+            tracker.decay = 0.0
+
+    def _reserved_growth(self) -> tuple[int, int]:
+        """Output reservation: (pages the running requests may still add, how many of them
+        the free pages under the target cannot hold). O(running)."""
+        page = self.allocator.page_size
+        reserved = 0
+        for req in _running_requests(self.scheduler):
+            prompt, out, max_new = _token_counts(req)
+            more = -(-(prompt + max_new) // page) - -(-(prompt + out) // page)
+            if more > 0:
+                reserved += more
+        pages = self.allocator.blocks.pages
+        if pages.target_pages is None:
+            return reserved, 0
+        return reserved, max(0, reserved - self.allocator.blocks.num_free_blocks)
+
     def demand(self) -> Demand:
         """The demand probe (scheduler thread): queue lengths and the allocator's counters.
 
@@ -204,7 +233,12 @@ class SglangRuntime:
                 + _queued_pages(scheduler, page)
                 - -(-allocator.refused_input_tokens // page)
             )
+        reserved = shortfall = 0
+        if self.instance.settings.reserve_output:
+            reserved, shortfall = self._reserved_growth()
         return Demand(
+            reserved_blocks=reserved,
+            reserve_shortfall_blocks=shortfall,
             num_running_requests=_num_running(scheduler),
             num_waiting_requests=waiting,
             waiting_blocks=max(0, blocks),
@@ -273,6 +307,21 @@ def _queued_pages(scheduler: Any, page_size: int) -> int:
         )  # SGLang's Req
         total += -(-n // page_size)
     return total
+
+
+def _running_requests(scheduler: Any) -> Any:
+    batch = getattr(scheduler, "running_batch", None)  # SGLang's Scheduler
+    if batch is not None:
+        return getattr(batch, "reqs", None) or ()
+    return getattr(scheduler, "running", ())  # the CPU harness
+
+
+def _token_counts(req: Any) -> tuple[int, int, int]:
+    """(prompt tokens, output tokens so far, max new tokens) of a running request."""
+    params = getattr(req, "sampling_params", None)
+    if params is not None:  # SGLang's Req
+        return len(req.origin_input_ids), len(req.output_ids), int(params.max_new_tokens)
+    return len(req.tokens), len(req.generated), int(req.max_new_tokens)  # the CPU harness
 
 
 def _num_running(scheduler: Any) -> int:

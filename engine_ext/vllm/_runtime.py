@@ -113,7 +113,7 @@ class VllmRuntime:
         blocks = BlockAllocator(pages, memory.blocks_per_page, guard=guard)
         self.pool = pool
         self._fence = memory.fence
-        if self.vllm_settings.reserve_output:
+        if self.engine_settings.reserve_output:
             # max_model_len is read from the KVCacheManager at its first allocate_slots
             self._reservation = OutputReservation(pool.hash_block_size, max_model_len=1 << 62)
         self._blocks = blocks

@@ -32,10 +32,6 @@ class VllmSettings(BaseSettings):
     #: Bound on prefix-cache tokens kept after their requests finish:
     #: -1 unlimited (vLLM's behaviour), 0 evict on free, N keep at most N tokens.
     max_cached_tokens: int = Field(default=-1, ge=-1)
-    #: Admit a request under a limit only if its whole output (``max_tokens``) and what
-    #: the running requests may still add fit under it (docs/limits.md, "Output
-    #: reservation"): running requests then never end above the limit.
-    reserve_output: bool = False
 
 
 def load_vllm_settings() -> VllmSettings:

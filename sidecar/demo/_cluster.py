@@ -135,7 +135,7 @@ class Cluster:
         if spec.device_id is not None:
             env["KVSIDECAR_DEVICE_ID"] = spec.device_id
             # on a budgeted device a running request must not outgrow its limit
-            # (docs/limits.md, "Output reservation"; vLLM reads it, SGLang has no strict mode)
+            # (docs/limits.md, "Output reservation")
             env["KVSIDECAR_RESERVE_OUTPUT"] = "1"
         if spec.engine == "sglang":
             # event_loop_normal, as docs/sglang.md's measured rows; start-up is minutes on 2 cores
