@@ -64,6 +64,12 @@ def _parse(argv: tuple[str, ...]) -> argparse.Namespace:
         help="seconds to stay idle after lowering a limit [10]",
     )
     parser.add_argument("--quick", action="store_true", help="smaller workload (tests)")
+    parser.add_argument(
+        "--output-tokens",
+        type=int,
+        default=48,
+        help="--autopilot: max_tokens of each request (a decode-heavy load: e.g. 600) [48]",
+    )
     parser.add_argument("--keep-workdir", action="store_true", help="keep logs and the DB")
     parser.add_argument(
         "--autopilot",
@@ -80,6 +86,10 @@ def run_demo(*argv: str) -> None:
     args = _parse(argv)
     if args.idle_s < 0:
         sys.exit("kvsidecar demo: --idle-s must be >= 0")
+    if not 1 <= args.output_tokens <= 2048:
+        sys.exit(
+            "kvsidecar demo: --output-tokens must be between 1 and 2048 (1200-word prompts in a 4096-token context)"
+        )
     missing = missing_dependencies()
     if missing:  # before anything is created: no output dir, no temp dir, no process
         sys.exit(
@@ -238,7 +248,12 @@ def _autopilot_body(args: argparse.Namespace, console: Console) -> _Body:
         )
         with console.status("load A->B->C: static equal split, then the autopilot…"):
             results["autopilot"] = autopilot_vs_static(
-                cluster, list(engines), 6 << 20, per_engine=12 if args.quick else 24, words=1200
+                cluster,
+                list(engines),
+                6 << 20,
+                per_engine=12 if args.quick else 24,
+                words=1200,
+                output_tokens=args.output_tokens,
             )
         a = results["autopilot"]
         console.print(

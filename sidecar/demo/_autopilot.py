@@ -120,7 +120,13 @@ def _memfd_paths(pid: int, name: str) -> list[str]:
 
 
 def _load(
-    cluster: Cluster, ids: list[str], per_engine: int, words: int, seed: int, watch: _Watch | None
+    cluster: Cluster,
+    ids: list[str],
+    per_engine: int,
+    words: int,
+    seed: int,
+    watch: _Watch | None,
+    output_tokens: int = 48,
 ) -> dict[str, Any]:
     """A->B->C: each engine's burst starts when 3/4 of the previous one is answered."""
     latencies: list[float] = []
@@ -133,7 +139,7 @@ def _load(
     def one(instance_id: str, prompt: str) -> None:
         t = time.monotonic()
         try:
-            cluster.complete(instance_id, prompt, max_tokens=48)
+            cluster.complete(instance_id, prompt, max_tokens=output_tokens)
         except Exception as exc:  # noqa: BLE001 -- counted: the check fails
             with lock:
                 failures.append(f"{instance_id}: {exc}"[:200])
@@ -169,7 +175,13 @@ def _load(
 
 
 def autopilot_vs_static(
-    cluster: Cluster, ids: list[str], budget: int, *, per_engine: int, words: int
+    cluster: Cluster,
+    ids: list[str],
+    budget: int,
+    *,
+    per_engine: int,
+    words: int,
+    output_tokens: int = 48,
 ) -> dict[str, Any]:
     """Both runs on the same engines; returns figures and checks."""
     http = cluster.http
@@ -180,7 +192,15 @@ def autopilot_vs_static(
     static_watch = _Watch(cluster, ids, budget)
     static_watch.start()
     try:
-        static = _load(cluster, ids, per_engine, words, seed=7000, watch=static_watch)
+        static = _load(
+            cluster,
+            ids,
+            per_engine,
+            words,
+            seed=7000,
+            watch=static_watch,
+            output_tokens=output_tokens,
+        )
     finally:
         static_watch.stop()
     for i in ids:  # the same starting point for the second run: empty caches
@@ -197,7 +217,9 @@ def autopilot_vs_static(
     watch = _Watch(cluster, ids, budget)
     watch.start()
     try:
-        auto = _load(cluster, ids, per_engine, words, seed=7000, watch=watch)
+        auto = _load(
+            cluster, ids, per_engine, words, seed=7000, watch=watch, output_tokens=output_tokens
+        )
     finally:
         watch.stop()
     reached = {i: watch.share_reached_s(i, auto["load_started_s"][i]) for i in ids}

@@ -17,6 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
     [
         (["--idle-s", "-1"], "--idle-s must be >= 0"),
         (["--idle-s", "soon"], "invalid float value"),
+        (["--autopilot", "--output-tokens", "0"], "--output-tokens must be between 1 and 2048"),
+        (["--output-tokens", "5000"], "--output-tokens must be between 1 and 2048"),
+        (["--output-tokens", "many"], "invalid int value"),
         (["--no-such-flag"], "unrecognized arguments"),
     ],
 )
