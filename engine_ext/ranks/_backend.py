@@ -5,13 +5,14 @@ own view; each rank attached the same memfd into a reservation of its own.
 The allocator above keeps calling ``map``/``unmap`` as with one process; this
 backend makes that hold for every rank:
 
-* ``map``: the owner commits and maps, then every rank maps and acks, then it
-  returns -- a page is never handed to a request before every rank maps it.
+* ``map``: sent to the ranks first; the owner commits and maps while they
+  map theirs, then it waits for every ack and returns -- a page is never
+  handed to a request before every rank maps it.
   A rank that is dead or does not ack within ``map_timeout_s`` raises
   :class:`allocator.BackendError` (the engine cannot run a step without it).
 * ``unmap``: tagged with the last step handed to the ranks; collected and
-  sent as one message before the next op to the ranks or at the barrier,
-  never waited for. The page leaves the scheduler's view (``is_mapped`` is
+  sent as one message with the next op to the ranks (same ``send``) or at
+  the barrier, never waited for. The page leaves the scheduler's view (``is_mapped`` is
   False, the allocator may reuse it) but its memory stays committed in the
   owner until *every* rank acked: only then is it punched out, so
   ``mapped_bytes`` counts it until then.
@@ -114,25 +115,36 @@ class RankedBackend:
             pages = [p for p in pages if p not in unsent]
             if not pages:
                 return
-        self.flush()
         revived = [p for p in pages if p in self._page_seq]
         fresh = [p for p in pages if p not in self._page_seq]
-        self.owner.map_many(fresh)
+        self.flush()  # the pass's unmaps leave in the same send, before the map
+        seq = self.group.broadcast("map", pages=pages)
+        try:  # the owner commits while the ranks map (nobody touches the pages before the acks)
+            self.owner.map_many(fresh)
+        except BackendError:
+            self._undo(pages, owned=revived)  # the owner rolled its own commits back
+            raise
         for page in revived:
             del self._page_seq[page]  # the owner never gave its memory back
-        seq = self.group.broadcast("map", pages=pages)
         outcome = self.group.wait(seq, self.map_timeout_s)
         if outcome is not BarrierOutcome.CONFIRMED:
-            # roll back everywhere: the ranks that mapped unmap again (in order, after the map);
-            # the owner gives the memory back once every live rank acked (settle)
-            undo = self.group.broadcast("unmap", pages=pages, after_step=self.group.step)
-            self._pending[undo] = pages
-            for page in pages:
-                self._page_seq[page] = undo
-            self.group.watch(undo)
+            self._undo(pages, owned=pages)
             raise BackendError(
                 f"mapping pages {pages} on every rank failed: {self.group.describe(outcome)}"
             )
+
+    def _undo(self, pages: list[int], *, owned: list[int]) -> None:
+        """Roll a broadcast ``map`` of ``pages`` back on every rank.
+
+        The ranks that mapped unmap again (in order, after the map); the owner
+        gives the memory of ``owned`` (the pages it maps now) back once every
+        live rank acked (settle).
+        """
+        undo = self.group.broadcast("unmap", pages=pages, after_step=self.group.step)
+        self._pending[undo] = owned
+        for page in owned:
+            self._page_seq[page] = undo
+        self.group.watch(undo)
 
     def unmap_many(self, pages: Sequence[int]) -> None:
         pages = list(pages)
@@ -146,15 +158,14 @@ class RankedBackend:
         self._outbox.extend(pages)  # sent by flush(): one message per pass, not per page
 
     def flush(self) -> None:
-        """Send the unmaps collected since the last flush (before any later op to the ranks)."""
+        """Queue the unmaps collected since the last flush; they leave with the next op."""
         if not self._outbox:
             return
         pages, self._outbox = self._outbox, []
-        seq = self.group.broadcast("unmap", pages=pages, after_step=self._outbox_step)
+        seq = self.group.queue("unmap", pages=pages, after_step=self._outbox_step)
         self._pending[seq] = pages
         for page in pages:
             self._page_seq[page] = seq
-        self.group.watch(seq)
 
     def is_mapped(self, page: int) -> bool:
         """The scheduler's view: mapped and no unmap in flight."""
@@ -194,6 +205,8 @@ class RankedBackend:
             for page in done:
                 del self._page_seq[page]
             self.owner.unmap_many(done)
+        if self._pending:  # the watcher reads the late acks and wakes the engine
+            self.group.watch(max(self._pending))
         if self.group.any_dead():
             outcome = BarrierOutcome.FAILED
         elif self._pending or self._outbox:

@@ -1,11 +1,15 @@
 """The scheduler side of the rank channel: one unix socket per rank, acks in order.
 
 Threads: the engine thread calls everything except :meth:`RankGroup.close`
-(any thread, idempotent). Acks are read by whoever holds the read lock: the
-engine thread itself while it waits for them (a direct receive, no hand-off
-through another thread), else one daemon watcher thread that sleeps in
-``select`` on every rank socket, records acks that arrive while the engine
-does not wait, notices deaths (end of stream, error) and wakes the engine.
+(any thread, idempotent). The engine thread reads the acks it waits for
+itself, under the read lock (a direct receive, no hand-off through another
+thread). One daemon watcher thread sleeps in ``select`` on each rank's
+*pidfd* (readable when the process exits) and on a kick pipe, so an ack the
+engine waits for wakes only the engine; the watcher adds the rank sockets to
+its ``select`` only while a :meth:`RankGroup.watch` is outstanding (acks that
+arrive while the engine does not wait: it reads them and wakes the engine).
+Where no pidfd can be opened the watcher watches that rank's socket always
+(correct, just a second wake-up per ack).
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ import logging
 import os
 import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +32,22 @@ from engine_ext._barrier import BarrierOutcome
 from engine_ext._runtime_dir import RANK_SOCKET_FILE, RuntimeDir
 from engine_ext.protocol import RankState
 
-from ._wire import RankChannelError, recv_message, send_message
+from ._wire import Ack, FrameReader, RankChannelError, decode_ack, encode_op, recv_message
 
 __all__ = ["RankGroup"]
 
 _log = logging.getLogger("engine_ext.ranks")
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 @dataclass(slots=True)
 class _Rank:
     rank: int
-    pid: int
+    pid: int  # from the kernel (SO_PEERCRED) where the socket says, else from the hello
     sock: socket.socket
+    reader: FrameReader[Ack] = field(init=False)
+    fd: int = field(init=False)  # the socket's descriptor, for select
+    pidfd: int | None = None  # readable once the process exited; None: watch the socket
     alive: bool = True
     acked: int = 0  # highest seq this rank acknowledged (acks arrive in order)
     finished_step: int = -1
@@ -46,14 +55,20 @@ class _Rank:
     mapped_pages: int = 0
     error: str | None = None
 
+    def __post_init__(self) -> None:
+        self.reader = FrameReader(self.sock, decode_ack)
+        self.fd = self.sock.fileno()
+
 
 class RankGroup:
     """Broadcasts ops to every rank and waits for their acks.
 
     Owns the listening socket (unlinked as soon as every rank connected), the
-    per-rank sockets, the watcher thread and its stop pipe, and the rank
-    processes it spawned. Rank fields change under ``_cond``; socket reads
-    happen only under ``_read_lock`` (acks of one rank stay in order).
+    per-rank sockets and pidfds, the watcher thread and its kick pipe, and
+    the rank processes it spawned. Rank fields change under ``_cond``; socket
+    reads happen only under ``_read_lock`` (acks of one rank stay in order).
+    Frames from :meth:`queue` wait in ``_held`` and leave with the next
+    :meth:`broadcast`, :meth:`wait` or :meth:`watch` (one ``send`` per rank).
     ``step`` is the last step handed to the ranks; an ``unmap`` is tagged
     with it, so a rank applies it only after finishing that step.
     """
@@ -65,14 +80,19 @@ class RankGroup:
         self._procs = list(procs)
         self._cond = threading.Condition()
         self._seq = 0
-        self._watch = 0  # wake the engine when a rank acks this seq (0: nothing watched)
+        self._held: list[bytes] = []  # queued frames, not sent yet (engine thread)
+        self._watch = 0  # wake the engine when every live rank acked this seq (0: none)
+        self._armed = False  # the watcher's select includes the rank sockets
         self._wake: Callable[[], None] | None = None
         self._flush: Callable[[], None] | None = None
         self._closed = False
         self.deaths = 0  # ranks that died so far; the barrier's liveness epoch
         self.step = -1
         self._read_lock = threading.Lock()
-        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._kick_r, self._kick_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # re-arm the watcher
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)  # close(): every select returns
+        for rank in self._ranks:
+            rank.pidfd = _open_pidfd(rank.pid)
         self._watcher = threading.Thread(target=self._watch_loop, name="rank-watcher", daemon=True)
         self._watcher.start()
 
@@ -145,11 +165,11 @@ class RankGroup:
             private.remove()
 
     def set_flush(self, flush: Callable[[], None] | None) -> None:
-        """Called before every ``call``/``run_step``: the backend sends its queued unmaps first."""
+        """Called before every ``call``/``run_step``: the backend queues its unmaps first."""
         self._flush = flush
 
     def set_wake(self, wake: Callable[[], None] | None) -> None:
-        """Called (from a reader thread) when a watched ack arrives or a rank dies."""
+        """Called (from the watcher thread) when a watched ack arrives or a rank dies."""
         self._wake = wake
 
     # -- engine thread -------------------------------------------------------------------
@@ -161,25 +181,36 @@ class RankGroup:
     def pids(self) -> list[int]:
         return [r.pid for r in self._ranks]
 
-    def broadcast(self, op: str, **fields: Any) -> int:
-        """Send ``op`` to every live rank; returns its sequence number. Never waits for acks."""
+    def queue(self, op: str, **fields: Any) -> int:
+        """Number ``op`` and hold it for the next send to the ranks; returns its seq.
+
+        It leaves with the next :meth:`broadcast`, :meth:`wait` or
+        :meth:`watch`, in the order queued, in the same ``send``.
+        """
         with self._cond:
             self._seq += 1
             seq = self._seq
-        message = {"op": op, "seq": seq, **fields}
-        for rank in self._ranks:
-            if not rank.alive:
-                continue
-            try:
-                send_message(rank.sock, message)
-            except (OSError, RankChannelError) as exc:
-                self._mark_dead(rank, f"send failed: {exc}")
+        self._held.append(encode_op(op, seq, fields))
+        return seq
+
+    def broadcast(self, op: str, **fields: Any) -> int:
+        """Send the queued frames and ``op`` to every live rank; returns its seq. Never waits."""
+        seq = self.queue(op, **fields)
+        self._send_held()
         return seq
 
     def watch(self, seq: int) -> None:
-        """Wake the engine when ranks acknowledge ``seq`` (the barrier waits for it)."""
+        """Wake the engine when every live rank acked ``seq`` (the barrier waits for it).
+
+        From now until then the watcher thread also reads the rank sockets,
+        so acks that arrive while the engine does not wait still wake it.
+        """
+        self._send_held()
         with self._cond:
             self._watch = max(self._watch, seq)
+            kick = not self._armed and self._watch_outstanding()
+        if kick:
+            _kick(self._kick_w)
 
     def acked_by_all_alive(self, seq: int) -> bool:
         with self._cond:
@@ -192,19 +223,28 @@ class RankGroup:
     def wait(self, seq: int, timeout_s: float) -> BarrierOutcome:
         """Wait at most ``timeout_s`` until every live rank acked ``seq``; a dead rank fails it.
 
-        Reads the acks on this thread (under the read lock, so the watcher
-        cannot take one between the check and the ``select``).
+        Sends what is queued, then reads the acks on this thread, holding the
+        read lock throughout (the watcher cannot take one meanwhile).
         """
+        self._send_held()
         deadline = time.monotonic() + timeout_s
-        while True:
-            with self._read_lock:
+        with self._read_lock:
+            while True:
                 with self._cond:
-                    if self._closed or all(r.acked >= seq or not r.alive for r in self._ranks):
+                    if self._closed:
                         break
+                    pending = [r for r in self._ranks if r.alive and r.acked < seq]
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if not pending or left <= 0:
                     break
-                self._pump(left)
+                fds = [r.fd for r in pending]
+                try:
+                    ready = select.select([*fds, self._stop_r], [], [], left)[0]
+                except (OSError, ValueError):  # a socket closed under us: close() is running
+                    break
+                for rank in pending:
+                    if rank.fd in ready:
+                        self._read_one(rank)
         with self._cond:
             if any(not r.alive for r in self._ranks):
                 return BarrierOutcome.FAILED
@@ -255,11 +295,12 @@ class RankGroup:
                 return
             self._closed = True
         os.write(self._stop_w, b"x")  # the watcher (and any waiting select) returns
+        stop = encode_op("stop", 0, {})
         for rank in self._ranks:
             if rank.alive:
                 try:
-                    send_message(rank.sock, {"op": "stop", "seq": 0})
-                except (OSError, RankChannelError):
+                    rank.sock.sendall(stop)
+                except OSError:
                     pass
             try:
                 rank.sock.shutdown(socket.SHUT_RDWR)
@@ -275,58 +316,107 @@ class RankGroup:
                 proc.wait()
         if threading.current_thread() is not self._watcher:
             self._watcher.join(timeout=max(0.1, deadline - time.monotonic()))
-        if not self._watcher.is_alive():
+        if not self._watcher.is_alive():  # else the watcher may still select on them
+            os.close(self._kick_r)
             os.close(self._stop_r)
+            for rank in self._ranks:
+                if rank.pidfd is not None:
+                    os.close(rank.pidfd)
+                    rank.pidfd = None
+        os.close(self._kick_w)
         os.close(self._stop_w)
 
-    # -- reading acks (under _read_lock) ----------------------------------------------
-    def _pump(self, timeout_s: float) -> None:
-        """Read the acks that arrive within ``timeout_s`` (those already there: 0)."""
-        live = [r for r in self._ranks if r.alive]
-        try:
-            ready = select.select([r.sock for r in live] + [self._stop_r], [], [], timeout_s)[0]
-        except (OSError, ValueError):  # a socket closed under us: close() is running
+    # -- sending (engine thread) -------------------------------------------------------
+    def _send_held(self) -> None:
+        if not self._held:
             return
-        for rank in live:
-            if rank.sock in ready:
-                self._read_one(rank)
+        frames = self._held[0] if len(self._held) == 1 else b"".join(self._held)
+        self._held = []
+        for rank in self._ranks:
+            if not rank.alive:
+                continue
+            try:
+                rank.sock.sendall(frames)
+            except OSError as exc:
+                self._mark_dead(rank, f"send failed: {exc}")
 
+    # -- reading acks (under _read_lock) ----------------------------------------------
     def _read_one(self, rank: _Rank) -> None:
+        """One ``recv`` from a readable socket; records every ack it completes."""
         try:
-            message = recv_message(rank.sock)
-            if message is None:
+            messages = rank.reader.feed()
+            if messages is None:
                 self._mark_dead(rank, "the rank closed its socket (process gone?)")
                 return
-            seq = int(message["seq"])
-            with self._cond:
-                rank.acked = seq
-                rank.finished_step = int(message["finished_step"])
-                rank.mapped_bytes = int(message["mapped_bytes"])
-                rank.mapped_pages = int(message["mapped_pages"])
-                watched = 0 < self._watch <= seq
-                self._cond.notify_all()
-            if watched:
-                self._notify()
-        except (OSError, RankChannelError, KeyError, ValueError) as exc:
+            if not messages:
+                return
+            seq = rank.acked
+            for ack in messages:  # in order; only the last one's figures matter
+                if ack.seq <= seq:
+                    raise RankChannelError(f"ack #{ack.seq} arrived after #{seq}")
+                seq = ack.seq
+            last = messages[-1]
+        except (OSError, RankChannelError) as exc:
             self._mark_dead(rank, f"channel error: {exc}")
+            return
+        with self._cond:
+            rank.acked = seq
+            rank.finished_step = last.finished_step
+            rank.mapped_bytes = last.mapped_bytes
+            rank.mapped_pages = last.mapped_pages
+            woke = self._watch > 0 and not self._watch_outstanding()
+            if woke:
+                self._watch = 0  # wake once per watch
+        if woke:
+            self._notify()
+
+    def _watch_outstanding(self) -> bool:
+        """Under ``_cond``: a watched seq that some live rank has not acked."""
+        return self._watch > 0 and any(r.alive and r.acked < self._watch for r in self._ranks)
 
     def _watch_loop(self) -> None:
-        """Sleep until a rank socket is readable; read what the engine does not wait for."""
+        """Sleep until a rank exits or, while a watch is outstanding, a rank socket is readable."""
         while True:
             with self._cond:
                 if self._closed:
                     return
-                socks = [r.sock for r in self._ranks if r.alive]
+                self._armed = armed = self._watch_outstanding()
+                live = [r for r in self._ranks if r.alive]
+            exits = {r.pidfd: r for r in live if r.pidfd is not None}
+            socks = {r.fd: r for r in live if armed or r.pidfd is None}
             try:
-                ready = select.select(socks + [self._stop_r], [], [])[0]
+                ready = select.select([self._stop_r, self._kick_r, *exits, *socks], [], [])[0]
             except (OSError, ValueError):
                 if self._closed:
                     return
                 continue
             if self._stop_r in ready:
                 return
-            with self._read_lock:
-                self._pump(0)
+            if self._kick_r in ready:
+                try:
+                    os.read(self._kick_r, 4096)
+                except (BlockingIOError, OSError):
+                    pass
+            exited = [exits[fd] for fd in ready if fd in exits]
+            readable = [socks[s] for s in ready if s in socks]
+            if not (exited or readable):
+                continue
+            with self._read_lock:  # waits while the engine thread reads its own acks
+                for rank in readable + exited:
+                    if rank.alive:
+                        self._drain(rank)
+                for rank in exited:
+                    self._mark_dead(rank, "the rank process exited")
+
+    def _drain(self, rank: _Rank) -> None:
+        """Read whatever the socket holds now, without blocking (under ``_read_lock``)."""
+        while rank.alive:
+            try:
+                if not select.select([rank.sock], [], [], 0)[0]:
+                    return
+            except (OSError, ValueError):  # closed under us: close() is running
+                return
+            self._read_one(rank)
 
     def _mark_dead(self, rank: _Rank, why: str) -> None:
         with self._cond:
@@ -346,8 +436,29 @@ class RankGroup:
         if wake is not None:
             try:
                 wake()
-            except Exception:  # noqa: BLE001 -- a wake must never kill the reader thread
+            except Exception:  # noqa: BLE001 -- a wake must never kill the watcher thread
                 _log.exception("waking the engine after a rank event failed")
+
+
+def _kick(fd: int) -> None:
+    try:
+        os.write(fd, b"k")
+    except (BlockingIOError, OSError):  # full (a kick is pending anyway) or closed
+        pass
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    """The pid of the process that connected (the kernel's word, not the peer's)."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return int(_PEERCRED.unpack(raw)[0])
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd of the rank process, or None where the kernel has none (then the socket tells)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def _listen(path: str) -> socket.socket:
@@ -398,11 +509,18 @@ def _accept(
             conn.close()
             continue
         rank = None if hello is None else hello.get("hello")
-        if not isinstance(rank, int) or not 0 <= rank < world_size or rank in found:
-            conn.close()  # not one of our ranks (a probe, a duplicate): ignore it
+        pid = _peer_pid(conn)
+        if (
+            hello is None
+            or not isinstance(rank, int)
+            or not 0 <= rank < world_size
+            or rank in found
+            or hello.get("pid") != pid
+        ):
+            conn.close()  # not one of our ranks (a probe, a duplicate, a lie): ignore it
             continue
         conn.settimeout(None)
-        found[rank] = _Rank(rank=rank, pid=int(hello["pid"]), sock=conn)  # type: ignore[index]
+        found[rank] = _Rank(rank=rank, pid=pid, sock=conn)
     return [found[r] for r in range(world_size)]
 
 

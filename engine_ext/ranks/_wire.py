@@ -1,10 +1,25 @@
-"""Framing of the rank channel: length-prefixed JSON over a unix stream socket.
+"""Framing of the rank channel: length-prefixed binary frames over a unix stream socket.
 
-Every message is a JSON object preceded by its length (4 bytes, big endian).
-Scheduler -> rank: ``{"op": ..., "seq": n, ...}``; rank -> scheduler: the ack
-``{"seq": n, "finished_step": e, "mapped_bytes": b, "mapped_pages": k}`` or,
-once, the hello ``{"hello": rank, "pid": pid}``. One socket per rank keeps the
-messages of that rank in order.
+Every frame is a body preceded by its length (4 bytes, big endian). One
+socket per rank keeps the frames of that rank in order. Both ends run on one
+host, so bodies use the native byte order.
+
+* rank -> scheduler, once: the hello, a JSON object ``{"hello": rank, "pid": pid}``
+  (:func:`send_message` / :func:`recv_message`);
+* scheduler -> rank: an op, :data:`OP_HEAD` (op code, seq, one integer
+  argument, a count) then its payload: ``map``/``unmap`` the pages (int32;
+  ``unmap``'s argument is ``after_step``), ``step`` the blocks, offsets and
+  values of its KV writes (3 x count int32; the argument is the step),
+  ``setup`` a JSON object, ``probe``/``stop`` nothing;
+* rank -> scheduler: the ack, :data:`ACK` (seq, finished_step, mapped_bytes,
+  mapped_pages).
+
+The ops a step sends are tiny binary frames, not JSON: encoding and parsing
+JSON was most of the Python time of a one-page round trip. Several frames may
+travel in one ``send`` (the scheduler sends a pass's unmaps and the next
+``map`` together; a rank acks everything it read in one go) and a frame may
+arrive in pieces: :class:`FrameReader` reads whatever is there with one
+``recv`` and returns every complete frame, decoded.
 """
 
 from __future__ import annotations
@@ -12,42 +27,210 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from typing import Any
+from array import array
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from engine_ext._errors import EngineExtError
 
-__all__ = ["MAX_MESSAGE_BYTES", "RankChannelError", "recv_message", "send_message"]
+__all__ = [
+    "ACK",
+    "MAX_MESSAGE_BYTES",
+    "OP_HEAD",
+    "Ack",
+    "FrameReader",
+    "RankChannelError",
+    "decode_ack",
+    "decode_op",
+    "encode_ack",
+    "encode_op",
+    "recv_message",
+    "send_message",
+]
 
 #: A step's writes for a long prompt fit comfortably; anything larger is a bug.
 MAX_MESSAGE_BYTES = 64 << 20
 _HEADER = struct.Struct(">I")
+#: An op: code, seq, argument (after_step / step / 0), count of int32 items that follow.
+OP_HEAD = struct.Struct("=BqqI")
+#: An ack: seq, finished_step, mapped_bytes, mapped_pages.
+ACK = struct.Struct("=qqqq")
+_RECV_BYTES = 1 << 16  # one recv takes this much at most (an ack is 36 bytes)
+_CODES = {"setup": 1, "map": 2, "unmap": 3, "step": 4, "probe": 5, "stop": 6}
+_NAMES = {code: name for name, code in _CODES.items()}
+_STEP_ARRAYS = ("blocks", "offsets", "values")
+_encoder = json.JSONEncoder(separators=(",", ":"))
+
+T = TypeVar("T")
 
 
 class RankChannelError(EngineExtError):
     """The rank channel broke: a peer sent garbage, or a rank cannot be reached."""
 
 
-def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
-    """Send one message (blocking). Raises ``OSError`` if the peer is gone."""
-    body = json.dumps(message, separators=(",", ":")).encode()
+class Ack(NamedTuple):
+    """What a rank reports after applying op ``seq`` in its own address space."""
+
+    seq: int
+    finished_step: int
+    mapped_bytes: int  # counted from its own successful mprotects
+    mapped_pages: int
+
+
+# -- frames ------------------------------------------------------------------------------
+def _frame(body: bytes) -> bytes:
     if len(body) > MAX_MESSAGE_BYTES:
         raise RankChannelError(f"a rank message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    sock.sendall(_HEADER.pack(len(body)) + body)
+    return _HEADER.pack(len(body)) + body
+
+
+def encode_op(op: str, seq: int, fields: Mapping[str, Any]) -> bytes:
+    """One op frame, ready to send to any number of ranks."""
+    code = _CODES.get(op)
+    if code is None:
+        raise RankChannelError(f"unknown rank op {op!r}; known: {', '.join(_CODES)}")
+    try:
+        if op in ("map", "unmap"):
+            pages = array("i", fields["pages"])
+            arg = int(fields["after_step"]) if op == "unmap" else 0
+            return _frame(OP_HEAD.pack(code, seq, arg, len(pages)) + pages.tobytes())
+        if op == "step":
+            columns = [array("i", fields[name]) for name in _STEP_ARRAYS]
+            count = len(columns[0])
+            if any(len(c) != count for c in columns):
+                raise RankChannelError("a step needs as many offsets and values as blocks")
+            head = OP_HEAD.pack(code, seq, int(fields["step"]), count)
+            return _frame(head + b"".join(c.tobytes() for c in columns))
+        if op == "setup":
+            return _frame(OP_HEAD.pack(code, seq, 0, 0) + _encoder.encode(dict(fields)).encode())
+    except (KeyError, TypeError, OverflowError) as exc:
+        raise RankChannelError(f"bad fields for rank op {op!r}: {exc!r}") from None
+    return _frame(OP_HEAD.pack(code, seq, 0, 0))
+
+
+def decode_op(body: bytes) -> dict[str, Any]:
+    """An op frame's body as ``{"op": name, "seq": n, ...fields}``."""
+    if len(body) < OP_HEAD.size:
+        raise RankChannelError(f"a rank op of {len(body)} bytes is shorter than its header")
+    code, seq, arg, count = OP_HEAD.unpack_from(body)
+    op = _NAMES.get(code)
+    if op is None:
+        raise RankChannelError(f"unknown rank op code {code}: is something else on the socket?")
+    payload = memoryview(body)[OP_HEAD.size :]
+    message: dict[str, Any] = {"op": op, "seq": seq}
+    if op == "setup":
+        message.update(_decode_json(bytes(payload)))
+        return message
+    width = {"map": 1, "unmap": 1, "step": 3}.get(op, 0)
+    if len(payload) != 4 * width * count:
+        raise RankChannelError(
+            f"rank op {op} #{seq} announces {count} items but carries {len(payload)} bytes"
+        )
+    if op == "step":
+        ints = payload.cast("i")
+        message["step"] = arg
+        for i, name in enumerate(_STEP_ARRAYS):
+            message[name] = ints[i * count : (i + 1) * count].tolist()
+    elif width:
+        message["pages"] = payload.cast("i").tolist()
+        if op == "unmap":
+            message["after_step"] = arg
+    return message
+
+
+def encode_ack(ack: Ack) -> bytes:
+    return _HEADER.pack(ACK.size) + ACK.pack(*ack)
+
+
+def decode_ack(body: bytes) -> Ack:
+    if len(body) != ACK.size:
+        raise RankChannelError(f"an ack of {len(body)} bytes (expected {ACK.size})")
+    return Ack._make(ACK.unpack(body))
+
+
+class FrameReader(Generic[T]):
+    """Reassembles the frames of one socket. Owns the bytes of a partial frame.
+
+    :meth:`feed` does exactly one ``recv`` (it blocks only if nothing is
+    there: call it when the socket is readable) and returns every frame
+    completed by it, decoded, in order; :meth:`read` blocks until at least
+    one is complete. Never holds a complete frame back, so a readable socket
+    is the only sign that something is left to read. One reader per socket;
+    whoever calls it must hold that socket's read side alone.
+    """
+
+    def __init__(self, sock: socket.socket, decode: Callable[[bytes], T]) -> None:
+        self.sock = sock
+        self._decode = decode
+        self._chunks: list[bytes] = []  # bytes received but not yet a complete frame
+        self._have = 0  # their total length
+        self._need = _HEADER.size  # bytes needed before the next frame can complete
+
+    def feed(self) -> list[T] | None:
+        """One ``recv``; the frames it completed (maybe none); ``None`` at a clean end of stream."""
+        chunk = self.sock.recv(min(max(_RECV_BYTES, self._need - self._have), 1 << 20))
+        if not chunk:
+            if self._have:
+                raise RankChannelError("the peer closed the rank socket in the middle of a message")
+            return None
+        self._chunks.append(chunk)
+        self._have += len(chunk)
+        if self._have < self._need:  # a large frame in pieces: join once, when complete
+            return []
+        data = b"".join(self._chunks) if len(self._chunks) > 1 else chunk
+        out: list[T] = []
+        start, end = 0, len(data)
+        need = _HEADER.size
+        while end - start >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(data, start)
+            _check_length(length)
+            stop = start + _HEADER.size + length
+            if stop > end:
+                need = _HEADER.size + length
+                break
+            out.append(self._decode(data[start + _HEADER.size : stop]))
+            start = stop
+        rest = data[start:]
+        self._chunks = [rest] if rest else []
+        self._have = len(rest)
+        self._need = need
+        return out
+
+    def read(self) -> list[T] | None:
+        """Block until at least one frame is complete; ``None`` at a clean end of stream."""
+        while True:
+            frames = self.feed()
+            if frames is None or frames:
+                return frames
+
+
+# -- the JSON hello ------------------------------------------------------------------------
+def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
+    """Send one JSON message (the hello). Raises ``OSError`` if the peer is gone."""
+    sock.sendall(_frame(_encoder.encode(message).encode()))
 
 
 def recv_message(sock: socket.socket) -> dict[str, Any] | None:
-    """Receive one message; ``None`` on a clean end of stream before a header."""
+    """Receive exactly one JSON message (no read-ahead); ``None`` on a clean end of stream."""
     header = _recv_exact(sock, _HEADER.size, allow_eof=True)
     if header is None:
         return None
     (length,) = _HEADER.unpack(header)
+    _check_length(length)
+    body = _recv_exact(sock, length, allow_eof=False)
+    assert body is not None
+    return _decode_json(body)
+
+
+def _check_length(length: int) -> None:
     if length > MAX_MESSAGE_BYTES:
         raise RankChannelError(
             f"a peer announced a {length}-byte message; the limit is "
             f"{MAX_MESSAGE_BYTES}: is something else on the rank socket?"
         )
-    body = _recv_exact(sock, length, allow_eof=False)
-    assert body is not None
+
+
+def _decode_json(body: bytes) -> dict[str, Any]:
     try:
         message = json.loads(body)
     except ValueError as exc:

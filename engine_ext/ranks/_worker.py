@@ -16,7 +16,8 @@ the KV slot geometry), attaches the memfd into a reservation of its own
 
 Every op is acknowledged *after* it was applied in this process's own
 address space (every ``mprotect`` of the view returned), with the bytes this
-rank maps counted from those calls. ``setup`` and ``probe`` re-measure the
+rank maps counted from those calls. Ops that arrive together (one ``recv``)
+are applied in order and their acks leave together (one ``send``). ``setup`` and ``probe`` re-measure the
 view from ``/proc/self/maps`` and stop the rank if the kernel disagrees with
 the count (parsing the maps per ack cost ~60% of a one-page round trip). ``barrier_delay_s`` delays the ack of
 each ``unmap`` (a slow rank, for tests and drills). The rank exits when the
@@ -37,7 +38,7 @@ from typing import Any
 from allocator import HostBackend, PageLayout
 
 from ._procmaps import view_mapped_bytes
-from ._wire import RankChannelError, recv_message, send_message
+from ._wire import Ack, FrameReader, RankChannelError, decode_op, encode_ack, send_message
 
 __all__ = ["RankWorker", "SlotGeometry"]
 
@@ -71,13 +72,19 @@ class RankWorker:
         try:
             sock.connect(self.socket_path)
             send_message(sock, {"hello": self.rank, "pid": os.getpid()})
+            reader = FrameReader(sock, decode_op)
             while True:
-                message = recv_message(sock)
-                if message is None or message.get("op") == "stop":
+                messages = reader.read()
+                if messages is None:
                     return 0
-                self._apply(message)
-                measure = message.get("op") in ("setup", "probe")
-                send_message(sock, self._ack(int(message["seq"]), measure=measure))
+                acks: list[bytes] = []
+                for message in messages:  # what one recv brought: acked in one send
+                    if message.get("op") == "stop":
+                        return 0
+                    self._apply(message)
+                    measure = message.get("op") in ("setup", "probe")
+                    acks.append(encode_ack(self._ack(int(message["seq"]), measure=measure)))
+                sock.sendall(acks[0] if len(acks) == 1 else b"".join(acks))
         except (OSError, RankChannelError) as exc:
             print(f"kvsidecar rank {self.rank}: channel closed: {exc}", flush=True)
             return 1
@@ -136,7 +143,7 @@ class RankWorker:
                 address = region_base + block * geometry.block_bytes + offset * geometry.slot_bytes
                 ctypes.c_int32.from_address(address).value = value
 
-    def _ack(self, seq: int, *, measure: bool = False) -> dict[str, Any]:
+    def _ack(self, seq: int, *, measure: bool = False) -> Ack:
         backend = self.backend
         pages = mapped = 0
         if backend is not None:
@@ -149,12 +156,7 @@ class RankWorker:
                         f"/proc/self/maps shows {seen} bytes of the KV view readable but "
                         f"{pages} pages ({mapped} bytes) were mapped here: the view is corrupt"
                     )
-        return {
-            "seq": seq,
-            "finished_step": self.finished_step,
-            "mapped_bytes": mapped,
-            "mapped_pages": pages,
-        }
+        return Ack(seq, self.finished_step, mapped, pages)
 
     def _require_backend(self) -> HostBackend:
         if self.backend is None:
