@@ -198,8 +198,9 @@ class RankedBackend:
         self.flush()
         if self._pending:
             self.group.wait(max(self._pending), wait_s)
+        acked = self.group.acked_by_all()
         for seq in sorted(self._pending):
-            if not self.group.acked_by_all_alive(seq):
+            if seq > acked:
                 break  # acks arrive in order: later seqs are not acked either
             done = [p for p in self._pending.pop(seq) if self._page_seq.get(p) == seq]
             for page in done:

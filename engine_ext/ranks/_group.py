@@ -32,7 +32,7 @@ from engine_ext._barrier import BarrierOutcome
 from engine_ext._runtime_dir import RANK_SOCKET_FILE, RuntimeDir
 from engine_ext.protocol import RankState
 
-from ._wire import Ack, FrameReader, RankChannelError, decode_ack, encode_op, recv_message
+from ._wire import FrameReader, RankChannelError, decode_ack, encode_op, recv_message
 
 __all__ = ["RankGroup"]
 
@@ -45,7 +45,7 @@ class _Rank:
     rank: int
     pid: int  # from the kernel (SO_PEERCRED) where the socket says, else from the hello
     sock: socket.socket
-    reader: FrameReader[Ack] = field(init=False)
+    reader: FrameReader[tuple[int, int, int, int]] = field(init=False)  # acks
     fd: int = field(init=False)  # the socket's descriptor, for select
     pidfd: int | None = None  # readable once the process exited; None: watch the socket
     alive: bool = True
@@ -65,7 +65,7 @@ class RankGroup:
 
     Owns the listening socket (unlinked as soon as every rank connected), the
     per-rank sockets and pidfds, the watcher thread and its kick pipe, and
-    the rank processes it spawned. Rank fields change under ``_cond``; socket
+    the rank processes it spawned. Rank fields change under ``_lock``; socket
     reads happen only under ``_read_lock`` (acks of one rank stay in order).
     Frames from :meth:`queue` wait in ``_held`` and leave with the next
     :meth:`broadcast`, :meth:`wait` or :meth:`watch` (one ``send`` per rank).
@@ -78,8 +78,10 @@ class RankGroup:
     ) -> None:
         self._ranks = list(ranks)
         self._procs = list(procs)
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # rank fields, _watch, _armed, _closed
         self._seq = 0
+        self._states: tuple[RankState, ...] = ()  # last answer of states() (engine thread)
+        self._states_key: tuple[tuple[int, bool], ...] | None = None  # what it was built from
         self._held: list[bytes] = []  # queued frames, not sent yet (engine thread)
         self._watch = 0  # wake the engine when every live rank acked this seq (0: none)
         self._armed = False  # the watcher's select includes the rank sockets
@@ -87,6 +89,7 @@ class RankGroup:
         self._flush: Callable[[], None] | None = None
         self._closed = False
         self.deaths = 0  # ranks that died so far; the barrier's liveness epoch
+        self.watcher_wakeups = 0  # times the watcher woke for a rank (tests, bench: acks must not)
         self.step = -1
         self._read_lock = threading.Lock()
         self._kick_r, self._kick_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # re-arm the watcher
@@ -187,9 +190,8 @@ class RankGroup:
         It leaves with the next :meth:`broadcast`, :meth:`wait` or
         :meth:`watch`, in the order queued, in the same ``send``.
         """
-        with self._cond:
-            self._seq += 1
-            seq = self._seq
+        self._seq += 1  # only the engine thread numbers ops
+        seq = self._seq
         self._held.append(encode_op(op, seq, fields))
         return seq
 
@@ -206,18 +208,22 @@ class RankGroup:
         so acks that arrive while the engine does not wait still wake it.
         """
         self._send_held()
-        with self._cond:
+        with self._lock:
             self._watch = max(self._watch, seq)
             kick = not self._armed and self._watch_outstanding()
         if kick:
             _kick(self._kick_w)
 
     def acked_by_all_alive(self, seq: int) -> bool:
-        with self._cond:
-            return all(r.acked >= seq for r in self._ranks if r.alive)
+        return self.acked_by_all() >= seq
+
+    def acked_by_all(self) -> int:
+        """The highest seq every live rank acknowledged (all acked: the last seq sent)."""
+        with self._lock:
+            return min((r.acked for r in self._ranks if r.alive), default=self._seq)
 
     def any_dead(self) -> bool:
-        with self._cond:
+        with self._lock:
             return any(not r.alive for r in self._ranks)
 
     def wait(self, seq: int, timeout_s: float) -> BarrierOutcome:
@@ -228,29 +234,30 @@ class RankGroup:
         """
         self._send_held()
         deadline = time.monotonic() + timeout_s
+        ranks = self._ranks
         with self._read_lock:
             while True:
-                with self._cond:
-                    if self._closed:
-                        break
-                    pending = [r for r in self._ranks if r.alive and r.acked < seq]
-                left = deadline - time.monotonic()
-                if not pending or left <= 0:
+                # rank fields change only under the read lock, which this thread holds
+                pending = [r for r in ranks if r.alive and r.acked < seq]
+                if not pending or self._closed:
                     break
-                fds = [r.fd for r in pending]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
                 try:
-                    ready = select.select([*fds, self._stop_r], [], [], left)[0]
+                    ready = select.select([*(r.fd for r in pending), self._stop_r], [], [], left)[0]
                 except (OSError, ValueError):  # a socket closed under us: close() is running
                     break
                 for rank in pending:
                     if rank.fd in ready:
                         self._read_one(rank)
-        with self._cond:
-            if any(not r.alive for r in self._ranks):
+        outcome = BarrierOutcome.CONFIRMED
+        for rank in ranks:
+            if not rank.alive:
                 return BarrierOutcome.FAILED
-            if all(r.acked >= seq for r in self._ranks):
-                return BarrierOutcome.CONFIRMED
-            return BarrierOutcome.TIMEOUT
+            if rank.acked < seq:
+                outcome = BarrierOutcome.TIMEOUT
+        return outcome
 
     def call(self, op: str, timeout_s: float, **fields: Any) -> None:
         """Broadcast ``op`` and wait for every ack; raise if a rank is dead or too slow."""
@@ -269,15 +276,19 @@ class RankGroup:
 
     def states(self) -> tuple[RankState, ...]:
         """Each rank's last measured mapped bytes and whether it is alive."""
-        with self._cond:
-            return tuple(
-                RankState(rank=r.rank, mapped_bytes=r.mapped_bytes, alive=r.alive)
-                for r in self._ranks
+        with self._lock:
+            key = tuple((r.mapped_bytes, r.alive) for r in self._ranks)
+        if key != self._states_key:  # built (validated) only when a figure changed
+            self._states = tuple(
+                RankState(rank=r.rank, mapped_bytes=mapped, alive=alive)
+                for r, (mapped, alive) in zip(self._ranks, key, strict=True)
             )
+            self._states_key = key
+        return self._states
 
     def describe(self, outcome: BarrierOutcome) -> str:
         """What a failed or timed-out wait means, for an error message."""
-        with self._cond:
+        with self._lock:
             dead = [f"rank {r.rank} (pid {r.pid}): {r.error}" for r in self._ranks if not r.alive]
             slow = [str(r.rank) for r in self._ranks if r.alive and r.acked < self._seq]
         if outcome is BarrierOutcome.FAILED:
@@ -290,7 +301,7 @@ class RankGroup:
     # -- shutdown (any thread) ---------------------------------------------------------
     def close(self, timeout_s: float = 5.0) -> None:
         """Tell every rank to stop, close the sockets, reap the processes. Idempotent."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -351,19 +362,19 @@ class RankGroup:
             if not messages:
                 return
             seq = rank.acked
-            for ack in messages:  # in order; only the last one's figures matter
-                if ack.seq <= seq:
-                    raise RankChannelError(f"ack #{ack.seq} arrived after #{seq}")
-                seq = ack.seq
-            last = messages[-1]
+            for ack in messages:  # (seq, finished_step, mapped_bytes, mapped_pages), in order
+                if ack[0] <= seq:
+                    raise RankChannelError(f"ack #{ack[0]} arrived after #{seq}")
+                seq = ack[0]
+            _, finished, mapped, pages = messages[-1]  # only the last one's figures matter
         except (OSError, RankChannelError) as exc:
             self._mark_dead(rank, f"channel error: {exc}")
             return
-        with self._cond:
+        with self._lock:
             rank.acked = seq
-            rank.finished_step = last.finished_step
-            rank.mapped_bytes = last.mapped_bytes
-            rank.mapped_pages = last.mapped_pages
+            rank.finished_step = finished
+            rank.mapped_bytes = mapped
+            rank.mapped_pages = pages
             woke = self._watch > 0 and not self._watch_outstanding()
             if woke:
                 self._watch = 0  # wake once per watch
@@ -371,13 +382,13 @@ class RankGroup:
             self._notify()
 
     def _watch_outstanding(self) -> bool:
-        """Under ``_cond``: a watched seq that some live rank has not acked."""
+        """Under ``_lock``: a watched seq that some live rank has not acked."""
         return self._watch > 0 and any(r.alive and r.acked < self._watch for r in self._ranks)
 
     def _watch_loop(self) -> None:
         """Sleep until a rank exits or, while a watch is outstanding, a rank socket is readable."""
         while True:
-            with self._cond:
+            with self._lock:
                 if self._closed:
                     return
                 self._armed = armed = self._watch_outstanding()
@@ -401,12 +412,12 @@ class RankGroup:
             readable = [socks[s] for s in ready if s in socks]
             if not (exited or readable):
                 continue
+            self.watcher_wakeups += 1
             with self._read_lock:  # waits while the engine thread reads its own acks
-                for rank in readable + exited:
-                    if rank.alive:
-                        self._drain(rank)
-                for rank in exited:
+                for rank in exited:  # what it sent last no longer matters: it maps nothing
                     self._mark_dead(rank, "the rank process exited")
+                for rank in readable:
+                    self._drain(rank)
 
     def _drain(self, rank: _Rank) -> None:
         """Read whatever the socket holds now, without blocking (under ``_read_lock``)."""
@@ -419,14 +430,13 @@ class RankGroup:
             self._read_one(rank)
 
     def _mark_dead(self, rank: _Rank, why: str) -> None:
-        with self._cond:
+        with self._lock:
             if not rank.alive:
                 return
             rank.alive = False
             rank.error = why
             self.deaths += 1
             closing = self._closed
-            self._cond.notify_all()
         if not closing:
             _log.error("kvsidecar: rank %d (pid %d) failed: %s", rank.rank, rank.pid, why)
             self._notify()
