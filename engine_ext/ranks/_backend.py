@@ -109,14 +109,18 @@ class RankedBackend:
                 raise AllocatorContractError(f"page {page} is already mapped")
         if len(set(pages)) != len(pages):
             raise AllocatorContractError(f"map_many got a page twice: {sorted(pages)}")
-        unsent = set(pages).intersection(self._outbox)
-        if unsent:  # unmapped and re-mapped before the unmap went out: nothing to tell anyone
-            self._outbox = [p for p in self._outbox if p not in unsent]
-            pages = [p for p in pages if p not in unsent]
-            if not pages:
-                return
-        revived = [p for p in pages if p in self._page_seq]
-        fresh = [p for p in pages if p not in self._page_seq]
+        if self._outbox:
+            unsent = set(pages).intersection(self._outbox)
+            if unsent:  # unmapped and re-mapped before the unmap went out: nothing to tell
+                self._outbox = [p for p in self._outbox if p not in unsent]
+                pages = [p for p in pages if p not in unsent]
+                if not pages:
+                    return
+        if self._page_seq:
+            revived = [p for p in pages if p in self._page_seq]
+            fresh = [p for p in pages if p not in self._page_seq]
+        else:  # no unmap in flight (the usual case)
+            revived, fresh = [], pages
         self.flush()  # the pass's unmaps leave in the same send, before the map
         seq = self.group.broadcast("map", pages=pages)
         try:  # the owner commits while the ranks map (nobody touches the pages before the acks)

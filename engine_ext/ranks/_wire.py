@@ -170,32 +170,34 @@ class FrameReader(Generic[T]):
 
     def feed(self) -> list[T] | None:
         """One ``recv``; the frames it completed (maybe none); ``None`` at a clean end of stream."""
-        chunk = self.sock.recv(min(max(_RECV_BYTES, self._need - self._have), 1 << 20))
+        want = self._need - self._have
+        chunk = self.sock.recv(_RECV_BYTES if want <= _RECV_BYTES else min(want, 1 << 20))
         if not chunk:
             if self._have:
                 raise RankChannelError("the peer closed the rank socket in the middle of a message")
             return None
-        self._chunks.append(chunk)
-        self._have += len(chunk)
-        if self._have < self._need:  # a large frame in pieces: join once, when complete
-            return []
-        data = b"".join(self._chunks) if len(self._chunks) > 1 else chunk
+        if self._have:  # the rest of a frame that came in pieces: join once, when complete
+            self._chunks.append(chunk)
+            self._have += len(chunk)
+            if self._have < self._need:
+                return []
+            chunk = b"".join(self._chunks)
         out: list[T] = []
-        start, end = 0, len(data)
-        need = _HEADER.size
-        while end - start >= _HEADER.size:
-            (length,) = _HEADER.unpack_from(data, start)
-            _check_length(length)
-            stop = start + _HEADER.size + length
+        decode, unpack_from, header = self._decode, _HEADER.unpack_from, _HEADER.size
+        start, end = 0, len(chunk)
+        while end - start >= header:
+            (length,) = unpack_from(chunk, start)
+            stop = start + header + length
             if stop > end:
-                need = _HEADER.size + length
-                break
-            out.append(self._decode(data[start + _HEADER.size : stop]))
+                _check_length(length)
+                self._chunks, self._have, self._need = [chunk[start:]], end - start, header + length
+                return out
+            out.append(decode(chunk[start + header : stop]))
             start = stop
-        rest = data[start:]
-        self._chunks = [rest] if rest else []
-        self._have = len(rest)
-        self._need = need
+        if start < end:  # part of a header
+            self._chunks, self._have, self._need = [chunk[start:]], end - start, header
+        elif self._have:
+            self._chunks, self._have, self._need = [], 0, header
         return out
 
     def read(self) -> list[T] | None:

@@ -79,11 +79,12 @@ class RankWorker:
                     return 0
                 acks: list[bytes] = []
                 for message in messages:  # what one recv brought: acked in one send
-                    if message.get("op") == "stop":
+                    op = message["op"]
+                    if op == "stop":
                         return 0
                     self._apply(message)
-                    measure = message.get("op") in ("setup", "probe")
-                    acks.append(encode_ack(self._ack(int(message["seq"]), measure=measure)))
+                    measure = op == "setup" or op == "probe"
+                    acks.append(encode_ack(self._ack(message["seq"], measure=measure)))
                 sock.sendall(acks[0] if len(acks) == 1 else b"".join(acks))
         except (OSError, RankChannelError) as exc:
             print(f"kvsidecar rank {self.rank}: channel closed: {exc}", flush=True)
@@ -95,10 +96,8 @@ class RankWorker:
 
     # -- ops -------------------------------------------------------------------------
     def _apply(self, message: dict[str, Any]) -> None:
-        op = message.get("op")
-        if op == "setup":
-            self._setup(message)
-        elif op == "map":
+        op = message["op"]
+        if op == "map":
             self._require_backend().map_many(message["pages"])
         elif op == "unmap":
             after = int(message["after_step"])
@@ -113,6 +112,8 @@ class RankWorker:
         elif op == "step":
             self._write(message["blocks"], message["offsets"], message["values"])
             self.finished_step = int(message["step"])
+        elif op == "setup":
+            self._setup(message)
         elif op != "probe":
             raise RankChannelError(f"unknown rank op {op!r}")
 
