@@ -1,6 +1,6 @@
 """Rank channel cost: map/unmap of pages on 2 rank processes vs the bare HostBackend.
 
-    python bench/bench_ranks.py [--rounds 5] [--ops 300] [--no-strace]     # ~30 s
+    python bench/bench_ranks.py [--rounds 5] [--ops 200] [--no-strace]     # ~1 min quiet, 3 loaded
 
 One *op* is ``map_many(pages)`` + ``unmap_many(pages)`` (+ one barrier
 ``settle`` on the ranked side, which waits for every rank's unmap ack and
@@ -182,7 +182,7 @@ def _median(samples: list[Sample]) -> Sample:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (median)")
-    parser.add_argument("--ops", type=int, default=300, help="ops per side per round")
+    parser.add_argument("--ops", type=int, default=200, help="ops per side per round")
     parser.add_argument("--no-strace", action="store_true", help="skip the syscall counts")
     parser.add_argument("--cycle", nargs=3, metavar=("SIDE", "PAGES", "OPS"), help="(internal)")
     args = parser.parse_args()
