@@ -14,6 +14,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +252,45 @@ def test_owner_commit_failure_rolls_back_every_rank(tmp_path: Path) -> None:
         backend.map_many([5, 6])  # nothing left over: works as if never tried
         assert views() == [2 * LAYOUT.bundle_bytes] * 2
         assert [s.mapped_bytes for s in backend.settle(10.0).ranks] == [2 * LAYOUT.bundle_bytes] * 2
+    finally:
+        group.close()
+        owner.release()
+
+
+def test_a_pending_rank_dying_while_the_engine_sleeps_on_another_is_noticed(
+    tmp_path: Path,
+) -> None:
+    """The engine sleeps on the socket of the rank told last and on the others' pidfds.
+
+    Ranks 0 and 2 hold their unmap acks; rank 0 is killed while the engine
+    sleeps on rank 2: the engine must notice (mark it dead, wake) during that
+    same wait, not only when rank 2 answers.
+    """
+    group = RankGroup.spawn(
+        str(tmp_path / "r.sock"), 3, timeout_s=30, barrier_delay_s={0: 600.0, 2: 600.0}
+    )
+    owner = HostBackend.reserve(LAYOUT, name="kvs-dies")
+    woken = threading.Event()
+    noticed: list[bool] = []
+
+    def kill_then_release() -> None:
+        time.sleep(0.5)  # the engine is (or soon will be) asleep in the settle's wait
+        os.kill(group.pids[0], signal.SIGKILL)
+        noticed.append(woken.wait(60))  # bounds a failing test only
+        os.kill(group.pids[2], signal.SIGKILL)  # lets the wait end
+
+    try:
+        backend = RankedBackend.start(owner, group, tp=3, pp=1, block_bytes=1024, slot_bytes=64)
+        group.set_wake(woken.set)
+        backend.map_many([3])
+        backend.unmap_many([3])
+        helper = threading.Thread(target=kill_then_release)
+        helper.start()
+        result = backend.settle(300.0)
+        helper.join()
+        assert noticed == [True], "rank 0's death went unnoticed while the engine waited"
+        assert result.outcome.value == "rank_failed"
+        assert [s.alive for s in result.ranks] == [False, True, False]
     finally:
         group.close()
         owner.release()
