@@ -242,15 +242,15 @@ class RankGroup:
                 if not pending or self._closed:
                     break
                 left = deadline - time.monotonic()
+                if left <= 0:
+                    break
                 try:
-                    if left <= 0:  # time is up: take the acks already there, then stop
-                        self._read_ready(
-                            pending, select.select([r.fd for r in pending], [], [], 0)[0]
-                        )
-                        break
-                    self._read_ready(pending, self._sleep(pending, left))
+                    ready = select.select([*(r.fd for r in pending), self._stop_r], [], [], left)[0]
                 except (OSError, ValueError):  # a socket closed under us: close() is running
                     break
+                for rank in pending:
+                    if rank.fd in ready:
+                        self._read_one(rank)
         outcome = BarrierOutcome.CONFIRMED
         for rank in ranks:
             if not rank.alive:
@@ -258,26 +258,6 @@ class RankGroup:
             if rank.acked < seq:
                 outcome = BarrierOutcome.TIMEOUT
         return outcome
-
-    def _sleep(self, pending: list[_Rank], timeout_s: float) -> list[int]:
-        """Sleep until the rank told last answers (or any pending rank exits); what is ready.
-
-        The rank told last usually answers last, so the engine wakes once per
-        round trip instead of once per ack; the others' acks are picked up
-        without sleeping right after. A rank without a pidfd is slept on as before.
-        """
-        *others, last = pending
-        fds = [last.fd, self._stop_r]
-        fds += [r.fd if r.pidfd is None else r.pidfd for r in others]
-        ready: list[int] = select.select(fds, [], [], timeout_s)[0]
-        if others:
-            ready += select.select([r.fd for r in others], [], [], 0)[0]
-        return ready
-
-    def _read_ready(self, pending: list[_Rank], ready: list[int]) -> None:
-        for rank in pending:  # an exited rank's socket holds its last acks, then the end
-            if rank.fd in ready or (rank.pidfd is not None and rank.pidfd in ready):
-                self._read_one(rank)
 
     def call(self, op: str, timeout_s: float, **fields: Any) -> None:
         """Broadcast ``op`` and wait for every ack; raise if a rank is dead or too slow."""

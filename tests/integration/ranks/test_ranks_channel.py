@@ -257,7 +257,7 @@ def test_owner_commit_failure_rolls_back_every_rank(tmp_path: Path) -> None:
         owner.release()
 
 
-def test_a_pending_rank_dying_while_the_engine_sleeps_on_another_is_noticed(
+def test_a_pending_rank_dying_during_a_wait_is_noticed_in_that_wait(
     tmp_path: Path,
 ) -> None:
     """The engine sleeps on the socket of the rank told last and on the others' pidfds.
