@@ -72,46 +72,22 @@ def _run_busy_loop(original: Callable[..., Any], _: object) -> Callable[..., Any
 
 
 def _schedule(original: Callable[..., Any], _: object) -> Callable[..., Any]:
-    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from engine_ext.vllm._runtime import current_runtime
+    from engine_ext.vllm._runtime import schedule_patch
 
-        runtime = current_runtime()
-        if runtime is None:
-            return original(self, *args, **kwargs)
-        runtime.begin_schedule(self)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            runtime.end_schedule()
-
-    schedule.__wrapped__ = original  # type: ignore[attr-defined]
-    return schedule
+    return schedule_patch(original)
 
 
 def _allocate_slots(original: Callable[..., Any], _: object) -> Callable[..., Any]:
-    def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        from engine_ext.vllm._runtime import current_runtime
+    from engine_ext.vllm._block_pool import ElasticBlockPool
+    from engine_ext.vllm._runtime import allocate_slots_patch
 
-        runtime = current_runtime()
-        if runtime is None:
-            return original(self, request, *args, **kwargs)
-        return runtime.allocating(original, self, request, args, kwargs)
-
-    allocate_slots.__wrapped__ = original  # type: ignore[attr-defined]
-    return allocate_slots
+    return allocate_slots_patch(original, ElasticBlockPool)
 
 
 def _update_from_output(original: Callable[..., Any], _: object) -> Callable[..., Any]:
-    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from engine_ext.vllm._runtime import current_runtime
+    from engine_ext.vllm._runtime import update_from_output_patch
 
-        runtime = current_runtime()
-        if runtime is not None:
-            runtime.after_forward()  # first: the original frees blocks (unmaps may follow)
-        return original(self, *args, **kwargs)
-
-    update_from_output.__wrapped__ = original  # type: ignore[attr-defined]
-    return update_from_output
+    return update_from_output_patch(original)
 
 
 def _preempt_request(original: Callable[..., Any], _: object) -> Callable[..., Any]:
@@ -194,7 +170,8 @@ PATCHES: tuple[Patch, ...] = (
         _V033,
         _update_from_output,
         "device ordering: record the unmap fence after each forward pass, so GPU unmaps wait "
-        "on that event, not on a device-wide sync (allocator.UnmapFence)",
+        "on that event, not on a device-wide sync (allocator.UnmapFence); a safe point after "
+        "it when requests finished (the state follows /proc and the demand when it goes idle)",
     ),
     Patch(
         "vllm.v1.core.sched.scheduler:Scheduler._preempt_request",

@@ -13,24 +13,28 @@ survive a fork. The rest happens in the EngineCore process:
    starts the control socket, registers with the sidecar, and runs a first
    pass so a retained limit applies before the first request;
 3. from then on, passes run only at *safe points* (docs/vllm.md, "Safe
-   points"): :meth:`safe_point` at the top and the end of every
-   ``Scheduler.schedule()`` (patched), :meth:`after_change` when blocks are
-   freed outside ``schedule()``, and the idle hook: a publish from any thread
-   calls :meth:`wake`, which registers a one-shot callback on
-   ``EngineCore._idle_state_callbacks`` and puts a ``WAKEUP`` on the input
-   queue, so an idle engine applies the limit within one busy-loop pass
-   (docs/engine-hooks.md 1.7). Allocation never runs a pass;
-   :meth:`allocating` (the patched ``KVCacheManager.allocate_slots``) lets a
-   RUNNING request's blocks go above the target and records admissions the
-   limit keeps out (the demand probe).
+   points"): the top of every ``Scheduler.schedule()`` (patched; a pass only
+   when one is due), its end and the end of ``update_from_output`` when it
+   freed blocks (the state is refreshed: O(1) when nothing moved),
+   :meth:`after_change` when blocks are freed outside both, and the idle
+   hook: a publish from any thread calls :meth:`wake`, which registers a
+   one-shot callback on ``EngineCore._idle_state_callbacks`` and puts a
+   ``WAKEUP`` on the input queue, so an idle engine applies the limit within
+   one busy-loop pass (docs/engine-hooks.md 1.7). Allocation never runs a
+   pass; the patched ``KVCacheManager.allocate_slots`` lets a RUNNING
+   request's blocks go above the target and records admissions the limit
+   keeps out (:meth:`allocating`, the demand probe).
 
 Threads: :meth:`wake` from any thread; everything else on the busy-loop thread.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine_ext._coordinator import Demand
@@ -46,9 +50,22 @@ if TYPE_CHECKING:
     from engine_ext.vllm._block_pool import ElasticBlockPool
     from engine_ext.vllm._settings import VllmSettings
 
-__all__ = ["VllmRuntime", "backing_for_pool", "configure", "current_runtime"]
+__all__ = [
+    "DEMAND_MAX_AGE_S",
+    "VllmRuntime",
+    "allocate_slots_patch",
+    "backing_for_pool",
+    "configure",
+    "current_runtime",
+    "schedule_patch",
+    "update_from_output_patch",
+]
 
 _log = logging.getLogger("engine_ext.vllm.runtime")
+_monotonic = time.monotonic
+
+#: The longest a demand figure vLLM moves without a hook of ours stays unread (s).
+DEMAND_MAX_AGE_S = 0.1
 
 
 class VllmRuntime:
@@ -62,8 +79,18 @@ class VllmRuntime:
         self._engine_core: Any = None  # EngineCoreProc, set by attach_engine
         self._armed = False
         self._arm_lock = threading.Lock()
-        self._last_mapped = -1
-        self._last_reclaimable = -1  # allocator's reclaimable pages at the last safe point
+        self._in_update = False  # inside Scheduler.update_from_output
+        # The safe points' gate (see end_schedule): what the last safe point saw.
+        self._woken = False  # wake() since the last safe point read the mailbox
+        self._steady = False  # status settled, one rank: nothing to do unless figures move
+        # a rank barrier (its liveness is checked at every pass) or the output reservation
+        # (its figures move with every token): every safe point refreshes, none is skipped
+        self._always_refresh = False
+        self._seen_changes = -1  # BlockAllocator.changes
+        self._seen_events = -1  # _demand_events
+        self._seen_requests = -1  # len(Scheduler.requests)
+        self._refresh_due = float("-inf")  # monotonic time of the next forced refresh
+        self._freed_in_update = False  # ... and the pool freed blocks there
         self._blocks: Any = None  # the pool's BlockAllocator, set by build_backing
         self._scheduler: Any = None  # vLLM's Scheduler, seen at the first schedule()
         self._refused_blocks = 0  # blocks the waiting requests need (set when one is refused)
@@ -72,6 +99,11 @@ class VllmRuntime:
         self._hits = PrefixHitWindow()  # prefix_hit_rate over the last admissions
         self._demand_key: tuple[int, ...] | None = None  # last Demand's inputs
         self._last_demand = Demand()
+        # The demand gate (see _demand): bumped by every hooked event that moves a figure
+        self._demand_events = 0
+        self._demand_seen_events = -1  # ... at the last full read
+        self._demand_seen_requests = -1  # len(Scheduler.requests) at the last full read
+        self._demand_read_at = float("-inf")  # monotonic time of the last full read
         self._fence: Any = None  # allocator.UnmapFence of a GPU reservation (None on CPU)
         self._reservation: OutputReservation | None = None  # KVSIDECAR_RESERVE_OUTPUT
         self._manager: Any = None  # vLLM's KVCacheManager, seen at the first allocate_slots
@@ -116,6 +148,7 @@ class VllmRuntime:
         if self.engine_settings.reserve_output:
             # max_model_len is read from the KVCacheManager at its first allocate_slots
             self._reservation = OutputReservation(pool.hash_block_size, max_model_len=1 << 62)
+            self._always_refresh = True
         self._blocks = blocks
         binding = EngineBinding(
             engine="vllm",
@@ -128,6 +161,7 @@ class VllmRuntime:
         self.instance = ElasticInstance(self.engine_settings, binding)
         self.instance.coordinator.set_demand_probe(self._demand)
         if memory.rank_barrier is not None:  # rank processes (the CPU harness's TP/PP ranks)
+            self._always_refresh = True
             memory.rank_barrier.set_wake(self.wake)
             self.instance.coordinator.set_rank_barrier(memory.rank_barrier)
         return PoolBacking(
@@ -163,11 +197,11 @@ class VllmRuntime:
     def safe_point(self, scheduler: Any = None) -> EngineState | None:
         """No prefix lookup of this step is pending: take a target, evict, refresh the state.
 
-        Called at the top and at the end of ``Scheduler.schedule()``. Between
-        ``get_computed_blocks`` and the ``touch`` in ``allocate_slots`` the hit
-        blocks have ``ref_cnt`` 0 and look evictable; evicting them there kills
-        the EngineCore (docs/engine-hooks.md 1.6), so no pass runs inside ``schedule()``.
-        When nothing waits this costs a few attribute reads plus the O(1) probe.
+        Between ``get_computed_blocks`` and the ``touch`` in ``allocate_slots`` the hit
+        blocks have ``ref_cnt`` 0 and look evictable; evicting them there kills the
+        EngineCore (docs/engine-hooks.md 1.6), so no pass runs inside ``schedule()``.
+        When nothing waits and nothing moved this is a few int compares (the
+        coordinator's fast path and the demand gate of :meth:`_demand`).
         """
         instance, pool = self.instance, self.pool
         if instance is None or pool is None:
@@ -175,29 +209,86 @@ class VllmRuntime:
         if scheduler is not None:
             self._scheduler = scheduler
         pool.cleanup()
-        if instance.coordinator.pending:
-            return self._pass()
-        state = instance.step()  # O(1) unless pages moved: demand + mapped stay fresh
-        blocks = self._blocks
-        self._last_mapped = blocks.pages.num_mapped
-        self._last_reclaimable = blocks.num_reclaimable_pages
+        coordinator = instance.coordinator
+        passes = coordinator.passes
+        self._woken = False  # before the mailbox is read: a later publish wakes us again
+        state = instance.step()
+        if coordinator.passes != passes:  # a pass ran: the allocator moved under the pool
+            state = self._after_pass(state)
+        # what the next safe point compares to skip all of the above when nothing moved
+        self._steady = state.status is not Status.DEFERRED and not self._always_refresh
+        self._seen_changes = self._blocks.changes
+        self._seen_events = self._demand_events
+        sched = self._scheduler
+        self._seen_requests = len(getattr(sched, "requests", ()))
+        self._refresh_due = _monotonic() + DEMAND_MAX_AGE_S
         return state
 
     def begin_schedule(self, scheduler: Any) -> None:
-        """Top of ``schedule()``: a safe point, then the pool defers its own evictions."""
-        self.safe_point(scheduler)
-        self._refused_blocks = 0
-        self._device_refused = False
+        """Top of ``schedule()``: the pass point of a busy engine (a waiting target is
+        taken, evictions run), then the pool defers its own evictions.
+
+        The state is not refreshed here: nothing it shows moves between the end of
+        the last step and this point without a hook of its own (frees call
+        :meth:`after_change`); the end of ``schedule()`` refreshes it.
+        """
+        pool = self.pool
+        if pool is None:
+            return
+        self._scheduler = scheduler
+        if self._woken or not self._steady:
+            self.safe_point()  # a target waits or the status is deferred: a pass may run
+        elif self._blocks.changes != self._seen_changes or self._demand_events != self._seen_events:
+            pool.cleanup()  # evictions the pool deferred since the last safe point
+        if self._refused_blocks or self._device_refused:  # measured again by this step
+            self._refused_blocks = 0
+            self._device_refused = False
+            self._demand_events += 1
         if self._reservation is not None:
             self._reservation.begin_step()
-        if self.pool is not None:
-            self.pool.in_schedule = True
+        pool.in_schedule = True
 
     def end_schedule(self) -> None:
-        """End of ``schedule()`` (also on error): lookups are done, a safe point again."""
-        if self.pool is not None:
-            self.pool.in_schedule = False
+        """End of ``schedule()`` (also on error): lookups are done, a safe point again.
+
+        Skipped after a few int compares when nothing the state shows can have moved
+        since the last safe point: no publish (:meth:`wake`), status settled, no block
+        event in the allocator (``BlockAllocator.changes``: maps, unmaps, evictable
+        marks), no demand event of ours, the same number of requests, and the last
+        full refresh less than :data:`DEMAND_MAX_AGE_S` ago.
+        """
+        pool = self.pool
+        if pool is None:
+            return
+        pool.in_schedule = False
+        if (
+            self._steady
+            and not self._woken
+            and self._blocks.changes == self._seen_changes
+            and self._demand_events == self._seen_events
+            and len(self._scheduler.requests) == self._seen_requests
+            and _monotonic() < self._refresh_due
+        ):
+            return
         self.safe_point()
+
+    def begin_update(self) -> None:
+        """``Scheduler.update_from_output`` (patched), before it frees anything: the
+        forward pass whose output it holds was launched, so later unmaps wait on an
+        event recorded now instead of a device-wide sync (allocator.UnmapFence)."""
+        fence = self._fence
+        if fence is not None:
+            fence.record()
+        self._in_update = True
+
+    def end_update(self) -> None:
+        """End of ``update_from_output`` (also on error): if requests finished (their
+        blocks were freed), a safe point, so an engine that goes idle now reports
+        the memory and the demand as they are."""
+        self._in_update = False
+        if self._freed_in_update:
+            self._freed_in_update = False
+            self._settle()
 
     def allocating(
         self,
@@ -207,7 +298,7 @@ class VllmRuntime:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        """``KVCacheManager.allocate_slots``: running requests may go above the target.
+        """``KVCacheManager.allocate_slots`` (the general path of :func:`allocate_slots_patch`).
 
         A RUNNING request is extending: vLLM would preempt it if we said no, so its
         blocks may be mapped above the target (the overage is reported as
@@ -218,7 +309,9 @@ class VllmRuntime:
         pool = self.pool
         if pool is None or manager.block_pool is not pool:
             return original(manager, request, *args, **kwargs)
-        running = request.status == (_RUNNING or _running_status())
+        from vllm.v1.request import RequestStatus
+
+        running = request.status == RequestStatus.RUNNING
         reservation = self._reservation
         if reservation is not None:
             if self._manager is not manager:  # the probe reads the requests' blocks from it
@@ -249,6 +342,8 @@ class VllmRuntime:
         finally:
             pool.overdraft = False
             pool.in_schedule = was_in_schedule
+        if not running:
+            self._demand_events += 1  # an admission or a refusal: the demand moved
         if result is None:
             device = device or pool.device_full()
             if not running and (device or pool.blocks_target() is not None):
@@ -291,17 +386,10 @@ class VllmRuntime:
         self._refused_blocks = self._waiting_blocks(request, args, kwargs, pool.hash_block_size)
         return True
 
-    def after_forward(self) -> None:
-        """``Scheduler.update_from_output`` (patched), before it frees anything: the
-        forward pass whose output it holds was launched, so later unmaps wait on an
-        event recorded now instead of a device-wide sync (allocator.UnmapFence)."""
-        fence = self._fence
-        if fence is not None:
-            fence.record()
-
     def preempted(self) -> None:
         """``Scheduler._preempt_request`` (patched): one running request went back to waiting."""
         self._num_preemptions += 1
+        self._demand_events += 1
 
     def _waiting_blocks(
         self, refused: Any, args: tuple[Any, ...], kwargs: dict[str, Any], block_tokens: int
@@ -333,15 +421,38 @@ class VllmRuntime:
 
     def _demand(self) -> Demand:
         """The demand probe (every safe point): the same :class:`Demand` object while
-        nothing it reads moved, so the coordinator's comparison is an identity check."""
+        nothing it reads can have moved, so the coordinator's check is one identity test.
+
+        The gate: the scheduler's request count (arrivals, finishes, aborts) and
+        ``_demand_events`` (admissions, refusals, preemptions, frees, which this
+        runtime sees through its hooks) unchanged, and the last full read less
+        than :data:`DEMAND_MAX_AGE_S` old (anything vLLM moves without a hook of
+        ours shows within that).
+        """
         sched = self._scheduler
+        events = self._demand_events
+        if sched is not None and events == self._demand_seen_events and not self._always_refresh:
+            num_requests = len(getattr(sched, "requests", ()))
+            if (
+                num_requests == self._demand_seen_requests
+                and _monotonic() - self._demand_read_at < DEMAND_MAX_AGE_S
+            ):
+                return self._last_demand
+        return self._read_demand(sched, events)
+
+    def _read_demand(self, sched: Any, events: int) -> Demand:
+        """Read the scheduler's queues and this runtime's counters (O(1))."""
         hits = self._hits
         if sched is None:
-            running = waiting = refused = 0
+            running = waiting = num_requests = 0
         else:
             running = len(sched.running)
             waiting = len(sched.waiting) + len(getattr(sched, "kv_holding_waiting", ()))
-            refused = self._refused_blocks if waiting else 0
+            num_requests = len(getattr(sched, "requests", ()))
+        self._demand_seen_events = events
+        self._demand_seen_requests = num_requests
+        self._demand_read_at = _monotonic()
+        refused = self._refused_blocks if waiting else 0
         device = self._device_refused
         reserved = shortfall = 0
         if self._reservation is not None and sched is not None:
@@ -387,25 +498,32 @@ class VllmRuntime:
 
     # -- PoolHooks (busy-loop thread) ------------------------------------------------
     def after_change(self) -> None:
-        instance, pool = self.instance, self.pool
-        if instance is None or pool is None or pool.in_schedule:
+        """The pool freed blocks (a request finished or was preempted, an abort, a reset)."""
+        self._demand_events += 1
+        pool = self.pool
+        if pool is None or pool.in_schedule:
             return  # inside schedule(): the end-of-schedule safe point refreshes
-        # Frees outside schedule() (finished requests, aborts, resets) happen with no
-        # prefix lookup pending: a safe point, so the state follows /proc at once.
-        blocks = self._blocks
-        if (
-            blocks.pages.num_mapped != self._last_mapped
-            or blocks.num_reclaimable_pages != self._last_reclaimable
-        ):
-            self.safe_point()  # pages or evictable/pinned figures moved: report them now
+        if self._in_update:
+            self._freed_in_update = True  # the end of update_from_output refreshes
+            return
+        # Frees outside schedule() (aborts, resets) happen with no prefix lookup
+        # pending: a safe point, so the state follows /proc at once.
+        self._settle()
+
+    def _settle(self) -> None:
+        """A safe point outside ``schedule()``; if a pass is still due, the idle hook runs it."""
+        self.safe_point()
         if self._armed or self._engine_core is None:
             return  # an idle pass is already due, or not serving yet
-        if instance.coordinator.pending:
+        instance = self.instance
+        if instance is not None and instance.coordinator.pending:
             self._arm(wakeup=False)
 
     # -- idle application ------------------------------------------------------------
     def wake(self) -> None:
-        """Any thread: make an idle engine run one pass now."""
+        """Any thread: a target was published (or a rank needs a pass): the next safe
+        point runs a pass, and an idle engine runs one now."""
+        self._woken = True  # a plain store: the busy loop reads it at its next safe point
         self._arm(wakeup=True)
 
     def _arm(self, *, wakeup: bool) -> None:
@@ -429,31 +547,209 @@ class VllmRuntime:
             self._arm(wakeup=True)  # capped pass: continue on the next loop iteration
 
     def _pass(self) -> EngineState:
-        instance = self.instance
-        assert instance is not None and self.pool is not None
-        self.pool.cleanup()
-        state = instance.step()
-        self.pool.invalidate_capacity()
-        if self.pool.evict_on_retired_pages():
+        state = self.safe_point()
+        assert state is not None
+        return state
+
+    def _after_pass(self, state: EngineState) -> EngineState:
+        """A coordinator pass ran (a target, evictions): the pool's cached free count is
+        stale, and cached blocks left on pages it retired are evicted now."""
+        instance, pool = self.instance, self.pool
+        assert instance is not None and pool is not None
+        pool.invalidate_capacity()
+        if pool.evict_on_retired_pages():
             state = instance.step()
-            self.pool.invalidate_capacity()
-        blocks = self._blocks
-        self._last_mapped = blocks.pages.num_mapped
-        self._last_reclaimable = blocks.num_reclaimable_pages
+            pool.invalidate_capacity()
         return state
 
 
-_RUNNING: Any = None
+# -- the replacements of the patched vLLM methods (docs/vllm.md, "Patches") -------------
+#
+# Each is called at every scheduler step (allocate_slots once per scheduled request), so
+# each has a fast form with vLLM 0.33's exact signature: forwarding ``*args, **kwargs``
+# costs about four times as much as the call itself (bench/README.md). The factory checks
+# the original's signature and falls back to a generic ``*args, **kwargs`` form when it
+# differs (a patch release that added a parameter keeps working, a little slower).
 
 
-def _running_status() -> Any:
-    """vLLM's ``RequestStatus.RUNNING`` (imported once, on first use)."""
-    global _RUNNING
-    if _RUNNING is None:
-        from vllm.v1.request import RequestStatus
+def _signature(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
-        _RUNNING = RequestStatus.RUNNING
-    return _RUNNING
+
+def _schedule_033(self: Any, throttle_prefills: bool = False) -> Any: ...
+
+
+def _update_from_output_033(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any: ...
+
+
+def _allocate_slots_033(
+    self: Any,
+    request: Any,
+    num_new_tokens: int,
+    num_new_computed_tokens: int = 0,
+    new_computed_blocks: Any = None,
+    num_lookahead_tokens: int = 0,
+    num_external_computed_tokens: int = 0,
+    delay_cache_blocks: bool = False,
+    num_encoder_tokens: int = 0,
+    full_sequence_must_fit: bool = False,
+    reserved_blocks: int = 0,
+    has_scheduled_reqs: bool = True,
+    skip_zeroing_group_ids: tuple[int, ...] = (),
+) -> Any: ...
+
+
+def schedule_patch(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The replacement of ``Scheduler.schedule``: a safe point before and after it."""
+
+    def schedule(self: Any, throttle_prefills: bool = False) -> Any:
+        runtime = _runtime
+        if runtime is None:
+            return original(self, throttle_prefills)
+        runtime.begin_schedule(self)
+        try:
+            return original(self, throttle_prefills)
+        finally:
+            runtime.end_schedule()
+
+    def schedule_any(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = _runtime
+        if runtime is None:
+            return original(self, *args, **kwargs)
+        runtime.begin_schedule(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            runtime.end_schedule()
+
+    fast = _signature(original) == _signature(_schedule_033)
+    replacement: Callable[..., Any] = schedule if fast else schedule_any
+    replacement.__wrapped__ = original  # type: ignore[attr-defined]
+    return replacement
+
+
+def update_from_output_patch(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The replacement of ``Scheduler.update_from_output``: the unmap fence before it
+    (the original frees blocks, unmaps may follow), a safe point after it when it freed."""
+
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        runtime = _runtime
+        if runtime is None:
+            return original(self, scheduler_output, model_runner_output)
+        runtime.begin_update()
+        try:
+            return original(self, scheduler_output, model_runner_output)
+        finally:
+            runtime.end_update()
+
+    def update_from_output_any(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = _runtime
+        if runtime is None:
+            return original(self, *args, **kwargs)
+        runtime.begin_update()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            runtime.end_update()
+
+    fast = _signature(original) == _signature(_update_from_output_033)
+    replacement: Callable[..., Any] = update_from_output if fast else update_from_output_any
+    replacement.__wrapped__ = original  # type: ignore[attr-defined]
+    return replacement
+
+
+def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) -> Callable[..., Any]:
+    """The replacement of ``KVCacheManager.allocate_slots`` for pools of ``pool_class``.
+
+    The common call, a RUNNING request extending inside ``schedule()``, takes the
+    fast path here: the pool's ``overdraft`` flag for the call (its blocks may go
+    above the target: a limit never preempts it; a device found full after the
+    free count is a refusal, as on a full cache) and nothing else. Admissions and
+    calls outside ``schedule()`` go to :meth:`VllmRuntime.allocating`.
+    """
+    from vllm.v1.request import RequestStatus
+
+    running = RequestStatus.RUNNING
+
+    def general(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = _runtime
+        if runtime is None or runtime.pool is not self.block_pool:
+            return original(self, request, *args, **kwargs)
+        return runtime.allocating(original, self, request, args, kwargs)
+
+    if _signature(original) != _signature(_allocate_slots_033):
+
+        def allocate_slots_any(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            pool: Any = self.block_pool
+            if request.status is running and pool.__class__ is pool_class and pool.in_schedule:
+                pool.overdraft = True
+                try:
+                    return original(self, request, *args, **kwargs)
+                except DeviceFullError:
+                    return None
+                finally:
+                    pool.overdraft = False
+            return general(self, request, *args, **kwargs)
+
+        allocate_slots_any.__wrapped__ = original  # type: ignore[attr-defined]
+        return allocate_slots_any
+
+    def allocate_slots(
+        self: Any,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> Any:
+        pool: Any = self.block_pool
+        if request.status is running and pool.__class__ is pool_class and pool.in_schedule:
+            pool.overdraft = True
+            try:
+                return original(
+                    self,
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens,
+                    new_computed_blocks,
+                    num_lookahead_tokens,
+                    num_external_computed_tokens,
+                    delay_cache_blocks,
+                    num_encoder_tokens,
+                    full_sequence_must_fit,
+                    reserved_blocks,
+                    has_scheduled_reqs,
+                    skip_zeroing_group_ids,
+                )
+            except DeviceFullError:
+                return None
+            finally:
+                pool.overdraft = False
+        return general(
+            self,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens=num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
+            delay_cache_blocks=delay_cache_blocks,
+            num_encoder_tokens=num_encoder_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+            reserved_blocks=reserved_blocks,
+            has_scheduled_reqs=has_scheduled_reqs,
+            skip_zeroing_group_ids=skip_zeroing_group_ids,
+        )
+
+    allocate_slots.__wrapped__ = original  # type: ignore[attr-defined]
+    return allocate_slots
 
 
 def _holds_blocks(manager: Any, request_id: str) -> bool:
