@@ -44,7 +44,10 @@ def measure(elastic: bool) -> tuple[float, float]:
 
 
 def main() -> None:
-    measure(False), measure(True)  # warm-up: modules the pools import on first use are not per block
+    (
+        measure(False),
+        measure(True),
+    )  # warm-up: modules the pools import on first use are not per block
     rows = [("native BlockPool", *measure(False)), ("ElasticBlockPool", *measure(True))]
     native_built, native_full = rows[0][1], rows[0][2]
     print(f"{NUM_PAGES * bv.BLOCKS_PER_PAGE} blocks, {bv.BLOCKS_PER_PAGE} per page\n")
