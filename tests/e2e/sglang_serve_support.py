@@ -109,7 +109,13 @@ def start_engine(
 
 
 def log_problems(log: str) -> list[str]:
-    """Lines of a server log that mean the extension broke SGLang."""
+    """Lines of a server log that mean the extension broke SGLang.
+
+    One traceback is SGLang's own and harmless: after its warm-up the HTTP
+    server posts ``/freeze_gc`` to itself (a GC tuning), and when that post
+    fails it logs ``post-warmup freeze_gc failed`` with the traceback and
+    serves on. That block (up to the next timestamped line) is not counted.
+    """
     needles = (
         "Prefill out of memory",
         "Traceback",
@@ -117,4 +123,13 @@ def log_problems(log: str) -> list[str]:
         "memory leak",
         "Scheduler hit an exception",
     )
-    return [line for line in log.splitlines() if any(n in line for n in needles)]
+    problems: list[str] = []
+    in_freeze_gc_warning = False
+    for line in log.splitlines():
+        if line.startswith("[20"):  # a timestamped line ends the previous message
+            in_freeze_gc_warning = "post-warmup freeze_gc failed" in line
+            if in_freeze_gc_warning:
+                continue
+        if not in_freeze_gc_warning and any(n in line for n in needles):
+            problems.append(line)
+    return problems
