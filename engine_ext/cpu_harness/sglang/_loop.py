@@ -280,13 +280,21 @@ class CpuHarness:
         else:
             self.on_idle()  # requests wait for memory: a batch-less iteration
 
-    def run_until_idle(self, max_iterations: int = 10_000) -> None:
-        for _ in range(max_iterations):
-            if self.is_fully_idle():
-                self.on_idle()
-                return
+    def run_until_idle(self, max_iterations: int = 10_000, min_seconds: float = 5.0) -> None:
+        """Iterate until fully idle; give up after ``max_iterations`` *and* ``min_seconds``.
+
+        Both bounds: after a device refusal the allocator holds at what is mapped for
+        ``DEVICE_RETRY_S`` (1 s), and on a quiet machine 10k fast iterations end
+        sooner than that.
+        """
+        deadline = time.monotonic() + min_seconds
+        done = 0
+        while not self.is_fully_idle():
+            if done >= max_iterations and time.monotonic() > deadline:
+                raise RuntimeError(f"not idle after {done} iterations; waiting={self.waiting}")
             self.iterate()
-        raise RuntimeError(f"not idle after {max_iterations} iterations; waiting={self.waiting}")
+            done += 1
+        self.on_idle()
 
     def idle_until(self, done: Callable[[], bool], timeout_s: float = 5.0) -> int:
         """Spin idle iterations (as SGLang's loop does without --sleep-on-idle) until ``done``.
