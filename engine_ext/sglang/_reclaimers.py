@@ -62,13 +62,10 @@ class _TreeReclaimer:
         return self.unlocked_blocks()
 
     def is_evictable(self, block: int) -> bool:
+        blocks = self.blocks
+        if blocks.tracks_evictable:  # marked per tree event (._counts): O(1)
+            return blocks.is_marked_evictable(block)
         return block in self.unlocked_blocks()
-
-    def figures_key(self) -> tuple[int, ...]:
-        """Equal keys: the unlocked blocks did not change (O(1)). Not ``change_key``: the
-        coordinator would then retry a ``running_requests`` deferral at every decode step
-        (the key moves with each allocation) instead of at most every few milliseconds."""
-        return self._state_key()
 
     def reclaim_pages(self, max_pages: int) -> int:
         """Evict until the pool is at its target or ``max_pages`` pages emptied (one call:
@@ -80,8 +77,10 @@ class _TreeReclaimer:
             target = pages.target_pages
             return target is not None and pages.num_mapped <= target
 
+        if at_target() or (blocks.tracks_evictable and not blocks.num_reclaimable_pages):
+            return 0  # at target, or no page is all evictable (the counts say so in O(1))
         unlocked = self.unlocked_blocks()
-        if at_target() or not count_reclaimable_pages(unlocked, blocks):
+        if not blocks.tracks_evictable and not count_reclaimable_pages(unlocked, blocks):
             return 0
         before = blocks.num_allocated_blocks
         try:
@@ -114,6 +113,11 @@ class _TreeReclaimer:
             self._unlocked_set = frozenset(self._scan())
             self._unlocked_key = key
         return self._unlocked_set
+
+    def scan_unlocked(self) -> frozenset[int]:
+        """A fresh full scan of the unlocked blocks (O(tree)); not cached. For the
+        evictable counts' start and drift repair (:mod:`._counts`), never per iteration."""
+        return frozenset(self._scan())
 
     # internals -----------------------------------------------------------------------
     def _state_key(self) -> tuple[int, ...]:

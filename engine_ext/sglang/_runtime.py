@@ -34,6 +34,7 @@ from .. import (
 )
 from ._accounting import sync_capacity
 from ._allocator import ElasticTokenAllocator
+from ._counts import TreeCounts, track_tree_cache
 from ._reclaimers import make_reclaimer
 from ._wake import PipeWaker
 
@@ -59,6 +60,7 @@ class SglangRuntime:
         instance: ElasticInstance,
         allocator: ElasticTokenAllocator,
         reclaimer: Reclaimer,
+        counts: TreeCounts | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.instance = instance
@@ -66,7 +68,9 @@ class SglangRuntime:
         self.reclaimer = reclaimer
         self.waker: PipeWaker | None = None  # wakes --sleep-on-idle polls on publish
         self._stepped = False
-        self._figures_key: object = None  # the reclaimer's figures_key() at the last refresh
+        # evictable/pinned marks kept per tree event (._counts); its O(1) drift check runs
+        # at every iteration, so the figures never need a rescan
+        self.counts = counts
         # GPU: the fence the KV backend's unmaps wait on (allocator.FencedBackend, placed by
         # _kv_placement); recorded after each batch (after_batch). None: no ordering needed.
         self.fence: Any = getattr(allocator.blocks.pages.backend, "fence", None)
@@ -95,6 +99,9 @@ class SglangRuntime:
                 "kvsidecar allocator; call install() before building the scheduler"
             )
         reclaimer = make_reclaimer(scheduler.tree_cache, allocator)
+        counts = track_tree_cache(
+            scheduler.tree_cache, allocator.blocks, allocator.page_size, reclaimer.scan_unlocked
+        )
         waker = PipeWaker()
         waker.attach(scheduler)
         binding = EngineBinding(
@@ -106,7 +113,7 @@ class SglangRuntime:
             device_total_bytes=_device_total_bytes(allocator.device),
         )
         instance = ElasticInstance(settings, binding, sidecar_transport=sidecar_transport)
-        runtime = cls(scheduler, instance, allocator, reclaimer)
+        runtime = cls(scheduler, instance, allocator, reclaimer, counts)
         runtime.waker = waker
         allocator.set_unlocked_blocks(reclaimer.unlocked_blocks)
         allocator.set_before_alloc(runtime._ensure_started)
@@ -128,6 +135,8 @@ class SglangRuntime:
         self.allocator.release_promises()  # last iteration's unused promises, before the pass
         if not self.allocator.padding_held and not self.scheduler.is_fully_idle():
             self.allocator.claim_padding()  # work arrived: padded writes need page 0 again
+        if self.counts is not None:
+            self.counts.verify()  # O(1); a full rescan only if a tree event went unseen
         state = self._step()
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
         return state
@@ -138,6 +147,8 @@ class SglangRuntime:
             self.waker.drain()
         self.allocator.release_promises()  # before SGLang's idle leak check
         pending = self.instance.coordinator.pending
+        if self.counts is not None:
+            self.counts.verify()
         self._step()  # not pending: cheap, only refreshes the state if mapped memory moved
         if (
             pending
@@ -146,19 +157,7 @@ class SglangRuntime:
             and self._drain_padding_page()
         ):
             self._step()  # page 0 unmapped: recompute the status
-        self._refresh_figures()
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
-
-    def _refresh_figures(self) -> None:
-        """Idle: evictable/pinned exact once the cache changed (one scan per change; the
-        busy path rescans at most every ``stats_interval_s``)."""
-        key_of = getattr(self.reclaimer, "figures_key", None)
-        if key_of is None:
-            return
-        key = key_of()
-        if key != self._figures_key:
-            self._figures_key = key
-            self.instance.coordinator.refresh_figures()
 
     def after_batch(self) -> None:
         """``Scheduler.process_batch_result`` (patched), before it frees anything: record
@@ -283,6 +282,8 @@ class SglangRuntime:
 
     def close(self) -> None:
         self.instance.close()
+        if self.counts is not None:
+            self.counts.close()
         if self.waker is not None:
             self.waker.close()
 

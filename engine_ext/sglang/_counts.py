@@ -1,0 +1,336 @@
+"""Evictable/pinned counts kept per tree event, not rescanned (issue 17, item 3).
+
+The coordinator's ``evictable_bytes``/``pinned_bytes`` come from the block
+allocator's evictable tracking (:meth:`allocator.BlockAllocator.track_evictable`):
+the cache above marks each block SGLang alone holds, and the allocator keeps
+per page how many of its blocks are marked, so the figures cost O(1) per
+block event and the coordinator never lists the tree for them. This module
+marks SGLang's tree blocks: a block is *evictable* when it belongs to a tree
+node whose ``lock_ref`` is 0 (what SGLang counts in ``evictable_size()`` and
+what the reclaimers' full scan lists).
+
+Hooks, installed on the cache instance (``instance.method = wrapper``, so the
+CPU harness and the real server get the same ones) by :func:`track_tree_cache`:
+
+* ``RadixCache`` (Python nodes): ``inc_lock_ref``/``dec_lock_ref`` walk the
+  node's path first, only while nodes change state (a parent is locked at
+  least as often as a child, so the walk stops at the first node that does
+  not): O(nodes that change + 1). ``_insert_helper``: a new leaf is marked.
+  ``_delete_leaf``: blocks still marked (a free deferred by a free group) are
+  unmarked; freed blocks were unmarked by the allocator's ``free``.
+* ``UnifiedRadixCache`` (Rust tree core, no node listing): the core reports
+  no per-node lock state, so the hooks read ``evictable_size()`` before and
+  after ``inc_lock_ref``/``dec_lock_ref``/``insert``: the tokens that changed
+  state are the last ones of the node's root path (locks nest: the nodes that
+  change form the path's tail), found with ``collect_path_info`` (O(path
+  depth), as the core's own lock walk). ``_evict_device_leaf``: as
+  ``_delete_leaf``.
+
+A drift check (:meth:`TreeCounts.verify`, O(1): marked blocks x page size
+against SGLang's own ``evictable_size()``) runs at every scheduler
+iteration; a mismatch (an SGLang path these hooks do not see, e.g. a
+``reset`` without ``clear``) is logged once and repaired by one full
+rescan (:meth:`TreeCounts.resync`), counted in ``num_resyncs``.
+
+Thread: the scheduler thread only (the allocator's guard checks it).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from allocator import BlockAllocator
+
+__all__ = ["TreeCounts", "track_tree_cache"]
+
+_log = logging.getLogger("engine_ext.sglang")
+
+
+class TreeCounts:
+    """Keeps the block allocator's evictable marks equal to SGLang's unlocked tree blocks.
+
+    Owns the hooks on one tree cache instance (installed by
+    :func:`track_tree_cache`, removed by :meth:`close`) and operation counters
+    the tests read (``num_hook_calls``, ``num_path_nodes``, ``num_blocks_marked``,
+    ``num_blocks_unmarked``, ``num_resyncs``). Borrows the allocator.
+
+    Invariant (between two hook calls): the marked blocks are exactly the
+    blocks of the tree's unlocked nodes; ``num_evictable_blocks * page_size ==
+    cache.evictable_size()``. Scheduler thread only.
+    """
+
+    def __init__(
+        self,
+        cache: Any,
+        blocks: BlockAllocator,
+        page_size: int,
+        scan: Callable[[], Iterable[int]],
+    ) -> None:
+        self.cache = cache
+        self.blocks = blocks
+        self.page_size = page_size
+        self._scan = scan  # the reclaimer's full listing of unlocked blocks (resync only)
+        self._hooked: list[str] = []
+        self.num_hook_calls = 0  # tree events seen
+        self.num_path_nodes = 0  # tree nodes visited by the hooks (not the tree size)
+        self.num_blocks_marked = 0
+        self.num_blocks_unmarked = 0
+        self.num_resyncs = 0  # full rescans (drift repaired); 0 when every event was seen
+        self._warned = False
+
+    # -- marks ---------------------------------------------------------------------------
+
+    def blocks_of(self, value: Any) -> list[int]:
+        """SGLang page ids (= block ids) of a page-aligned slot tensor."""
+        if value is None or len(value) == 0:
+            return []
+        ps = self.page_size
+        return [int(s) // ps for s in value[::ps].tolist()]
+
+    def mark(self, blocks: list[int]) -> None:
+        """These blocks are held by an unlocked node now (already marked ones are skipped)."""
+        b = self.blocks
+        todo = [x for x in blocks if b.is_allocated(x) and not b.is_marked_evictable(x)]
+        if todo:
+            b.mark_evictable(todo)
+            self.num_blocks_marked += len(todo)
+
+    def unmark(self, blocks: list[int]) -> None:
+        """These blocks are locked, or leave the tree (unmarked ones are skipped)."""
+        b = self.blocks
+        todo = [x for x in blocks if b.is_marked_evictable(x)]
+        if todo:
+            b.unmark_evictable(todo)
+            self.num_blocks_unmarked += len(todo)
+
+    # -- drift check -----------------------------------------------------------------------
+
+    def verify(self) -> bool:
+        """O(1): whether the marks agree with SGLang's ``evictable_size()``; if not, resync
+        (one full rescan, logged once). Returns whether they agreed."""
+        if self.blocks.num_evictable_blocks * self.page_size == int(self.cache.evictable_size()):
+            return True
+        if not self._warned:
+            self._warned = True
+            _log.warning(
+                "kvsidecar: SGLang's evictable size (%d tokens) moved without a tracked tree "
+                "event (%d blocks marked); rescanning the tree (counted in num_resyncs)",
+                int(self.cache.evictable_size()),
+                self.blocks.num_evictable_blocks,
+            )
+        self.resync()
+        return False
+
+    def resync(self) -> None:
+        """Make the marks equal to a full scan of the tree (O(tree + blocks))."""
+        b = self.blocks
+        unlocked = set(self._scan())
+        stale = [x for x in range(b.num_blocks) if b.is_marked_evictable(x) and x not in unlocked]
+        self.unmark(stale)
+        self.mark(sorted(unlocked))
+        self.num_resyncs += 1
+
+    # -- installing ------------------------------------------------------------------------
+
+    def hook(self, name: str, make: Callable[[Any], Any]) -> None:
+        """Replace ``cache.name`` on the instance by ``make(original_bound_method)``."""
+        original = getattr(self.cache, name)
+        setattr(self.cache, name, functools.wraps(original)(make(original)))
+        self._hooked.append(name)
+
+    def close(self) -> None:
+        """Remove the hooks (the class's methods show through again)."""
+        for name in self._hooked:
+            self.cache.__dict__.pop(name, None)
+        self._hooked.clear()
+
+
+# -- RadixCache (Python TreeNode) -------------------------------------------------------------
+
+
+def _hook_radix(counts: TreeCounts) -> None:
+    cache = counts.cache
+
+    def changing(node: Any, lock_ref: int) -> list[Any]:
+        """The node and its ancestors whose ``lock_ref`` is ``lock_ref``: the nodes a lock
+        walk changes state on (a parent is locked at least as often as its child)."""
+        root = cache.root_node
+        out = []
+        while node is not None and node is not root and node.lock_ref == lock_ref:
+            out.append(node)
+            node = node.parent
+        counts.num_path_nodes += len(out) + 1
+        return out
+
+    def inc_lock_ref(original: Any) -> Any:
+        def inc(node: Any, *args: Any, **kwargs: Any) -> Any:
+            nodes = changing(node, 0)
+            result = original(node, *args, **kwargs)
+            counts.num_hook_calls += 1
+            for n in nodes:
+                counts.unmark(counts.blocks_of(n.value))
+            return result
+
+        return inc
+
+    def dec_lock_ref(original: Any) -> Any:
+        def dec(node: Any, *args: Any, **kwargs: Any) -> Any:
+            nodes = changing(node, 1)
+            result = original(node, *args, **kwargs)
+            counts.num_hook_calls += 1
+            for n in nodes:
+                if n.lock_ref == 0 and n.value is not None:
+                    counts.mark(counts.blocks_of(n.value))
+            return result
+
+        return dec
+
+    def insert_helper(original: Any) -> Any:
+        def insert(*args: Any, **kwargs: Any) -> Any:
+            before = cache.evictable_size_
+            result = original(*args, **kwargs)
+            counts.num_hook_calls += 1
+            if cache.evictable_size_ > before:  # a new leaf (lock_ref 0) ends the path
+                node = result[1]
+                counts.num_path_nodes += 1
+                counts.mark(counts.blocks_of(node.value))
+            return result
+
+        return insert
+
+    def delete_leaf(original: Any) -> Any:
+        def delete(node: Any, *args: Any, **kwargs: Any) -> Any:
+            value = node.value
+            result = original(node, *args, **kwargs)
+            counts.num_hook_calls += 1
+            counts.num_path_nodes += 1
+            counts.unmark(counts.blocks_of(value))
+            return result
+
+        return delete
+
+    counts.hook("inc_lock_ref", inc_lock_ref)
+    counts.hook("dec_lock_ref", dec_lock_ref)
+    counts.hook("_insert_helper", insert_helper)
+    counts.hook("_delete_leaf", delete_leaf)
+
+
+# -- UnifiedRadixCache (Rust tree core) ------------------------------------------------------
+
+
+def _hook_unified(counts: TreeCounts) -> None:
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    cache = counts.cache
+    full = ComponentType.FULL
+
+    def tail_blocks(node_id: Any, tokens: int) -> list[int] | None:
+        """Blocks of the last ``tokens`` tokens of ``node_id``'s root path, whole nodes
+        only; None when no run of whole nodes adds up to it (drift: resync)."""
+        core = cache.tree_core
+        (path,) = core.collect_path_info([node_id])
+        counts.num_path_nodes += len(path)
+        out: list[int] = []
+        left = tokens
+        for info in reversed(path):
+            if left <= 0:
+                break
+            size = info.full_value_len or 0
+            if size > left:
+                return None
+            out.extend(counts.blocks_of(core.get_component_device_value(info.node_id, full)))
+            left -= size
+        return out if left == 0 else None
+
+    def apply(node_id: Any, before: int, *, lock: bool) -> None:
+        """``evictable_size()`` moved from ``before``: (un)mark the path tail it covers."""
+        counts.num_hook_calls += 1
+        delta = int(cache.evictable_size()) - before
+        if delta == 0 or node_id is None:
+            return
+        if (delta < 0) != lock:
+            counts.verify()  # an insert that shrank the evictable size, or the reverse
+            return
+        blocks = tail_blocks(node_id, abs(delta))
+        if blocks is None:
+            counts.verify()
+        elif delta < 0:
+            counts.unmark(blocks)
+        else:
+            counts.mark(blocks)
+
+    def inc_lock_ref(original: Any) -> Any:
+        def inc(node_id: Any, *args: Any, **kwargs: Any) -> Any:
+            before = int(cache.evictable_size())
+            result = original(node_id, *args, **kwargs)
+            apply(node_id, before, lock=True)
+            return result
+
+        return inc
+
+    def dec_lock_ref(original: Any) -> Any:
+        def dec(node_id: Any, *args: Any, **kwargs: Any) -> Any:
+            before = int(cache.evictable_size())
+            result = original(node_id, *args, **kwargs)
+            apply(node_id, before, lock=False)
+            return result
+
+        return dec
+
+    def insert(original: Any) -> Any:
+        def ins(*args: Any, **kwargs: Any) -> Any:
+            before = int(cache.evictable_size())
+            result = original(*args, **kwargs)
+            apply(getattr(result, "last_device_node", None), before, lock=False)
+            return result
+
+        return ins
+
+    def evict_device_leaf(original: Any) -> Any:
+        def evict(node_id: Any, *args: Any, **kwargs: Any) -> Any:
+            value = cache.tree_core.get_component_device_value(node_id, full)
+            result = original(node_id, *args, **kwargs)
+            counts.num_hook_calls += 1
+            counts.num_path_nodes += 1
+            counts.unmark(counts.blocks_of(value))  # still marked: a free the group defers
+            return result
+
+        return evict
+
+    counts.hook("inc_lock_ref", inc_lock_ref)
+    counts.hook("dec_lock_ref", dec_lock_ref)
+    counts.hook("insert", insert)
+    counts.hook("_evict_device_leaf", evict_device_leaf)
+
+
+def track_tree_cache(
+    cache: Any, blocks: BlockAllocator, page_size: int, scan: Callable[[], Iterable[int]]
+) -> TreeCounts:
+    """Turn on the allocator's evictable tracking and keep it fed from ``cache``'s events.
+
+    ``scan`` lists the blocks of every unlocked node (the reclaimer's full scan),
+    used once here (the tree may hold entries already) and on drift only.
+    """
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from .._errors import EngineExtConfigError
+
+    counts = TreeCounts(cache, blocks, page_size, scan)
+    blocks.track_evictable()
+    if isinstance(cache, UnifiedRadixCache):
+        _hook_unified(counts)
+    elif isinstance(cache, RadixCache):
+        _hook_radix(counts)
+    else:
+        raise EngineExtConfigError(
+            f"kvsidecar cannot count evictable blocks of SGLang's {type(cache).__name__}; "
+            "supported: UnifiedRadixCache (default) and RadixCache"
+        )
+    counts.resync()
+    counts.num_resyncs = 0  # the initial listing is not drift
+    return counts
