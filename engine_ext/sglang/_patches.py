@@ -290,6 +290,21 @@ TOUCHES: tuple[Touch, ...] = (
         "_reclaimers removes evicted nodes leaf by leaf",
     ),
     Touch(
+        f"{_MEM}.radix_cache:RadixCache._insert_helper",
+        V0_5_23,
+        "_counts hooks it (on the instance) to mark the leaf an insert adds as evictable",
+    ),
+    Touch(
+        f"{_MEM}.radix_cache:RadixCache.evictable_size_",
+        V0_5_23,
+        "_counts reads it to see whether an insert added a leaf",
+    ),
+    Touch(
+        f"{_MEM}.rust_tree_core.adapter:RustUnifiedTreeCore.collect_path_info",
+        V0_5_23,
+        "_counts finds the path nodes whose lock state a lock/unlock/insert changed",
+    ),
+    Touch(
         f"{_MEM}.unified_radix_cache:UnifiedRadixCache._evict_device_next_node",
         V0_5_23,
         "_reclaimers walks the tree core's eviction order",
