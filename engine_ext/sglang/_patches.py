@@ -287,7 +287,7 @@ TOUCHES: tuple[Touch, ...] = (
     Touch(
         f"{_MEM}.radix_cache:RadixCache._delete_leaf",
         V0_5_23,
-        "_reclaimers removes evicted nodes leaf by leaf",
+        "_reclaimers removes evicted nodes leaf by leaf; _counts hooks it (on the instance)",
     ),
     Touch(
         f"{_MEM}.radix_cache:RadixCache._insert_helper",
