@@ -120,6 +120,11 @@ class BlockAllocator:
         self._check_block(block)
         return self._ev is not None and bool(self._ev[block])
 
+    def evictable_on(self, page: int) -> int:
+        """Blocks on ``page`` marked evictable now (O(1); 0 when not tracking)."""
+        self._check_page(page)
+        return self._ev_on[page] if self._ev is not None else 0
+
     # PageObserver ---------------------------------------------------------
     def live_blocks(self, page: int) -> int:
         """Same as :meth:`occupancy` (asked by the PageAllocator when retiring)."""

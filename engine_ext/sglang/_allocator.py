@@ -60,6 +60,7 @@ __all__ = ["ElasticTokenAllocator"]
 
 _log = logging.getLogger("engine_ext.sglang")
 
+_NONE: frozenset[int] = frozenset()  # obtainable_blocks' source when the marks count
 PADDING_BLOCK = 0  # SGLang page 0 absorbs padded writes; never handed out
 
 
@@ -162,29 +163,34 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         cap, the free blocks are the cap's blocks minus the locked ones; else
         ``in use - cap`` of them stay retired and only the others take blocks:
         counted as the cap's *fullest* pages, the least room any choice leaves.
-        Cached by the allocator's and the tree's change counters (O(tree) when
-        they moved; asked only while a page is retired).
+        Cached by the allocator's and the tree's change counters; when they moved,
+        O(pages) from the evictable marks (:mod:`._counts`), or O(tree) from the
+        reclaimer's scan without them. Asked only while a page is retired.
         """
         blocks = self.blocks
         pages = blocks.pages
+        tracked = blocks.tracks_evictable  # the tree's unlocked blocks are marked (._counts)
         scan = self._unlocked_blocks
-        source = scan() if scan is not None else frozenset()
+        source = scan() if scan is not None and not tracked else _NONE
         key = (
             self.num_allocs,
             self.num_frees,
             pages.num_retired,
             pages.num_mapped,
             pages.cap_pages(),
+            blocks.changes if tracked else 0,  # every mark/unmark counts as a change
         )
         if key == self._obtainable_key and source is self._obtainable_source:
             return self._obtainable
         bpp = blocks.blocks_per_page
-        unlocked = Counter(b // bpp for b in source)
-        locked = [
-            n
-            for n in (blocks.occupancy(p) - unlocked.get(p, 0) for p in range(pages.num_pages))
-            if n > 0
-        ]
+        if tracked:  # O(pages), no tree scan
+            per_page = (
+                blocks.occupancy(p) - blocks.evictable_on(p) for p in range(pages.num_pages)
+            )
+        else:
+            unlocked = Counter(b // bpp for b in source)
+            per_page = (blocks.occupancy(p) - unlocked.get(p, 0) for p in range(pages.num_pages))
+        locked = [n for n in per_page if n > 0]
         cap = pages.cap_pages()
         if len(locked) <= cap:
             obtainable = cap * bpp - sum(locked)

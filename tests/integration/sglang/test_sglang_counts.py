@@ -37,6 +37,12 @@ def _check_counts(h: CpuHarness, where: str) -> None:
     assert blocks.num_evictable_blocks == len(scan), where
     assert blocks.num_reclaimable_pages == count_reclaimable_pages(scan, blocks), where
     assert blocks.num_evictable_blocks * h.config.page_size == h.tree_cache.evictable_size()
+    per_page: dict[int, int] = {}
+    for b in scan:
+        per_page[b // blocks.blocks_per_page] = per_page.get(b // blocks.blocks_per_page, 0) + 1
+    assert all(blocks.evictable_on(p) == per_page.get(p, 0) for p in range(h.pages.num_pages)), (
+        where
+    )
     counts = h.pool.counts
     assert counts is not None and counts.num_resyncs == 0, f"{where}: drift repaired by a scan"
 
@@ -144,4 +150,74 @@ def test_figures_exact_one_idle_pass_after_traffic(make_harness: Make, cache_kin
             h.pool.set_limit(h.mapped_bytes() // 2 // h.bundle_bytes * h.bundle_bytes)
             h.iterate()
             _check_figures(h)
+    _check_counts(h, "end")
+
+
+def _obtainable_from_scan(h: CpuHarness) -> int:
+    """``obtainable_blocks`` computed from a full scan of the tree (the reference)."""
+    reclaimer: Any = h.pool.reclaimer
+    blocks, pages = h.blocks, h.pages
+    bpp = blocks.blocks_per_page
+    unlocked: dict[int, int] = {}
+    for b in reclaimer.scan_unlocked():
+        unlocked[b // bpp] = unlocked.get(b // bpp, 0) + 1
+    locked = [
+        n
+        for n in (blocks.occupancy(p) - unlocked.get(p, 0) for p in range(pages.num_pages))
+        if n > 0
+    ]
+    cap = pages.cap_pages()
+    if len(locked) <= cap:
+        return max(0, cap * bpp - sum(locked))
+    return max(0, sum(bpp - n for n in sorted(locked, reverse=True)[:cap]))
+
+
+def test_admission_under_retired_pages_reads_the_marks_not_the_tree(
+    make_harness: Make, cache_kind: str
+) -> None:
+    """While pages are retired (a limit below what running requests hold), admission asks
+    ``obtainable_blocks`` every round: it must not list the tree (counted), and must equal
+    the figure a full scan gives."""
+    h = make_harness(cache_kind)
+    rng = random.Random(3)
+    for i in range(6):
+        h.submit([(i * 41 + j * 13) % 1999 + 1 for j in range(40)], 2)
+    h.run_until_idle()  # a cache to count
+    reclaimer: Any = h.pool.reclaimer
+    allocator = h.token_to_kv_pool_allocator
+    scans = 0
+    original_scan = reclaimer._scan
+
+    def counting_scan() -> Any:
+        nonlocal scans
+        scans += 1
+        return original_scan()
+
+    reclaimer._scan = counting_scan
+    original = allocator.obtainable_blocks
+    calls: list[tuple[int, int]] = []
+
+    def checked() -> int:
+        nonlocal scans
+        before = scans
+        got = original()
+        assert scans == before, "obtainable_blocks listed the tree"
+        calls.append((got, _obtainable_from_scan(h)))
+        scans = before  # the reference's own scan is not the code under test
+        return got
+
+    allocator.obtainable_blocks = checked  # type: ignore[method-assign]
+    for _ in range(4):
+        h.submit([rng.randrange(1, 2000) for _ in range(60)], 40)
+    for _ in range(6):
+        h.iterate()
+    h.pool.set_limit(h.bundle_bytes * 2)  # below what the running requests hold: retired
+    for _ in range(4):
+        h.submit([rng.randrange(1, 2000) for _ in range(rng.randrange(8, 40))], 3)
+    for _ in range(60):
+        h.iterate()
+    assert calls, "admission never asked while pages were retired"
+    assert all(got == want for got, want in calls), calls
+    h.pool.set_limit(None)
+    h.run_until_idle()
     _check_counts(h, "end")
