@@ -1,6 +1,6 @@
 """SGLang adapter: evictable/pinned figures by full scan vs kept per tree event (issue 17, item 3).
 
-    PYTHONPATH=. python bench/bench_sglang_counts.py      # ~1 min, most of it filling trees
+    PYTHONPATH=. python bench/bench_sglang_counts.py      # ~40 s, most of it filling trees
 
 For each tree cache (UnifiedRadixCache with the Rust core, RadixCache), the
 CPU harness's tree is filled with 10k and 100k cached tokens (48-token
@@ -15,8 +15,9 @@ prompts, 8 per group sharing a 16-token prefix, inserted through SGLang's
 * **refresh, nothing moved**: ``step()`` alone.
 
 Medians of repeated runs (wall time, noisy on the shared 2-core machine) and
-the counting hooks' tree-node visits per event (operation counts, as the
-tests assert: independent of the tree size).
+the counting hooks' tree-node visits and node slot tensors read per event
+(operation counts, as the tests assert: independent of the tree size; a read
+is a device-to-host copy on GPU, avoided for locks by the hooks' host mirror).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def measure(kind: str, tokens: int) -> dict[str, float]:
 
             repeat = 7 if tokens >= 100_000 else 21
             nodes_before, calls_before = counts.num_path_nodes, counts.num_hook_calls
+            reads_before = counts.num_device_reads
             row = {
                 "cached_tokens": float(h.tree_cache.evictable_size()),
                 "scan_ms": median_ms(scan, repeat),
@@ -107,6 +109,7 @@ def measure(kind: str, tokens: int) -> dict[str, float]:
             }
             calls = counts.num_hook_calls - calls_before
             row["nodes_per_event"] = (counts.num_path_nodes - nodes_before) / max(1, calls)
+            row["reads_per_event"] = (counts.num_device_reads - reads_before) / max(1, calls)
             assert scan() == h.blocks.num_reclaimable_pages  # the counts are the scan's
             assert counts.num_resyncs == 0
             return row
@@ -120,16 +123,17 @@ def main() -> None:
     prepare_cpu_imports()  # SGLang's memory modules on a CPU-only machine
     print(
         "| cache | cached tokens | full scan | tree event + refresh | refresh, nothing moved "
-        "| × (scan / event+refresh) | nodes visited per event |"
+        "| × (scan / event+refresh) | nodes visited per event | slot tensors read per event |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for kind in ("unified", "radix"):
         for tokens in SIZES:
             r = measure(kind, tokens)
             print(
                 f"| {kind} | {int(r['cached_tokens'])} | {r['scan_ms']:.2f} ms | "
                 f"{r['event_ms'] * 1e3:.1f} µs | {r['refresh_ms'] * 1e3:.2f} µs | "
-                f"{r['scan_ms'] / r['event_ms']:.0f}× | {r['nodes_per_event']:.1f} |"
+                f"{r['scan_ms'] / r['event_ms']:.0f}× | {r['nodes_per_event']:.1f} | "
+                f"{r['reads_per_event']:.2f} |"
             )
 
 

@@ -16,6 +16,7 @@ CPU harness and the real server get the same ones) by :func:`track_tree_cache`:
   node's path first, only while nodes change state (a parent is locked at
   least as often as a child, so the walk stops at the first node that does
   not): O(nodes that change + 1). ``_insert_helper``: a new leaf is marked.
+  ``_split_node``: the node's host block list is split with it.
   ``_delete_leaf``: blocks still marked (a free deferred by a free group) are
   unmarked; freed blocks were unmarked by the allocator's ``free``.
 * ``UnifiedRadixCache`` (Rust tree core, no node listing): the core reports
@@ -23,8 +24,12 @@ CPU harness and the real server get the same ones) by :func:`track_tree_cache`:
   after ``inc_lock_ref``/``dec_lock_ref``/``insert``: the tokens that changed
   state are the last ones of the node's root path (locks nest: the nodes that
   change form the path's tail), found with ``collect_path_info`` (O(path
-  depth), as the core's own lock walk). ``_evict_device_leaf``: as
-  ``_delete_leaf``.
+  depth), as the core's own lock walk). ``_evict_device_leaf``: the node's
+  host entry goes; inside a free group its blocks are unmarked.
+
+Block ids are kept on the host per node (read from the node's slot tensor
+once, when an insert adds it; a split hands the prefix to the new parent),
+so a lock or unlock copies nothing from the device (``num_device_reads``).
 
 A drift check (:meth:`TreeCounts.verify`, O(1): marked blocks x page size
 against SGLang's own ``evictable_size()``) runs at every scheduler
@@ -80,6 +85,9 @@ class TreeCounts:
         self.num_blocks_marked = 0
         self.num_blocks_unmarked = 0
         self.num_resyncs = 0  # full rescans (drift repaired); 0 when every event was seen
+        # node slot tensors read (a device-to-host copy on GPU): at insert and on a mirror
+        # miss only, never for a lock or unlock of a node the mirror knows
+        self.num_device_reads = 0
         self._warned = False
 
     # -- marks ---------------------------------------------------------------------------
@@ -90,6 +98,11 @@ class TreeCounts:
             return []
         ps = self.page_size
         return [int(s) // ps for s in value[::ps].tolist()]
+
+    def read(self, value: Any) -> list[int]:
+        """:meth:`blocks_of`, counted as a device read (the hooks' host mirror missed)."""
+        self.num_device_reads += 1
+        return self.blocks_of(value)
 
     def mark(self, blocks: list[int]) -> None:
         """These blocks are held by an unlocked node now (already marked ones are skipped)."""
@@ -154,6 +167,18 @@ class TreeCounts:
 
 def _hook_radix(counts: TreeCounts) -> None:
     cache = counts.cache
+    ps = counts.page_size
+    mirror = "_kvsidecar_blocks"  # a node's block ids on the host (no device copy per lock)
+
+    def node_blocks(node: Any) -> list[int]:
+        value = node.value
+        if value is None:
+            return []
+        blocks: list[int] | None = node.__dict__.get(mirror)
+        if blocks is None or len(blocks) * ps != len(value):
+            blocks = counts.read(value)
+            setattr(node, mirror, blocks)
+        return blocks
 
     def changing(node: Any, lock_ref: int) -> list[Any]:
         """The node and its ancestors whose ``lock_ref`` is ``lock_ref``: the nodes a lock
@@ -172,7 +197,7 @@ def _hook_radix(counts: TreeCounts) -> None:
             result = original(node, *args, **kwargs)
             counts.num_hook_calls += 1
             for n in nodes:
-                counts.unmark(counts.blocks_of(n.value))
+                counts.unmark(node_blocks(n))
             return result
 
         return inc
@@ -184,7 +209,7 @@ def _hook_radix(counts: TreeCounts) -> None:
             counts.num_hook_calls += 1
             for n in nodes:
                 if n.lock_ref == 0 and n.value is not None:
-                    counts.mark(counts.blocks_of(n.value))
+                    counts.mark(node_blocks(n))
             return result
 
         return dec
@@ -195,20 +220,31 @@ def _hook_radix(counts: TreeCounts) -> None:
             result = original(*args, **kwargs)
             counts.num_hook_calls += 1
             if cache.evictable_size_ > before:  # a new leaf (lock_ref 0) ends the path
-                node = result[1]
                 counts.num_path_nodes += 1
-                counts.mark(counts.blocks_of(node.value))
+                counts.mark(node_blocks(result[1]))
             return result
 
         return insert
 
+    def split_node(original: Any) -> Any:
+        def split(key: Any, child: Any, split_len: int, *args: Any, **kwargs: Any) -> Any:
+            blocks: list[int] | None = child.__dict__.get(mirror)
+            new = original(key, child, split_len, *args, **kwargs)
+            if blocks is not None and split_len % ps == 0:  # the prefix went to ``new``
+                cut = split_len // ps
+                setattr(new, mirror, blocks[:cut])
+                setattr(child, mirror, blocks[cut:])
+            return new
+
+        return split
+
     def delete_leaf(original: Any) -> Any:
         def delete(node: Any, *args: Any, **kwargs: Any) -> Any:
-            value = node.value
+            blocks = node_blocks(node)
             result = original(node, *args, **kwargs)
             counts.num_hook_calls += 1
             counts.num_path_nodes += 1
-            counts.unmark(counts.blocks_of(value))
+            counts.unmark(blocks)  # still marked: a free the group defers
             return result
 
         return delete
@@ -216,6 +252,7 @@ def _hook_radix(counts: TreeCounts) -> None:
     counts.hook("inc_lock_ref", inc_lock_ref)
     counts.hook("dec_lock_ref", dec_lock_ref)
     counts.hook("_insert_helper", insert_helper)
+    counts.hook("_split_node", split_node)
     counts.hook("_delete_leaf", delete_leaf)
 
 
@@ -227,12 +264,33 @@ def _hook_unified(counts: TreeCounts) -> None:
 
     cache = counts.cache
     full = ComponentType.FULL
+    ps = counts.page_size
+
+    # node id -> (path offset of blocks[0], blocks up to the node's end): a node id keeps
+    # its end for life and only loses a prefix (a split gives it to a new parent id), and
+    # ids are never reused, so an entry starting at or before the node is sliced to it
+    mirror: dict[Any, tuple[int, list[int]]] = {}
+
+    def node_blocks(info: Any) -> list[int]:
+        """Blocks of one path node, from the mirror when it covers them, else read once."""
+        start, size = info.path_start, info.full_value_len or 0
+        entry = mirror.get(info.node_id)
+        if entry is not None and info.path_end - start == size:
+            first, known = entry
+            cut, extra = divmod(start - first, ps)
+            if cut >= 0 and not extra and (len(known) - cut) * ps == size:
+                if cut:  # split since: the prefix is the new parent's
+                    mirror[info.node_id] = (start, known[cut:])
+                    mirror.setdefault(info.parent_id, (first, known[:cut]))
+                return known[cut:]
+        blocks = counts.read(cache.tree_core.get_component_device_value(info.node_id, full))
+        mirror[info.node_id] = (start, blocks)
+        return blocks
 
     def tail_blocks(node_id: Any, tokens: int) -> list[int] | None:
         """Blocks of the last ``tokens`` tokens of ``node_id``'s root path, whole nodes
         only; None when no run of whole nodes adds up to it (drift: resync)."""
-        core = cache.tree_core
-        (path,) = core.collect_path_info([node_id])
+        (path,) = cache.tree_core.collect_path_info([node_id])
         counts.num_path_nodes += len(path)
         out: list[int] = []
         left = tokens
@@ -242,7 +300,7 @@ def _hook_unified(counts: TreeCounts) -> None:
             size = info.full_value_len or 0
             if size > left:
                 return None
-            out.extend(counts.blocks_of(core.get_component_device_value(info.node_id, full)))
+            out.extend(node_blocks(info))
             left -= size
         return out if left == 0 else None
 
@@ -292,11 +350,15 @@ def _hook_unified(counts: TreeCounts) -> None:
 
     def evict_device_leaf(original: Any) -> Any:
         def evict(node_id: Any, *args: Any, **kwargs: Any) -> Any:
-            value = cache.tree_core.get_component_device_value(node_id, full)
+            mirror.pop(node_id, None)
+            # frees held by a free group leave the blocks marked: read them to unmark
+            deferred = getattr(cache.token_to_kv_pool_allocator, "free_group", None) is not None
+            value = cache.tree_core.get_component_device_value(node_id, full) if deferred else None
             result = original(node_id, *args, **kwargs)
             counts.num_hook_calls += 1
             counts.num_path_nodes += 1
-            counts.unmark(counts.blocks_of(value))  # still marked: a free the group defers
+            if deferred:
+                counts.unmark(counts.read(value))
             return result
 
         return evict
