@@ -57,14 +57,20 @@ def _check_figures(h: CpuHarness) -> None:
     assert state.mapped_bytes == h.mapped_bytes()
 
 
+@pytest.mark.parametrize("variant", ["plain", "chunked-capped"])
 @pytest.mark.parametrize("seed", range(3))
 def test_counts_equal_a_full_rescan_after_every_event(
-    make_harness: Make, cache_kind: str, seed: int
+    make_harness: Make, cache_kind: str, seed: int, variant: str
 ) -> None:
     """Random traffic over a few shared prefixes, aborts (waiting and running), limit
     changes (retractions and evictions follow): checked after every iteration and at the
-    points inside one (after admission locked its prefixes, before the decode check)."""
-    h = make_harness(cache_kind)
+    points inside one (after admission locked its prefixes, before the decode check).
+    ``chunked-capped``: prompts prefilled in 16-token chunks, passes capped at one page
+    (a shrink spreads over iterations while traffic runs)."""
+    if variant == "plain":
+        h = make_harness(cache_kind)
+    else:
+        h = make_harness(cache_kind, chunked_prefill_size=16, max_evict_pages_per_step=1)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, 2000) for _ in range(rng.randrange(4, 60))] for _ in range(4)]
     capacity = h.pages.num_pages * h.bundle_bytes
