@@ -110,6 +110,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         )
         assert blocks.num_reclaimable_pages == reclaimable
         assert all(blocks.is_marked_evictable(b) == (b in self.marked) for b in self.live)
+        assert all(
+            blocks.evictable_on(p) == sum(1 for b in self.marked if b // bpp == p)
+            for p in self._live_pages()
+        )
 
     def _live_pages(self) -> set[int]:
         return {b // self.bpp for b in self.live}
