@@ -291,10 +291,32 @@ class CpuHarness:
         done = 0
         while not self.is_fully_idle():
             if done >= max_iterations and time.monotonic() > deadline:
-                raise RuntimeError(f"not idle after {done} iterations; waiting={self.waiting}")
+                raise RuntimeError(f"not idle after {done} iterations: {self.describe()}")
             self.iterate()
             done += 1
         self.on_idle()
+
+    def describe(self) -> str:
+        """What a stuck loop looks like: the queues and the memory books (for errors)."""
+        allocator = self.token_to_kv_pool_allocator
+        blocks = allocator.blocks
+        pages = blocks.pages
+        chunked = self.chunked
+        return (
+            f"waiting={len(self.waiting)} (first rid "
+            f"{self.waiting[0].rid if self.waiting else None}), "
+            f"running={[(r.rid, r.kv_len, len(r.generated)) for r in self.running]}, "
+            f"chunked={None if chunked is None else (chunked.rid, chunked.kv_len, len(chunked.tokens))}, "
+            f"available={allocator.available_size()}, "
+            f"evictable={int(self.tree_cache.evictable_size())}, "
+            f"protected={int(self.tree_cache.protected_size())}, "
+            f"promised={allocator.promised_tokens}, padding_held={allocator.padding_held}, "
+            f"blocks allocated={blocks.num_allocated_blocks}/{blocks.num_blocks} "
+            f"free={blocks.num_free_blocks}, pages mapped={pages.num_mapped} "
+            f"cap={pages.cap_pages()} retired={pages.num_retired} target={pages.target_pages} "
+            f"device_full={pages.device_full}, parked_chunks={self.num_parked_chunks}, "
+            f"retracted={self.num_retracted}"
+        )
 
     def idle_until(self, done: Callable[[], bool], timeout_s: float = 5.0) -> int:
         """Spin idle iterations (as SGLang's loop does without --sleep-on-idle) until ``done``.
