@@ -358,6 +358,7 @@ def test_engine_killed_mid_load_memory_reassigned_then_fitted_on_return(rig: Rig
                 timeout_s=30,
                 what="b given a's memory",
             )
+            watch.wait_samples(5)  # views of the reassignment, still in the "dead" phase
             kept = _limit(rig.device(), "a")
             a_held = [
                 m["a"]["committed_bytes"]
