@@ -78,13 +78,16 @@ class Change:
 def committed(m: Member) -> int:
     """The most an instance may map before it next reports (what the budget must cover).
 
-    A dead instance (unreachable or stopped) counts 0: its memory is reassigned.
-    One not heard from since the sidecar started counts as unbounded (nothing
-    grows until it reports). Otherwise the largest of its desired limit, the
-    limit it holds (a lower limit counts only once applied) and what it maps.
+    A dead instance (unreachable or stopped) counts its floor only: the rest of
+    its memory is reassigned, but an engine maps its floor again the moment it
+    restarts, before it registers and can be told any limit, so that much stays
+    free for its return. One not heard from since the sidecar started counts
+    as unbounded (nothing grows until it reports). Otherwise the largest of its
+    desired limit, the limit it holds (a lower limit counts only once applied)
+    and what it maps.
     """
     if not m.live:
-        return 0
+        return m.floor
     if not m.reported:
         return UNBOUNDED
     bound = m.capacity if m.capacity > 0 else UNBOUNDED
@@ -128,12 +131,14 @@ def _fill(amount: float, caps: dict[str, float], weights: dict[str, float]) -> d
 def compute_targets(budget: int, members: Sequence[Member]) -> dict[str, Target]:
     """Targets for the live instances that follow the policy (pins and dead ones excluded).
 
-    The sum of the targets plus the pins never exceeds ``budget`` (when the
+    The sum of the targets plus the pins plus the dead instances' floors (kept
+    for their return, see :func:`committed`) never exceeds ``budget`` (when the
     budget covers the pins and the mins, which the API checks). Each target
     is within [max(min, floor), min(max, capacity)] when the budget allows it.
     """
     managed = [m for m in members if m.live and m.pin is None]
     reserved = sum(m.pin for m in members if m.live and m.pin is not None)
+    reserved += sum(m.floor for m in members if not m.live)
     avail = max(0, budget - reserved)
     if not managed:
         return {}

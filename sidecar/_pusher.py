@@ -97,7 +97,7 @@ class PushManager:
         while True:
             await worker.wake.wait()
             worker.wake.clear()
-            while (rec := self._lookup(instance_id)) is not None and rec.needs_push():
+            while (rec := self._lookup(instance_id)) is not None and self._due(rec):
                 if await self._attempt(instance_id, rec):
                     if worker.failures:
                         _log.info(
@@ -114,6 +114,15 @@ class PushManager:
                 except TimeoutError:
                     pass
                 delay = min(delay * 2, self._settings.push_backoff_max_s)
+
+    def _due(self, rec: InstanceRecord) -> bool:
+        """A push is owed and someone may answer it. Not to an instance past its heartbeat
+        timeout (``unreachable``): its process is gone, and a new engine that binds the same
+        socket path must get its limit from its registration (which the autopilot fits
+        into what the device has left), not the dead one's from a push; a report or a
+        registration wakes the worker again."""
+        now = asyncio.get_running_loop().time()
+        return rec.needs_push() and rec.live(now, self._settings.heartbeat_timeout_s)
 
     async def _attempt(self, instance_id: str, rec: InstanceRecord) -> bool:
         try:

@@ -28,17 +28,31 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class SidecarProcess:
-    """``python -m sidecar.cli serve`` as a child process on a fixed port."""
+    """``python -m sidecar.cli serve`` as a child process on a fixed port.
 
-    def __init__(self, db: Path, env: dict[str, str] | None = None) -> None:
+    ``port``: a given port (a restarted sidecar where its engines look for it);
+    ``log_path``: its stderr goes to that file (read into :attr:`stderr` at the
+    end) instead of a pipe, for a long-lived sidecar that logs more than a pipe holds.
+    """
+
+    def __init__(
+        self,
+        db: Path,
+        env: dict[str, str] | None = None,
+        *,
+        port: int | None = None,
+        log_path: Path | None = None,
+    ) -> None:
         self.db = db
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self.stderr = ""  # what the process wrote on stderr, once it has ended
 
     def start(self) -> SidecarProcess:
+        log = None if self.log_path is None else self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -53,8 +67,10 @@ class SidecarProcess:
             env=self.env,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.PIPE if log is None else log,
         )
+        if log is not None:
+            log.close()  # the child has its own descriptor
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -96,6 +112,8 @@ class SidecarProcess:
         if pipe is not None and not pipe.closed:
             self.stderr += pipe.read().decode(errors="replace")
             pipe.close()
+        elif self.log_path is not None and self.log_path.exists():
+            self.stderr = self.log_path.read_text(errors="replace")
 
 
 def db_rows(db: Path) -> list[tuple[Any, ...]]:

@@ -66,6 +66,19 @@ def test_pins_and_dead_instances() -> None:
     assert committed(members[2]) == 0  # its memory is reassigned
 
 
+def test_a_dead_instance_keeps_its_floor_free_for_its_return() -> None:
+    """An engine maps its floor the moment it restarts, before it can be told a limit
+    (seen on real ``vllm serve``: the null block's page): the others never get it."""
+    dead = _m("dead", live=False, desired=4 * G, held=4 * G, floor=PAGE)
+    b = _m("b", desired=4 * G, held=4 * G, mapped=4 * G, busy=True, waiting=8 * G)
+    t = compute_targets(8 * G, [dead, b])
+    assert set(t) == {"b"} and t["b"].limit == 8 * G - PAGE
+    assert committed(dead) == PAGE
+    assert room_for("dead", 8 * G, [dead, replace(b, desired=t["b"].limit)]) == PAGE
+    grows = plan(8 * G, [dead, b], t, hysteresis=PAGE)
+    assert [(c.id, c.new) for c in grows] == [("b", 8 * G - PAGE)]
+
+
 def test_a_grow_waits_for_the_shrink_to_be_applied() -> None:
     a = _m("a", desired=6 * G, held=6 * G, mapped=6 * G)
     b = _m("b", desired=2 * G, held=2 * G, mapped=2 * G, waiting=4 * G, busy=True)
@@ -146,11 +159,11 @@ def test_fuzz_the_budget_holds_at_every_step(seed: int, n: int, budget_g: int) -
                 else:
                     room = max(0, room_for(m.id, budget, members)) // PAGE * PAGE
                     kept = room if m.desired is None else min(m.desired, room)
-                    members[i] = replace(m, live=True, mapped=0, desired=kept, held=kept)
+                    # it maps its floor at start, before it registers
+                    members[i] = replace(m, live=True, mapped=m.floor, desired=kept, held=kept)
         # what the engines map (measured) never exceeds the budget
         assert sum(m.mapped for m in members if m.live) <= budget, members
-        live = [m for m in members if m.live]
-        before = sum(committed(m) for m in live)
+        before = sum(committed(m) for m in members)  # the dead ones' floors included
         targets = compute_targets(budget, members)
         for t in targets.values():
             m = next(x for x in members if x.id == t.id)
@@ -170,7 +183,7 @@ def test_fuzz_the_budget_holds_at_every_step(seed: int, n: int, budget_g: int) -
         for c in changes:
             by_id[c.id] = replace(by_id[c.id], desired=c.new)
         members = list(by_id.values())
-        after = sum(committed(m) for m in members if m.live)
+        after = sum(committed(m) for m in members)
         if before <= budget:
             assert after <= budget, (changes, members)
         else:  # over (e.g. an instance came back): we never add to it
