@@ -321,23 +321,19 @@ def _hook_unified(counts: TreeCounts) -> None:
         else:
             counts.mark(blocks)
 
-    def inc_lock_ref(original: Any) -> Any:
-        def inc(node_id: Any, *args: Any, **kwargs: Any) -> Any:
-            before = int(cache.evictable_size())
-            result = original(node_id, *args, **kwargs)
-            apply(node_id, before, lock=True)
-            return result
+    def lock_ref(*, lock: bool) -> Callable[[Any], Any]:
+        """``inc_lock_ref`` (``lock``) / ``dec_lock_ref``: (un)mark what the call moved."""
 
-        return inc
+        def wrap(original: Any) -> Any:
+            def call(node_id: Any, *args: Any, **kwargs: Any) -> Any:
+                before = int(cache.evictable_size())
+                result = original(node_id, *args, **kwargs)
+                apply(node_id, before, lock=lock)
+                return result
 
-    def dec_lock_ref(original: Any) -> Any:
-        def dec(node_id: Any, *args: Any, **kwargs: Any) -> Any:
-            before = int(cache.evictable_size())
-            result = original(node_id, *args, **kwargs)
-            apply(node_id, before, lock=False)
-            return result
+            return call
 
-        return dec
+        return wrap
 
     def insert(original: Any) -> Any:
         def ins(*args: Any, **kwargs: Any) -> Any:
@@ -363,8 +359,8 @@ def _hook_unified(counts: TreeCounts) -> None:
 
         return evict
 
-    counts.hook("inc_lock_ref", inc_lock_ref)
-    counts.hook("dec_lock_ref", dec_lock_ref)
+    counts.hook("inc_lock_ref", lock_ref(lock=True))
+    counts.hook("dec_lock_ref", lock_ref(lock=False))
     counts.hook("insert", insert)
     counts.hook("_evict_device_leaf", evict_device_leaf)
 
