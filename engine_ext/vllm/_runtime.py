@@ -87,6 +87,8 @@ class VllmRuntime:
         # (its figures move with every token): every safe point refreshes, none is skipped
         self._always_refresh = False
         self._seen_changes = -1  # BlockAllocator.changes
+        self._seen_mapped = -1  # PageAllocator.num_mapped
+        self._seen_reclaimable = -1  # BlockAllocator.num_reclaimable_pages
         self._seen_events = -1  # _demand_events
         self._seen_requests = -1  # len(Scheduler.requests)
         self._refresh_due = float("-inf")  # monotonic time of the next forced refresh
@@ -217,7 +219,10 @@ class VllmRuntime:
             state = self._after_pass(state)
         # what the next safe point compares to skip all of the above when nothing moved
         self._steady = state.status is not Status.DEFERRED and not self._always_refresh
-        self._seen_changes = self._blocks.changes
+        blocks = self._blocks
+        self._seen_changes = blocks.changes
+        self._seen_mapped = blocks.pages.num_mapped
+        self._seen_reclaimable = blocks.num_reclaimable_pages
         self._seen_events = self._demand_events
         sched = self._scheduler
         self._seen_requests = len(getattr(sched, "requests", ()))
@@ -506,8 +511,23 @@ class VllmRuntime:
         if self._in_update:
             self._freed_in_update = True  # the end of update_from_output refreshes
             return
-        # Frees outside schedule() (aborts, resets) happen with no prefix lookup
-        # pending: a safe point, so the state follows /proc at once.
+        # Frees outside schedule() (aborts, resets) happen with no prefix lookup pending.
+        # When the memory the state shows moved (a page mapped or unmapped, a page became
+        # or stopped being all evictable) or a pass may be due: a safe point now, so the
+        # state follows /proc at once. Otherwise only demand counts moved: they are read
+        # at the next safe point (the end of the next schedule(), or the idle hook armed
+        # here), not at every free: a safe point per free cost ~4% of the pool's
+        # instructions on bench_vllm's trace (bench/README.md, issue 17).
+        blocks = self._blocks
+        if (
+            self._steady
+            and not self._woken
+            and blocks.pages.num_mapped == self._seen_mapped
+            and blocks.num_reclaimable_pages == self._seen_reclaimable
+        ):
+            if not self._armed and self._engine_core is not None:
+                self._arm(wakeup=False)  # an idle engine refreshes the demand once
+            return
         self._settle()
 
     def _settle(self) -> None:
