@@ -38,6 +38,8 @@ class BlockAllocator:
     Invariants: ``num_allocated_blocks == sum(occupancy)``; every in-use page
     has occupancy >= 1; ``_partial_free`` == free slots on in-use,
     non-retired pages; every retired page is in ``_rbuckets[occupancy]``;
+    ``_allocated[block]`` is 0 (free), 1 (allocated) or 2 (allocated and
+    marked evictable: one flag per block, so a mark is one test and one store);
     when tracking, ``_ev_on[page]`` == marked blocks on ``page`` <= its
     occupancy, and ``num_reclaimable_pages`` == pages with
     ``0 < occupancy == _ev_on``.
@@ -63,7 +65,8 @@ class BlockAllocator:
         self.num_blocks = pages.num_pages * bpp  # virtual capacity in blocks
         self.num_allocated_blocks = 0
         self.num_retired_blocks = 0  # allocated blocks on retired pages
-        self._allocated = bytearray(self.num_blocks)  # 1 per allocated block
+        # per block: 0 free, 1 allocated, 2 allocated and marked evictable (when tracking)
+        self._allocated = bytearray(self.num_blocks)
         self._occupancy = [0] * pages.num_pages
         self._slots: list[list[int]] = [[] for _ in range(pages.num_pages)]  # free slots, in use
         self._retired = bytearray(pages.num_pages)  # mirror of PageAllocator retirement
@@ -80,7 +83,6 @@ class BlockAllocator:
         self.changes = 0  # block events so far (see the class doc)
         # the last alloc() returned None because the device refused a map (read right after)
         self.refused_by_device = False
-        self._ev: bytearray | None = None  # 1 per block marked evictable (when tracking)
         #: Whether the cache above reports evictable blocks (:meth:`track_evictable`).
         self.tracks_evictable = False
         self._ev_on: list[int] = []  # marked blocks per page (when tracking)
@@ -118,7 +120,7 @@ class BlockAllocator:
     def is_marked_evictable(self, block: int) -> bool:
         """Whether ``block`` is marked evictable now (False when not tracking)."""
         self._check_block(block)
-        return self._ev is not None and bool(self._ev[block])
+        return self._allocated[block] == 2
 
     def evictable_on(self, page: int) -> int:
         """Blocks on ``page`` marked evictable now (O(1); 0 when not tracking)."""
@@ -168,8 +170,7 @@ class BlockAllocator:
         are the whole truth for the coordinator (no rescan). Idempotent.
         """
         self.guard.check()
-        if self._ev is None:
-            self._ev = bytearray(self.num_blocks)
+        if not self.tracks_evictable:
             self._ev_on = [0] * self.pages.num_pages
             self.tracks_evictable = True
 
@@ -178,53 +179,63 @@ class BlockAllocator:
         self.changes += 1
 
     def mark_evictable(self, blocks: Iterable[int]) -> None:
-        """These allocated blocks are now held by the cache alone (O(1) each)."""
+        """These allocated blocks are now held by the cache alone (O(1) each).
+
+        Each id is checked (allocated, not marked yet); on a bad one the blocks
+        before it stay marked and :class:`AllocatorContractError` is raised.
+        """
         self.guard.check()
-        ev, ev_on = self._ev, self._ev_on
-        if ev is None:
+        if not self.tracks_evictable:
             raise AllocatorContractError("mark_evictable(): call track_evictable() first")
-        allocated, occupancy, bpp = self._allocated, self._occupancy, self.blocks_per_page
+        flags, ev_on, occupancy = self._allocated, self._ev_on, self._occupancy
+        bpp = self.blocks_per_page
         gained = 0
         count = 0
-        for block in blocks:
-            if ev[block] or not allocated[block]:
-                raise AllocatorContractError(
-                    f"mark_evictable(): block {block} is "
-                    f"{'already marked' if ev[block] else 'not allocated'}"
-                )
-            ev[block] = 1
-            count += 1
-            page = block // bpp
-            on = ev_on[page] + 1
-            ev_on[page] = on
-            if on == occupancy[page]:
-                gained += 1
-        self.num_reclaimable_pages += gained
-        self.num_evictable_blocks += count
-        self.changes += 1
+        try:
+            for block in blocks:
+                if flags[block] != 1:  # 0: not allocated, 2: already marked
+                    raise AllocatorContractError(
+                        f"mark_evictable(): block {block} is "
+                        f"{'already marked' if flags[block] else 'not allocated'}"
+                    )
+                flags[block] = 2
+                count += 1
+                page = block // bpp
+                on = ev_on[page] + 1
+                ev_on[page] = on
+                if on == occupancy[page]:
+                    gained += 1
+        finally:  # the counts agree with the flags stored, even after a bad id
+            self.num_reclaimable_pages += gained
+            self.num_evictable_blocks += count
+            self.changes += 1
 
     def unmark_evictable(self, blocks: Iterable[int]) -> None:
         """These blocks are referenced again (or about to be reused in place)."""
         self.guard.check()
-        ev, ev_on = self._ev, self._ev_on
-        if ev is None:
+        if not self.tracks_evictable:
             raise AllocatorContractError("unmark_evictable(): call track_evictable() first")
-        occupancy, bpp = self._occupancy, self.blocks_per_page
+        flags, ev_on, occupancy = self._allocated, self._ev_on, self._occupancy
+        bpp = self.blocks_per_page
         lost = 0
         count = 0
-        for block in blocks:
-            if not ev[block]:
-                raise AllocatorContractError(f"unmark_evictable(): block {block} is not marked")
-            ev[block] = 0
-            count += 1
-            page = block // bpp
-            on = ev_on[page]
-            if on == occupancy[page]:
-                lost += 1
-            ev_on[page] = on - 1
-        self.num_reclaimable_pages -= lost
-        self.num_evictable_blocks -= count
-        self.changes += 1
+        try:
+            for block in blocks:
+                if flags[block] != 2:
+                    raise AllocatorContractError(
+                        f"unmark_evictable(): block {block} is not marked"
+                    )
+                flags[block] = 1
+                count += 1
+                page = block // bpp
+                on = ev_on[page]
+                if on == occupancy[page]:
+                    lost += 1
+                ev_on[page] = on - 1
+        finally:
+            self.num_reclaimable_pages -= lost
+            self.num_evictable_blocks -= count
+            self.changes += 1
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` blocks, all or nothing; ``None`` when they cannot all be had now.
@@ -288,7 +299,7 @@ class BlockAllocator:
             raise AllocatorContractError("free(): the same block appears twice in one call")
         self.num_allocated_blocks -= len(batch)
         self.changes += 1
-        if self._ev is not None:
+        if self.tracks_evictable:
             self._untrack_freed(batch)
         if len(batch) == 1:
             self._free_one(batch[0])
@@ -319,7 +330,7 @@ class BlockAllocator:
         new = old + count
         self._occupancy[page] = new
         self._partial_free -= count
-        if old and self._ev is not None and self._ev_on[page] == old:
+        if old and self.tracks_evictable and self._ev_on[page] == old:
             self.num_reclaimable_pages -= 1  # a fresh block on it is not evictable
         buckets, pos = self._buckets, self._pos
         if old:  # leave bucket[old] (swap-remove)
@@ -337,8 +348,7 @@ class BlockAllocator:
 
     def _untrack_freed(self, batch: list[int]) -> None:
         """Evictable accounting for ``batch`` (checked), before the occupancy drops."""
-        ev, ev_on, bpp = self._ev, self._ev_on, self.blocks_per_page
-        assert ev is not None
+        flags, ev_on, bpp = self._allocated, self._ev_on, self.blocks_per_page
         occupancy = self._occupancy
         gone: dict[int, int] = {}  # page -> blocks of this batch already accounted
         delta = 0
@@ -349,8 +359,7 @@ class BlockAllocator:
             occ = occupancy[page] - done  # occupancy as sequential frees would see it
             on = ev_on[page]
             was = on == occ
-            if ev[block]:
-                ev[block] = 0
+            if flags[block] == 2:  # marked: free() clears the flag right after
                 on -= 1
                 ev_on[page] = on
                 self.num_evictable_blocks -= 1

@@ -118,7 +118,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         fresh = self._fresh_free
         if fresh < 0:
             fresh = self._fresh_free = self._blocks.num_free_blocks
-        return fresh + int(self.free_block_queue.num_free_blocks)
+        num_evictable: int = self.free_block_queue.num_free_blocks
+        return fresh + num_evictable
 
     def device_full(self) -> bool:
         """A map found the device out of memory a moment ago (allocator's ``device_full``)."""
@@ -281,7 +282,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             block.ref_cnt -= 1
             if block.ref_cnt:
                 continue
-            if block.block_hash is None:
+            if block._block_hash is None:  # vLLM 0.33's slot behind the block_hash property
                 to_free.append(block.block_id)
             elif (evict_all and not deferred) or (retired and self._on_retired_page(block)):
                 self._maybe_evict_cached_block(block)
@@ -290,7 +291,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
                 to_cache.append(block)
         if to_cache:
             self.free_block_queue.append_n(to_cache)
-            self._blocks.mark_evictable(map(_block_id, to_cache))
+            self._blocks.mark_evictable(list(map(_block_id, to_cache)))
         if to_free:
             self._fresh_free = -1
             self._blocks.free(to_free)

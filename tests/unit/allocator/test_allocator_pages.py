@@ -238,3 +238,32 @@ def test_a_failed_map_rolls_the_whole_alloc_back(make_host: MakeHost) -> None:
     backend.bad_page = -1
     again = blocks.alloc(4)
     assert again is not None and blocks.num_allocated_blocks == 5
+
+
+def test_a_bad_evictable_mark_raises_and_leaves_counts_matching_the_flags(
+    make_host: Callable[..., HostBackend],
+) -> None:
+    """One flag per block (free / allocated / marked): a wrong mark or unmark names the
+    block, and the counts still agree with the blocks marked before it."""
+    pages = PageAllocator(make_host(num_pages=4))
+    blocks = BlockAllocator(pages, 4)
+    blocks.track_evictable()
+    got = blocks.alloc(4)
+    assert got is not None
+    free_block = 4  # page 1: never handed out
+    with pytest.raises(AllocatorContractError, match="not allocated"):
+        blocks.mark_evictable([got[0], got[1], free_block, got[2]])
+    assert blocks.num_evictable_blocks == 2
+    assert [blocks.is_marked_evictable(b) for b in got] == [True, True, False, False]
+    with pytest.raises(AllocatorContractError, match="already marked"):
+        blocks.mark_evictable([got[2], got[1]])
+    assert blocks.num_evictable_blocks == 3 and blocks.num_reclaimable_pages == 0
+    blocks.mark_evictable([got[3]])
+    assert blocks.num_reclaimable_pages == 1  # the page's every block is evictable
+    with pytest.raises(AllocatorContractError, match="not marked"):
+        blocks.unmark_evictable([got[3], free_block])
+    assert blocks.num_evictable_blocks == 3 and blocks.num_reclaimable_pages == 0
+    assert blocks.is_allocated(got[3]) and not blocks.is_marked_evictable(got[3])
+    blocks.free(got)  # marked or not, every allocated block can be freed
+    assert blocks.num_evictable_blocks == 0 and blocks.num_allocated_blocks == 0
+    assert pages.num_mapped == 0
