@@ -66,6 +66,7 @@ _monotonic = time.monotonic
 
 #: The longest a demand figure vLLM moves without a hook of ours stays unread (s).
 DEMAND_MAX_AGE_S = 0.1
+_running_status: Any = None  # vLLM's RequestStatus.RUNNING, read at the first admission
 
 
 class VllmRuntime:
@@ -314,9 +315,12 @@ class VllmRuntime:
         pool = self.pool
         if pool is None or manager.block_pool is not pool:
             return original(manager, request, *args, **kwargs)
-        from vllm.v1.request import RequestStatus
+        global _running_status
+        if _running_status is None:  # imported once, not at every admission
+            from vllm.v1.request import RequestStatus
 
-        running = request.status == RequestStatus.RUNNING
+            _running_status = RequestStatus.RUNNING
+        running = request.status == _running_status
         reservation = self._reservation
         if reservation is not None:
             if self._manager is not manager:  # the probe reads the requests' blocks from it
