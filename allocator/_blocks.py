@@ -222,9 +222,7 @@ class BlockAllocator:
         try:
             for block in blocks:
                 if flags[block] != 2:
-                    raise AllocatorContractError(
-                        f"unmark_evictable(): block {block} is not marked"
-                    )
+                    raise AllocatorContractError(f"unmark_evictable(): block {block} is not marked")
                 flags[block] = 1
                 count += 1
                 page = block // bpp

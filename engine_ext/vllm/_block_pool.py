@@ -118,8 +118,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         fresh = self._fresh_free
         if fresh < 0:
             fresh = self._fresh_free = self._blocks.num_free_blocks
-        num_evictable: int = self.free_block_queue.num_free_blocks
-        return fresh + num_evictable
+        queued: int = self.free_block_queue.num_free_blocks
+        return fresh + queued
 
     def device_full(self) -> bool:
         """A map found the device out of memory a moment ago (allocator's ``device_full``)."""
