@@ -67,6 +67,7 @@ class BlockAllocator:
         self.num_retired_blocks = 0  # allocated blocks on retired pages
         # per block: 0 free, 1 allocated, 2 allocated and marked evictable (when tracking)
         self._allocated = bytearray(self.num_blocks)
+        self._ones = b"\x01" * bpp  # the flags of a run of fresh blocks (sliced)
         self._occupancy = [0] * pages.num_pages
         self._slots: list[list[int]] = [[] for _ in range(pages.num_pages)]  # free slots, in use
         self._retired = bytearray(pages.num_pages)  # mirror of PageAllocator retirement
@@ -321,9 +322,13 @@ class BlockAllocator:
         slots = self._slots[page]
         first = page * bpp
         allocated = self._allocated
-        for slot in slots[-count:]:
-            allocated[first + slot] = 1
-            out.append(first + slot)
+        if not old:  # a fresh page: its slots are bpp-1..0, so the ids taken are one run
+            allocated[first : first + count] = self._ones[:count]
+            out.extend(range(first, first + count))
+        else:
+            for slot in slots[-count:]:
+                allocated[first + slot] = 1
+                out.append(first + slot)
         del slots[-count:]
         new = old + count
         self._occupancy[page] = new
