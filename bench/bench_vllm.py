@@ -416,6 +416,47 @@ def count_pool_bytecodes(elastic: bool, prompts: list[list[int]]) -> Counter[str
     return counts
 
 
+_CALLGRIND_C = """#include <valgrind/callgrind.h>
+void kvs_cg_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STATS; }
+void kvs_cg_stop(void) { CALLGRIND_DUMP_STATS_AT("pool-trace"); CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+
+
+def callgrind_pool_trace(elastic: bool, prompts: list[list[int]]) -> None:
+    """One pool trace with callgrind's instrumentation on only around it (load-independent).
+
+    Run under ``valgrind --tool=callgrind --instr-atstart=no``: the trace's
+    instruction count is the ``Collected`` line (and the ``pool-trace`` dump).
+    The client requests come from a three-line C helper built here with ``cc``
+    (valgrind's headers needed); outside valgrind they are no-ops.
+    """
+    import ctypes
+    import subprocess
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvs-cg-"))
+    (workdir / "cg.c").write_text(_CALLGRIND_C)
+    subprocess.run(
+        ["cc", "-O2", "-shared", "-fPIC", "-o", str(workdir / "cg.so"), str(workdir / "cg.c")],
+        check=True,
+    )
+    lib = ctypes.CDLL(str(workdir / "cg.so"))
+    run_pool_trace(elastic, prompts)  # warm-up (imports, caches), not counted
+    real_clock = time.thread_time
+    calls = 0
+
+    def clock() -> float:  # run_pool_trace reads the clock right before and after the trace
+        nonlocal calls
+        calls += 1
+        (lib.kvs_cg_start if calls == 1 else lib.kvs_cg_stop)()
+        return real_clock()
+
+    time.thread_time = clock  # type: ignore[assignment]
+    try:
+        run_pool_trace(elastic, prompts)
+    finally:
+        time.thread_time = real_clock  # type: ignore[assignment]
+
+
 def count_step_bytecodes(elastic: bool, model_dir: Path, num_requests: int = 64) -> Counter[str]:
     """Python bytecodes per function of the engine steps (schedule, model stub,
     update_from_output) for ``num_requests`` requests (``sys.settrace``, load-independent)."""
@@ -460,7 +501,16 @@ def main() -> None:
         action="store_true",
         help="only count the bytecodes of the engine steps for 64 requests, per side",
     )
+    parser.add_argument(
+        "--callgrind",
+        choices=("native", "elastic"),
+        help="one pool trace (300 requests) of this side with callgrind's instrumentation on "
+        "only around it; run under valgrind --tool=callgrind --instr-atstart=no",
+    )
     args = parser.parse_args()
+    if args.callgrind:
+        callgrind_pool_trace(args.callgrind == "elastic", _trace(300))
+        return
     if args.step_bytecodes:
         from engine_ext.cpu_harness import make_tiny_model_dir
 
