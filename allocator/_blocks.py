@@ -353,6 +353,18 @@ class BlockAllocator:
         """Evictable accounting for ``batch`` (checked), before the occupancy drops."""
         flags, ev_on, bpp = self._allocated, self._ev_on, self.blocks_per_page
         occupancy = self._occupancy
+        if len(batch) == 1:  # the common free of one block (a request's partial tail block)
+            block = batch[0]
+            page = block // bpp
+            occ = occupancy[page]
+            on = ev_on[page]
+            was = on == occ
+            if flags[block] == 2:
+                on -= 1
+                ev_on[page] = on
+                self.num_evictable_blocks -= 1
+            self.num_reclaimable_pages += (occ > 1 and on == occ - 1) - was
+            return
         gone: dict[int, int] = {}  # page -> blocks of this batch already accounted
         delta = 0
         for block in batch:
