@@ -126,7 +126,7 @@ class BlockAllocator:
     def evictable_on(self, page: int) -> int:
         """Blocks on ``page`` marked evictable now (O(1); 0 when not tracking)."""
         self._check_page(page)
-        return self._ev_on[page] if self._ev is not None else 0
+        return self._ev_on[page] if self.tracks_evictable else 0
 
     # PageObserver ---------------------------------------------------------
     def live_blocks(self, page: int) -> int:
