@@ -305,12 +305,7 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
             over = self._take_over_target(pages)
             if over is not None:
                 self._promised.extend(int(b) for b in over.tolist())
-                self.num_prefill_overdrafts += 1
-                _log.warning(
-                    "kvsidecar: a chunked-prefill continuation took %d page(s) above the KV "
-                    "limit (a running request is served, not retracted)",
-                    pages,
-                )
+                self._note_prefill_overdraft("a chunked-prefill continuation", pages)
                 return True
             if self.blocks.refused_by_device:
                 self.num_device_refusals += 1
@@ -389,11 +384,8 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
             pages = self._take_over_target(needed)
             if pages is None:
                 return None
-            self.num_prefill_overdrafts += 1
-            _log.warning(
-                "kvsidecar: a prefill SGLang admitted without budget (e.g. a chunked "
-                "continuation) took %d page(s) above the KV limit",
-                needed,
+            self._note_prefill_overdraft(
+                "a prefill SGLang admitted without budget (e.g. a chunked continuation)", needed
             )
         parent = super().alloc_extend
         return self._run_with(
@@ -494,7 +486,10 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
 
         The target is lifted for this call only and put back at once: the pages
         now above it are retired (no new blocks; unmapped when they empty) and the
-        coordinator reports the overage. Runs only while a limit is short.
+        coordinator reports the overage. Runs while a limit is short, or with no
+        limit while the allocator holds at what is mapped after a device refusal
+        (``DEVICE_RETRY_S``): lifting the target also lifts that hold, so the device
+        is asked again, and nothing is above a limit (not counted as an overdraft).
         """
         if not self._padding_held or self._physical_free_blocks() < num_pages:
             self.num_failed_allocs += 1
@@ -510,8 +505,28 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
             self.num_failed_allocs += 1
             return None
         self.num_allocs += 1
-        self.num_overdraft_blocks += num_pages
+        if saved is not None:
+            self.num_overdraft_blocks += num_pages
         return torch.tensor(got, dtype=torch.int64, device=self.device)
+
+    def _note_prefill_overdraft(self, what: str, num_pages: int) -> None:
+        """A prefill got its pages from :meth:`_take_over_target`: above the KV limit
+        (counted, a warning), or with no limit set only past the device hold (debug)."""
+        if self.blocks.pages.target_pages is None:
+            _log.debug(
+                "kvsidecar: %s took %d page(s) past the device hold (no KV limit set; the "
+                "device was asked again before the hold ended)",
+                what,
+                num_pages,
+            )
+            return
+        self.num_prefill_overdrafts += 1
+        _log.warning(
+            "kvsidecar: %s took %d page(s) above the KV limit (a running request is "
+            "served, not retracted)",
+            what,
+            num_pages,
+        )
 
     def _run_with(
         self, pages: torch.Tensor, call: Callable[[], torch.Tensor | None]

@@ -8,6 +8,7 @@ maps beyond a page count that a foreign thread (another engine) moves at random 
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -88,7 +89,10 @@ def test_a_decode_the_device_refuses_is_counted_once(
 
 
 def test_a_chunked_prompt_whose_device_fills_mid_prompt_waits_then_finishes(
-    make_harness: Make, cache_kind: str, monkeypatch: pytest.MonkeyPatch
+    make_harness: Make,
+    cache_kind: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A continuation has no admission check in SGLang (it is forced through), so a device
     that another engine filled after the first chunk failed its allocation ("Prefill out of
@@ -119,8 +123,15 @@ def test_a_chunked_prompt_whose_device_fills_mid_prompt_waits_then_finishes(
     assert state.waiting_reason == "device_out_of_memory"
     assert state.waiting_bytes > 0 and state.num_running_requests == 0
     device.total_pages = 10_000  # the other engine gives memory back
-    h.run_until_idle()  # the strict leak check runs at idle
+    with caplog.at_level(logging.DEBUG, logger="engine_ext.sglang"):
+        h.run_until_idle()  # the strict leak check runs at idle
     assert long.done and short.done
+    # the continuation took its pages past the device hold (the allocator still held at
+    # what was mapped): with no KV limit set that is not an overdraft "above the limit"
+    assert allocator.blocks.pages.target_pages is None
+    assert "past the device hold" in caplog.text
+    assert "above the KV limit" not in caplog.text
+    assert allocator.num_prefill_overdrafts == 0 and allocator.num_overdraft_blocks == 0
     assert (long.generated, short.generated) == (want_long.generated, want_short.generated)
     h.pool.before_schedule()
     assert h.pool.state().waiting_reason is None
