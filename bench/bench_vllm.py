@@ -507,6 +507,11 @@ def main() -> None:
         help="one pool trace (300 requests) of this side with callgrind's instrumentation on "
         "only around it; run under valgrind --tool=callgrind --instr-atstart=no",
     )
+    parser.add_argument(
+        "--step-only",
+        action="store_true",
+        help="only the scheduler-step rounds (skip the block pool trace)",
+    )
     args = parser.parse_args()
     if args.callgrind:
         callgrind_pool_trace(args.callgrind == "elastic", _trace(300))
@@ -534,7 +539,7 @@ def main() -> None:
         return
     prompts = _trace(args.requests)
     native_ops, elastic_ops = [], []
-    for _ in range(args.rounds):
+    for _ in range(0 if args.step_only else args.rounds):
         native_ops.append(run_pool_trace(False, prompts))
         elastic_ops.append(run_pool_trace(True, prompts))
     from engine_ext.cpu_harness import make_tiny_model_dir
@@ -543,10 +548,14 @@ def main() -> None:
     native_step, elastic_step = scheduler_rounds(model_dir, args.rounds, 64)
     # Best of the rounds (the least disturbed run, as timeit advises) is the headline;
     # the median of per-round ratios is kept to show the spread on a busy machine.
-    result = {
-        "pool_ops_per_s": {"native": max(native_ops), "elastic": max(elastic_ops)},
-        "pool_ratio": max(elastic_ops) / max(native_ops),
-        "pool_ratio_median": statistics.median(e / n for e, n in zip(elastic_ops, native_ops)),
+    result: dict[str, Any] = {}
+    if native_ops:
+        result["pool_ops_per_s"] = {"native": max(native_ops), "elastic": max(elastic_ops)}
+        result["pool_ratio"] = max(elastic_ops) / max(native_ops)
+        result["pool_ratio_median"] = statistics.median(
+            e / n for e, n in zip(elastic_ops, native_ops)
+        )
+    result |= {
         "step_s": {"native": min(native_step), "elastic": min(elastic_step)},
         "step_ratio": min(elastic_step) / min(native_step),
         "step_ratio_median": statistics.median(e / n for e, n in zip(elastic_step, native_step)),
@@ -554,16 +563,17 @@ def main() -> None:
         # two safe points per step (top and end of schedule()) against native step time
         "state_refresh_ratio": 1 + 2 * min(_idle_safe_point) / min(native_step),
     }
-    print(
-        f"block pool ops/s   native {result['pool_ops_per_s']['native']:10.0f}   "
-        f"elastic {result['pool_ops_per_s']['elastic']:10.0f}   "
-        f"ratio {result['pool_ratio']:.3f} (goal >= 0.9; median of rounds "
-        f"{result['pool_ratio_median']:.3f})"
-    )
+    if native_ops:
+        print(
+            f"block pool ops/s   native {result['pool_ops_per_s']['native']:10.0f}   "
+            f"elastic {result['pool_ops_per_s']['elastic']:10.0f}   "
+            f"ratio {result['pool_ratio']:.3f} (goal >= 0.95; median of rounds "
+            f"{result['pool_ratio_median']:.3f})"
+        )
     print(
         f"scheduler step ms  native {1e3 * result['step_s']['native']:10.3f}   "
         f"elastic {1e3 * result['step_s']['elastic']:10.3f}   "
-        f"ratio {result['step_ratio']:.3f} (goal <= 1.05; median of rounds "
+        f"ratio {result['step_ratio']:.3f} (goal <= 1.05 issue 11, <= 1.03 issue 17; median of rounds "
         f"{result['step_ratio_median']:.3f})"
     )
     print(

@@ -132,7 +132,16 @@ class ShrinkCoordinator:
         self._tried_at = float("-inf")  # when the last shrink pass ended
         self._tried_key: object = None  # _change_key() at the end of the last pass
         self._figures_key: object = None  # _change_key() when the figures were computed
-        self._blank = EngineState.model_construct()  # _compute's template
+        self._floor_bytes = self._config.floor_pages * self._bundle_bytes
+        self._rank0: RankState | None = None  # _compute's one-rank state, while it holds
+        # _compute's template, with the fields that never change for this coordinator
+        self._blank = EngineState.model_construct().model_copy(
+            update={
+                "capacity_bytes": self._backend.layout.num_pages * self._bundle_bytes,
+                "page_bundle_bytes": self._bundle_bytes,
+                "floor_bytes": self._floor_bytes,
+            }
+        )
         self._state = self._compute(_Pass(), None)
         self._settled = self._state.status is not Status.DEFERRED
         mailbox.set_state(self._state)
@@ -440,15 +449,22 @@ class ShrinkCoordinator:
         return self._reclaimable_pages
 
     def _compute(self, done: _Pass, barrier: BarrierResult | None) -> EngineState:
-        self._seen_num_mapped = self._pages.num_mapped
-        self._seen_device_full = self._pages.device_full
-        local_mapped = self._backend.mapped_bytes()
-        ranks = list(barrier.ranks) if barrier is not None and barrier.ranks else []
-        if not ranks:
-            ranks = [RankState(rank=0, mapped_bytes=local_mapped)]
-        mapped = max(r.mapped_bytes for r in ranks)
+        pages = self._pages
+        self._seen_num_mapped = pages.num_mapped
+        self._seen_device_full = pages.device_full
+        if barrier is not None and barrier.ranks:
+            ranks = list(barrier.ranks)
+            mapped = max(r.mapped_bytes for r in ranks)
+        else:
+            # one rank: its state is kept while its mapped bytes (the kernel's figure,
+            # one fstat) do not move; a validated RankState per refresh cost 1.2 us
+            mapped = self._backend.mapped_bytes()
+            rank0 = self._rank0
+            if rank0 is None or rank0.mapped_bytes != mapped:
+                rank0 = self._rank0 = RankState(rank=0, mapped_bytes=mapped)
+            ranks = [rank0]
         limit = self._target.limit_bytes
-        floor = self._config.floor_pages * self._bundle_bytes
+        floor = self._floor_bytes
         effective = None if limit is None else max(limit, floor)
         over = 0 if effective is None else max(0, mapped - effective)
         reclaimable = self._scan_reclaimable(force=done.requested_pages > 0)
@@ -469,26 +485,21 @@ class ShrinkCoordinator:
         # from the allocator and the backend (no outside input to validate). A
         # validated model costs tens of microseconds and model_construct (a Python
         # loop over the fields) 2.6x a copy, paid at every step that maps or unmaps.
-        return self._blank.model_copy(
-            update=dict(
-                status=Status.APPLIED if reason is None else Status.DEFERRED,
-                revision=self._target.revision,
-                limit_bytes=limit,
-                effective_limit_bytes=effective,
-                floor_bytes=floor,
-                mapped_bytes=mapped,
-                overage_bytes=over,
-                reason=None if reason is None else reason.value,
-                capacity_bytes=self._backend.layout.num_pages * bundle,
-                page_bundle_bytes=bundle,
-                evictable_bytes=reclaimable * bundle,
-                pinned_bytes=max(0, self._pages.num_in_use - reclaimable) * bundle,
-                num_ranks=len(ranks),
-                ranks=ranks,
-                passes=self.passes,
-                **self._demand_fields(),
-            )
-        )
+        # The fields that never change (capacity, bundle, floor) are set in the blank.
+        update = self._demand_fields()
+        update["status"] = Status.APPLIED if reason is None else Status.DEFERRED
+        update["revision"] = self._target.revision
+        update["limit_bytes"] = limit
+        update["effective_limit_bytes"] = effective
+        update["mapped_bytes"] = mapped
+        update["overage_bytes"] = over
+        update["reason"] = None if reason is None else reason.value
+        update["evictable_bytes"] = reclaimable * bundle
+        update["pinned_bytes"] = max(0, pages.num_in_use - reclaimable) * bundle
+        update["num_ranks"] = len(ranks)
+        update["ranks"] = ranks
+        update["passes"] = self.passes
+        return self._blank.model_copy(update=update)
 
     def _reason(
         self, over: int, reclaimable: int, barrier: BarrierResult | None, *, limited: bool

@@ -35,7 +35,11 @@ MOST = 0.6  # "most of the budget"
 
 
 class _Watch:
-    """Samples the engines' /proc KV bytes and the device every 50 ms (its own thread)."""
+    """Samples the engines' /proc KV bytes and the device every 50 ms (its own thread).
+
+    Each engine is read twice per sample, in opposite orders (see :meth:`_run`), so
+    memory moving from one engine to another during a sample is not counted twice.
+    """
 
     def __init__(self, cluster: Cluster, ids: list[str], budget: int) -> None:
         self.cluster = cluster
@@ -72,7 +76,13 @@ class _Watch:
         url = f"{self.cluster.sidecar_url}/devices/{DEVICE}"
         while not self._stop.wait(0.05):
             t = round(time.monotonic() - self.t0, 3)
-            proc = {i: self._proc_bytes(i) for i in self.ids}
+            # Each engine read twice, in opposite orders, keeping the smaller read: memory
+            # moving from one engine to another between two reads (A gives back, then B
+            # maps) is then never counted on both sides, which one pass in a fixed order
+            # does whenever the giver is read before it gives and the taker after it takes.
+            first = {i: self._proc_bytes(i) for i in self.ids}
+            again = {i: self._proc_bytes(i) for i in reversed(self.ids)}
+            proc = {i: min(first[i], again[i]) for i in self.ids}
             try:
                 view = self.cluster.http.get(url).json()
                 limits = {m["id"]: m["limit_bytes"] for m in view["instances"]}
