@@ -39,8 +39,15 @@ def test_every_check_passes(results: tuple[int, dict[str, Any]]) -> None:
 def test_budget_held_at_every_proc_sample(results: tuple[int, dict[str, Any]]) -> None:
     a = results[1]["autopilot"]
     budget = a["budget_mib"] * (1 << 20)
-    assert len(a["proc_samples"]) > 20
-    for sample in a["proc_samples"]:
+    samples = a["proc_samples"]
+    # not vacuous: the samples go on past the start of every engine's load (a fast
+    # machine runs the quick load in about a second: a fixed count failed in CI)
+    assert len(samples) >= 5
+    started = a["autopilot"]["load_started_s"]
+    assert set(started) == set(a["engines"])
+    for engine, t in started.items():
+        assert any(s["t_s"] >= t for s in samples), (engine, t, samples[-1]["t_s"])
+    for sample in samples:
         assert sum(sample["proc_bytes"].values()) <= budget, sample
 
 
