@@ -84,6 +84,25 @@ class Engine(ControlSocket):
             assert time.monotonic() < deadline, response.text
             time.sleep(0.2)
 
+    def results(self, futures: list[Any], timeout_s: float = 150) -> list[Any]:
+        """The ``generate`` futures' output ids; a request still waiting after ``timeout_s``
+        fails with the states seen while waiting (what the status said about it)."""
+        from concurrent.futures import wait
+
+        deadline = time.monotonic() + timeout_s
+        seen: list[dict[str, Any]] = []
+        while True:
+            _done, pending = wait(futures, timeout=2.0)
+            if not pending:
+                return [f.result()[0] for f in futures]
+            state = self.state()
+            seen.append({k: v for k, v in state.items() if k != "ranks"})
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{len(pending)} of {len(futures)} requests still waiting after "
+                    f"{timeout_s:.0f} s; states seen meanwhile (last 5): {seen[-5:]}"
+                )
+
     def healthy(self) -> bool:
         return httpx.get(self.server.base_url + "/health", timeout=10).status_code == 200
 
