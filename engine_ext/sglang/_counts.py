@@ -191,28 +191,33 @@ def _hook_radix(counts: TreeCounts) -> None:
         counts.num_path_nodes += len(out) + 1
         return out
 
-    def inc_lock_ref(original: Any) -> Any:
-        def inc(node: Any, *args: Any, **kwargs: Any) -> Any:
-            nodes = changing(node, 0)
+    def lock_walk(original: Any, lock_ref: int, after: Callable[[list[Any]], None]) -> Any:
+        """A lock walk's wrapper: the nodes it changes state on (``lock_ref`` before the
+        walk), the walk itself, then ``after`` with those nodes."""
+
+        def walk(node: Any, *args: Any, **kwargs: Any) -> Any:
+            nodes = changing(node, lock_ref)
             result = original(node, *args, **kwargs)
             counts.num_hook_calls += 1
-            for n in nodes:
-                counts.unmark(node_blocks(n))
+            after(nodes)
             return result
 
-        return inc
+        return walk
+
+    def now_locked(nodes: list[Any]) -> None:  # 0 -> 1: their blocks are pinned now
+        for n in nodes:
+            counts.unmark(node_blocks(n))
+
+    def now_unlocked(nodes: list[Any]) -> None:  # 1 -> 0: their blocks are evictable now
+        for n in nodes:
+            if n.lock_ref == 0 and n.value is not None:
+                counts.mark(node_blocks(n))
+
+    def inc_lock_ref(original: Any) -> Any:
+        return lock_walk(original, 0, now_locked)
 
     def dec_lock_ref(original: Any) -> Any:
-        def dec(node: Any, *args: Any, **kwargs: Any) -> Any:
-            nodes = changing(node, 1)
-            result = original(node, *args, **kwargs)
-            counts.num_hook_calls += 1
-            for n in nodes:
-                if n.lock_ref == 0 and n.value is not None:
-                    counts.mark(node_blocks(n))
-            return result
-
-        return dec
+        return lock_walk(original, 1, now_unlocked)
 
     def insert_helper(original: Any) -> Any:
         def insert(*args: Any, **kwargs: Any) -> Any:
