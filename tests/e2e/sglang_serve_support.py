@@ -86,7 +86,10 @@ class Engine(ControlSocket):
 
     def results(self, futures: list[Any], timeout_s: float = 150) -> list[Any]:
         """The ``generate`` futures' output ids; a request still waiting after ``timeout_s``
-        fails with the states seen while waiting (what the status said about it)."""
+        fails with the states seen while waiting (what the status said about it).
+
+        Give the requests an HTTP timeout a little above ``timeout_s``: the executor
+        that runs them waits for them on its way out, after this has failed."""
         from concurrent.futures import wait
 
         deadline = time.monotonic() + timeout_s

@@ -71,7 +71,7 @@ def test_limit_published_while_sleeping_applies_then_holds_under_traffic(engine:
     applied = engine.wait_state(revision, status="applied")
     assert applied["mapped_bytes"] == engine.server.kv_memfd_bytes() <= limit
     with ThreadPoolExecutor(8) as pool:
-        outputs = engine.results([pool.submit(engine.generate, p, 12, 600) for p in prompts])
+        outputs = engine.results([pool.submit(engine.generate, p, 12, 180) for p in prompts])
     assert outputs == reference  # the overlap loop under a limit: same tokens
     after = engine.quiet_state()
     assert after["status"] == "applied" and after["mapped_bytes"] == engine.server.kv_memfd_bytes()
@@ -96,7 +96,7 @@ def test_limit_lowered_under_traffic_defers_then_applies(engine: Engine) -> None
     bundle = warm["page_bundle_bytes"]
     limit = warm["mapped_bytes"] - 2 * bundle
     with ThreadPoolExecutor(10) as pool:
-        futures = [pool.submit(engine.generate, p, 48, 600) for p in prompts]
+        futures = [pool.submit(engine.generate, p, 48, 180) for p in prompts]
         wait_until(
             lambda: engine.state()["num_running_requests"] >= 4,
             timeout_s=60,
