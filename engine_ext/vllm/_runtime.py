@@ -90,6 +90,7 @@ class VllmRuntime:
         self._seen_changes = -1  # BlockAllocator.changes
         self._seen_mapped = -1  # PageAllocator.num_mapped
         self._seen_reclaimable = -1  # BlockAllocator.num_reclaimable_pages
+        self._seen_device_full = False  # PageAllocator.device_full
         self._seen_events = -1  # _demand_events
         self._seen_requests = -1  # len(Scheduler.requests)
         self._refresh_due = float("-inf")  # monotonic time of the next forced refresh
@@ -224,6 +225,7 @@ class VllmRuntime:
         self._seen_changes = blocks.changes
         self._seen_mapped = blocks.pages.num_mapped
         self._seen_reclaimable = blocks.num_reclaimable_pages
+        self._seen_device_full = blocks.pages.device_full
         self._seen_events = self._demand_events
         sched = self._scheduler
         self._seen_requests = len(getattr(sched, "requests", ()))
@@ -258,19 +260,26 @@ class VllmRuntime:
         """End of ``schedule()`` (also on error): lookups are done, a safe point again.
 
         Skipped after a few int compares when nothing the state shows can have moved
-        since the last safe point: no publish (:meth:`wake`), status settled, no block
-        event in the allocator (``BlockAllocator.changes``: maps, unmaps, evictable
-        marks), no demand event of ours, the same number of requests, and the last
-        full refresh less than :data:`DEMAND_MAX_AGE_S` ago.
+        since the last safe point: no publish (:meth:`wake`), status settled, no
+        eviction the pool deferred, the same mapped pages, all-evictable pages and
+        device-full flag (the block figures the state is made of: a running request
+        taking a block on a mapped page moves none of them, and a busy engine does
+        that at nearly every step), no demand event of ours, the same number of
+        requests, and the last full refresh less than :data:`DEMAND_MAX_AGE_S` ago.
         """
         pool = self.pool
         if pool is None:
             return
         pool.in_schedule = False
+        blocks = self._blocks
+        pages = blocks.pages
         if (
             self._steady
             and not self._woken
-            and self._blocks.changes == self._seen_changes
+            and not pool._cleanup_due
+            and pages.num_mapped == self._seen_mapped
+            and blocks.num_reclaimable_pages == self._seen_reclaimable
+            and pages.device_full == self._seen_device_full
             and self._demand_events == self._seen_events
             and len(self._scheduler.requests) == self._seen_requests
             and _monotonic() < self._refresh_due
