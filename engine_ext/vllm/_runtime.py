@@ -271,21 +271,28 @@ class VllmRuntime:
         if pool is None:
             return
         pool.in_schedule = False
-        blocks = self._blocks
-        pages = blocks.pages
         if (
-            self._steady
-            and not self._woken
+            self._memory_unmoved()
             and not pool._cleanup_due
-            and pages.num_mapped == self._seen_mapped
-            and blocks.num_reclaimable_pages == self._seen_reclaimable
-            and pages.device_full == self._seen_device_full
             and self._demand_events == self._seen_events
             and len(self._scheduler.requests) == self._seen_requests
             and _monotonic() < self._refresh_due
         ):
             return
         self.safe_point()
+
+    def _memory_unmoved(self) -> bool:
+        """Since the last safe point: no publish, status settled, and the same mapped
+        pages, all-evictable pages and device-full flag (the block figures the state
+        is made of). O(1)."""
+        pages = self._blocks.pages
+        return (
+            self._steady
+            and not self._woken
+            and pages.num_mapped == self._seen_mapped
+            and self._blocks.num_reclaimable_pages == self._seen_reclaimable
+            and pages.device_full == self._seen_device_full
+        )
 
     def begin_update(self) -> None:
         """``Scheduler.update_from_output`` (patched), before it frees anything: the
@@ -531,13 +538,7 @@ class VllmRuntime:
         # at the next safe point (the end of the next schedule(), or the idle hook armed
         # here), not at every free: a safe point per free cost ~4% of the pool's
         # instructions on bench_vllm's trace (bench/README.md, issue 17).
-        blocks = self._blocks
-        if (
-            self._steady
-            and not self._woken
-            and blocks.pages.num_mapped == self._seen_mapped
-            and blocks.num_reclaimable_pages == self._seen_reclaimable
-        ):
+        if self._memory_unmoved():
             if not self._armed and self._engine_core is not None:
                 self._arm(wakeup=False)  # an idle engine refreshes the demand once
             return
