@@ -14,7 +14,13 @@ import logging
 import os
 import sys
 
-__all__ = ["register"]
+__all__ = ["SHUTDOWN_WINDOW_S", "register"]
+
+#: Seconds vLLM's process manager lets the EngineCore run after SIGTERM before it
+#: kills it (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``; vLLM 0.33's default is 0: an
+#: immediate SIGKILL, which raced the EngineCore's removal of its control socket and
+#: runtime dir, seen in CI). An upper bound: the EngineCore exits as soon as it is done.
+SHUTDOWN_WINDOW_S = "5"
 
 _log = logging.getLogger("engine_ext.vllm.plugin")
 
@@ -39,6 +45,8 @@ def register() -> None:
         export_default_instance_id(sys.argv, os.environ)
         engine = load_engine_settings()
     configure(engine, vllm_settings)
+    # the operator's value wins; read by vLLM when the API server shuts its EngineCore down
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", SHUTDOWN_WINDOW_S)
     if changed:
         _log.info(
             "kvsidecar enabled for vLLM %s (patched %s)", vllm.__version__, ", ".join(changed)

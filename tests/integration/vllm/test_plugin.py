@@ -80,6 +80,25 @@ def test_register_is_a_no_op_unless_enabled(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.usefixtures("restore_vllm")
+def test_register_gives_the_engine_core_a_shutdown_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33 SIGKILLs the EngineCore right after SIGTERM unless this is set: its
+    control socket and runtime dir were left behind (tests/e2e/test_ranks_vllm.py)."""
+    from vllm.v1.engine.utils import get_engine_process_shutdown_timeout
+
+    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "0")  # restored after the test
+    monkeypatch.delenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS")
+    assert get_engine_process_shutdown_timeout(0, 0) == 0  # vLLM's own: no window
+    monkeypatch.setenv("KVSIDECAR_ENABLE", "1")
+    monkeypatch.setenv("KVSIDECAR_INSTANCE_ID", "plugin-test")
+    plugin.register()
+    assert get_engine_process_shutdown_timeout(0, 0) == float(plugin.SHUTDOWN_WINDOW_S)
+    remove_patches()
+    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "12")  # an operator's value
+    plugin.register()
+    assert get_engine_process_shutdown_timeout(0, 0) == 12.0
+
+
+@pytest.mark.usefixtures("restore_vllm")
 def test_bad_setting_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSIDECAR_ENABLE", "1")
     monkeypatch.setenv("KVSIDECAR_INSTANCE_ID", "not valid!")
