@@ -332,10 +332,12 @@ def test_engine_killed_mid_load_memory_reassigned_then_fitted_on_return(rig: Rig
             with Load(a, seed=90_000, **both) as load_a:
                 watch.wait_samples(5)
                 # killed while its last report shows requests running under a share of
-                # its own: the limit it keeps for its return is more than its floor
+                # its own: the limit it keeps for its return is more than its floor; and
+                # after it answered at least one (a CI run killed it before any had)
                 wait_until(
                     lambda: (
-                        rig.running("a") > 0
+                        load_a.ok > 0
+                        and rig.running("a") > 0
                         and rig.running("b") > 0
                         and _limit(rig.device(), "a") >= BUDGET // 4
                     ),
