@@ -35,7 +35,9 @@ class BlockAllocator:
     ``changes`` counts every block event (alloc, free, mark, unmark,
     :meth:`note_change`): equal counts mean nothing a shrink pass looks at moved.
 
-    Invariants: ``num_allocated_blocks == sum(occupancy)``; every in-use page
+    Invariants: ``num_allocated_blocks == sum(occupancy)`` ==
+    ``num_blocks - num_unallocated_blocks`` (both kept, so a reader needs no
+    subtraction); every in-use page
     has occupancy >= 1; ``_partial_free`` == free slots on in-use,
     non-retired pages; every retired page is in ``_rbuckets[occupancy]``;
     ``_allocated[block]`` is 0 (free), 1 (allocated) or 2 (allocated and
@@ -64,6 +66,7 @@ class BlockAllocator:
         self.blocks_per_page = bpp
         self.num_blocks = pages.num_pages * bpp  # virtual capacity in blocks
         self.num_allocated_blocks = 0
+        self.num_unallocated_blocks = self.num_blocks  # num_blocks - num_allocated_blocks
         self.num_retired_blocks = 0  # allocated blocks on retired pages
         # per block: 0 free, 1 allocated, 2 allocated and marked evictable (when tracking)
         self._allocated = bytearray(self.num_blocks)
@@ -170,7 +173,8 @@ class BlockAllocator:
         Every cache above this allocator must then mark through it: the counts
         are the whole truth for the coordinator (no rescan). Idempotent.
         """
-        self.guard.check()
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
         if not self.tracks_evictable:
             self._ev_on = [0] * self.pages.num_pages
             self.tracks_evictable = True
@@ -185,7 +189,8 @@ class BlockAllocator:
         Each id is checked (allocated, not marked yet); on a bad one the blocks
         before it stay marked and :class:`AllocatorContractError` is raised.
         """
-        self.guard.check()
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
         if not self.tracks_evictable:
             raise AllocatorContractError("mark_evictable(): call track_evictable() first")
         flags, ev_on, occupancy = self._allocated, self._ev_on, self._occupancy
@@ -213,7 +218,8 @@ class BlockAllocator:
 
     def unmark_evictable(self, blocks: Iterable[int]) -> None:
         """These blocks are referenced again (or about to be reused in place)."""
-        self.guard.check()
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
         if not self.tracks_evictable:
             raise AllocatorContractError("unmark_evictable(): call track_evictable() first")
         flags, ev_on, occupancy = self._allocated, self._ev_on, self._occupancy
@@ -242,7 +248,8 @@ class BlockAllocator:
         Fills partly used, non-retired pages first (fullest first), then
         acquires pages from the :class:`PageAllocator`.
         """
-        self.guard.check()
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
         self.refused_by_device = False
         if type(n) is not int or n < 0:
             raise AllocatorContractError(f"alloc(n) needs an int >= 0; got {n!r}")
@@ -273,6 +280,7 @@ class BlockAllocator:
             self._free_checked(out)
             raise
         self.num_allocated_blocks += n
+        self.num_unallocated_blocks -= n
         self.changes += 1
         return out
 
@@ -282,7 +290,8 @@ class BlockAllocator:
         Checks every id first (range, allocated, no repeats) and changes
         nothing if one is wrong.
         """
-        self.guard.check()
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
         batch = blocks if type(blocks) is list else list(blocks)
         allocated, limit = self._allocated, self.num_blocks
         for block in batch:
@@ -297,6 +306,7 @@ class BlockAllocator:
         if len(batch) > 1 and len(set(batch)) != len(batch):
             raise AllocatorContractError("free(): the same block appears twice in one call")
         self.num_allocated_blocks -= len(batch)
+        self.num_unallocated_blocks += len(batch)
         self.changes += 1
         if self.tracks_evictable:
             self._untrack_freed(batch)
@@ -325,11 +335,16 @@ class BlockAllocator:
         if not old:  # a fresh page: its slots are bpp-1..0, so the ids taken are one run
             allocated[first : first + count] = self._ones[:count]
             out.extend(range(first, first + count))
+            del slots[-count:]
+        elif count == 1:  # the common decode step: one block
+            block = first + slots.pop()
+            allocated[block] = 1
+            out.append(block)
         else:
             for slot in slots[-count:]:
                 allocated[first + slot] = 1
                 out.append(first + slot)
-        del slots[-count:]
+            del slots[-count:]
         new = old + count
         self._occupancy[page] = new
         self._partial_free -= count

@@ -199,7 +199,8 @@ class PageAllocator:
         still above it are retired, fewest live blocks first. Raising the
         target takes retired pages back (fullest first) and refills the reserve.
         """
-        self.guard.check()
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
         if pages is not None and (
             isinstance(pages, bool) or not isinstance(pages, int) or pages < 0
         ):
@@ -236,7 +237,8 @@ class PageAllocator:
 
         After a ``None``, :attr:`refused_by_device` says whether the device refused the map.
         """
-        self.guard.check()
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
         self.refused_by_device = False
         if self._free:
             page = self._free.pop()
@@ -284,7 +286,8 @@ class PageAllocator:
         retried by the next release or :meth:`set_target`), then
         :class:`BackendError` is raised.
         """
-        self.guard.check()
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
         state, num_pages = self._state, self.num_pages
         for page in pages:
             if type(page) is not int or not 0 <= page < num_pages:
@@ -358,7 +361,8 @@ class PageAllocator:
 
         Raises :class:`BackendError` if some still fail; those stay out of service.
         """
-        self.guard.check()
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
         pages, self._unmap_failed = self._unmap_failed, []
         if not pages:
             return

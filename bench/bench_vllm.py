@@ -56,6 +56,9 @@ BLOCKS_PER_PAGE = 16
 NUM_PAGES = 64  # 1024 blocks
 
 
+_leave_off: set[str] = set()
+
+
 @contextmanager
 def pool_class(elastic: bool) -> Iterator[None]:
     """Rebind the name KVCacheCoordinator builds its pool by (what the plugin does)."""
@@ -82,6 +85,8 @@ def pool_class(elastic: bool) -> Iterator[None]:
     kv_cache_coordinator.BlockPool = ElasticBlockPool if elastic else BlockPool
     if elastic:
         for owner, name, factory in rows:
+            if name in _leave_off:  # --leave-off (an experiment: what one patch costs)
+                continue
             setattr(owner, name, factory(owner.__dict__[name], None))
     _runtime.configure(EngineSettings(enable=True), VllmSettings(enable=True))
     try:
@@ -216,11 +221,15 @@ def _run_scheduler(elastic: bool, model_dir: Path, num_requests: int) -> float:
         real = getattr(scheduler, name)
 
         def wrapper(*a: Any, _real: Callable[..., Any] = real, **k: Any) -> Any:
+            if _step_collect is not None:
+                _step_collect()
             t0 = time.thread_time()
             try:
                 return _real(*a, **k)
             finally:
                 timings.append(time.thread_time() - t0)
+                if _step_collect is not None:
+                    _step_collect()
 
         setattr(scheduler, name, wrapper)
     doc = list(range(10, 10 + 600))
@@ -258,6 +267,7 @@ def _run_scheduler(elastic: bool, model_dir: Path, num_requests: int) -> float:
 
 _idle_safe_point: list[float] = []
 _step_tracer: Any = None  # count_step_bytecodes' tracer while it runs
+_step_collect: Callable[[], None] | None = None  # callgrind_steps' collect toggle
 
 
 def _step_requests(round_no: int, num_requests: int) -> list[Any]:
@@ -457,6 +467,45 @@ def callgrind_pool_trace(elastic: bool, prompts: list[list[int]]) -> None:
         time.thread_time = real_clock  # type: ignore[assignment]
 
 
+_CALLGRIND_STEP_C = """#include <valgrind/callgrind.h>
+void kvs_cg_instr(void) { CALLGRIND_START_INSTRUMENTATION; }
+void kvs_cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void kvs_cg_dump(void) { CALLGRIND_DUMP_STATS_AT("scheduler-steps"); }
+"""
+
+
+def callgrind_steps(elastic: bool, model_dir: Path, num_requests: int = 64) -> None:
+    """Instructions of ``schedule()`` + ``update_from_output()`` over the 64-request run
+    (the stub model's step and the engine loop between them not counted).
+
+    Run under ``valgrind --tool=callgrind --instr-atstart=no --collect-atstart=no``:
+    a warm-up run first, then instrumentation on and collection toggled around each
+    scheduler call; the ``scheduler-steps`` dump's total is the figure (load-independent).
+    """
+    import ctypes
+    import subprocess
+
+    global _step_collect
+    workdir = Path(tempfile.mkdtemp(prefix="kvs-cg-"))
+    (workdir / "cg.c").write_text(_CALLGRIND_STEP_C)
+    subprocess.run(
+        ["cc", "-O2", "-shared", "-fPIC", "-o", str(workdir / "cg.so"), str(workdir / "cg.c")],
+        check=True,
+    )
+    lib = ctypes.CDLL(str(workdir / "cg.so"))
+    run_scheduler(elastic, model_dir, num_requests)  # warm-up (imports, caches)
+    max_age = _runtime.DEMAND_MAX_AGE_S
+    _runtime.DEMAND_MAX_AGE_S = float("inf")  # as in count_step_bytecodes: no periodic re-read
+    lib.kvs_cg_instr()
+    _step_collect = lib.kvs_cg_toggle
+    try:
+        run_scheduler(elastic, model_dir, num_requests)
+    finally:
+        _step_collect = None
+        _runtime.DEMAND_MAX_AGE_S = max_age
+    lib.kvs_cg_dump()
+
+
 def count_step_bytecodes(elastic: bool, model_dir: Path, num_requests: int = 64) -> Counter[str]:
     """Python bytecodes per function of the engine steps (schedule, model stub,
     update_from_output) for ``num_requests`` requests (``sys.settrace``, load-independent)."""
@@ -512,7 +561,28 @@ def main() -> None:
         action="store_true",
         help="only the scheduler-step rounds (skip the block pool trace)",
     )
+    parser.add_argument(
+        "--callgrind-step",
+        choices=("native", "elastic"),
+        help="schedule() + update_from_output() of the 64-request step run of this side, "
+        "instructions counted only inside them; run under valgrind --tool=callgrind "
+        "--instr-atstart=no --collect-atstart=no",
+    )
+    parser.add_argument(
+        "--leave-off",
+        default="",
+        help="comma-separated per-step patches to leave off the elastic side of "
+        "--callgrind-step and --step-bytecodes (schedule, update_from_output, "
+        "_preempt_request, allocate_slots): what each costs",
+    )
     args = parser.parse_args()
+    _leave_off.update(name for name in args.leave_off.split(",") if name)
+    if args.callgrind_step:
+        from engine_ext.cpu_harness import make_tiny_model_dir
+
+        model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
+        callgrind_steps(args.callgrind_step == "elastic", model_dir)
+        return
     if args.callgrind:
         callgrind_pool_trace(args.callgrind == "elastic", _trace(300))
         return

@@ -86,8 +86,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         # allocator resets it: this pool's own methods and, via invalidate_capacity(),
         # the runtime after a coordinator pass.
         self._fresh_free = -1
-        # Set by the allocate_slots wrapper (_runtime.allocating) for a RUNNING request:
-        # its blocks may be mapped above the target (liveness: a limit never preempts).
+        # True while a RUNNING request may allocate: its blocks may be mapped above the
+        # target (liveness: a limit never preempts). The runtime holds it for the whole of
+        # Scheduler.schedule() (whose running requests allocate first) and clears it around
+        # each admission (_runtime.allocating), so the common call needs no store at all.
         self.overdraft = False
         # True while Scheduler.schedule() runs (between a prefix lookup and the touch
         # in allocate_slots hit blocks have ref_cnt 0): the pool evicts nothing on its
@@ -112,9 +114,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
     def get_num_free_blocks(self) -> int:
         # Read-only: never takes a target, never evicts (docs/vllm.md, "Safe points").
         if self.overdraft:  # a running request: every unallocated block, above the target
-            blocks = self._blocks
-            num_evictable: int = self.free_block_queue.num_free_blocks
-            return blocks.num_blocks - blocks.num_allocated_blocks + num_evictable
+            return self._blocks.num_unallocated_blocks + self.free_block_queue.num_free_blocks  # type: ignore[no-any-return]
         fresh = self._fresh_free
         if fresh < 0:
             fresh = self._fresh_free = self._blocks.num_free_blocks
@@ -138,7 +138,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         under the target, evictable cached blocks included). Unlimited, this equals
         vLLM's figure; cached blocks count as available, as in vLLM.
         """
-        available = self.get_num_free_blocks()
+        fresh = self._fresh_free
+        if fresh < 0:
+            fresh = self._fresh_free = self._blocks.num_free_blocks
+        available = fresh + self.free_block_queue.num_free_blocks  # under the target
         in_use = self._blocks.num_allocated_blocks - self.free_block_queue.num_free_blocks - 1
         allowed = in_use + available  # the null block (allocated for good) is neither
         return in_use / allowed if allowed > 0 else 0.0
@@ -169,12 +172,15 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
 
     # -- allocation -----------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        self._guard.check()
+        if self._guard.enabled:  # a call only when the guard is on (hot path)
+            self._guard.check()
         fresh_free = self._fresh_free
         if fresh_free < 0:
             fresh_free = self._blocks.num_free_blocks
         num_fresh = min(num_blocks, fresh_free)
-        num_reused = min(num_blocks - num_fresh, self.free_block_queue.num_free_blocks)
+        num_reused = num_blocks - num_fresh
+        if num_reused:  # (no queue read nor min() on the common all-fresh path)
+            num_reused = min(num_reused, self.free_block_queue.num_free_blocks)
         num_over = num_blocks - num_fresh - num_reused  # above the target: running requests only
         if num_over and not self.overdraft:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
@@ -262,7 +268,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             self._blocks.unmark_evictable(hit)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        self._guard.check()
+        if self._guard.enabled:  # a call only when the guard is on (hot path)
+            self._guard.check()
         to_free: list[int] = []
         to_cache: list[KVCacheBlock] = []
         others: dict[BlockPool, list[KVCacheBlock]] = {}
@@ -318,7 +325,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
     # -- eviction (the reclaimer and the cache bound) ---------------------------------
     def evict(self, block_ids: Sequence[int]) -> int:
         """Evict these evictable blocks: drop their hashes and free them to the allocator."""
-        self._guard.check()
+        if self._guard.enabled:  # a call only when the guard is on (hot path)
+            self._guard.check()
         freed: list[int] = []
         for block_id in block_ids:
             if not self.is_evictable(block_id):
@@ -344,7 +352,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         return self.evict(victims)
 
     def reset_prefix_cache(self) -> bool:
-        self._guard.check()
+        if self._guard.enabled:  # a call only when the guard is on (hot path)
+            self._guard.check()
         num_in_use = self._blocks.num_allocated_blocks - 1 - self.free_block_queue.num_free_blocks
         if num_in_use:
             _log.warning("Failed to reset prefix cache: %d blocks are still in use", num_in_use)

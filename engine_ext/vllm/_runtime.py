@@ -255,6 +255,7 @@ class VllmRuntime:
         if self._reservation is not None:
             self._reservation.begin_step()
         pool.in_schedule = True
+        pool.overdraft = True  # running requests allocate first; admissions clear it
 
     def end_schedule(self) -> None:
         """End of ``schedule()`` (also on error): lookups are done, a safe point again.
@@ -271,6 +272,7 @@ class VllmRuntime:
         if pool is None:
             return
         pool.in_schedule = False
+        pool.overdraft = False
         if (
             self._memory_unmoved()
             and not pool._cleanup_due
@@ -337,6 +339,26 @@ class VllmRuntime:
 
             _running_status = RequestStatus.RUNNING
         running = request.status == _running_status
+        was_in_schedule, was_overdraft = pool.in_schedule, pool.overdraft
+        pool.overdraft = running  # an admission sees only the headroom under the target
+        try:
+            return self._allocating(original, manager, request, running, args, kwargs)
+        finally:
+            pool.overdraft = was_overdraft
+            pool.in_schedule = was_in_schedule
+
+    def _allocating(
+        self,
+        original: Any,
+        manager: Any,
+        request: Any,
+        running: bool,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """:meth:`allocating` with the pool's overdraft flag set for this request."""
+        pool = self.pool
+        assert pool is not None
         reservation = self._reservation
         if reservation is not None:
             if self._manager is not manager:  # the probe reads the requests' blocks from it
@@ -351,8 +373,6 @@ class VllmRuntime:
         # a RUNNING request holds its blocks; only an admission may hold none yet (then a
         # failed map must give back the prefix hits it touched)
         held = running or _holds_blocks(manager, request.request_id)
-        was_in_schedule = pool.in_schedule
-        pool.overdraft = running
         pool.in_schedule = True  # frees inside allocate_slots (sliding window) evict later
         device = False
         try:
@@ -364,9 +384,6 @@ class VllmRuntime:
             if not held:
                 manager.free(request)  # the prefix hits it touched: as before the call
             result, device = None, True
-        finally:
-            pool.overdraft = False
-            pool.in_schedule = was_in_schedule
         if not running:
             self._demand_events += 1  # an admission or a refusal: the demand moved
         if result is None:
@@ -696,10 +713,12 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
     """The replacement of ``KVCacheManager.allocate_slots`` for pools of ``pool_class``.
 
     The common call, a RUNNING request extending inside ``schedule()``, takes the
-    fast path here: the pool's ``overdraft`` flag for the call (its blocks may go
-    above the target: a limit never preempts it; a device found full after the
-    free count is a refusal, as on a full cache) and nothing else. Admissions and
-    calls outside ``schedule()`` go to :meth:`VllmRuntime.allocating`.
+    fast path here: the original, under the pool's ``overdraft`` flag, which
+    :meth:`VllmRuntime.begin_schedule` holds for the whole of ``schedule()`` (its
+    blocks may go above the target: a limit never preempts it), and a device
+    found full after the free count is a refusal, as on a full cache. Admissions
+    and calls outside ``schedule()`` go to :meth:`VllmRuntime.allocating`, which
+    clears the flag for the call.
     """
     from vllm.v1.request import RequestStatus
 
@@ -715,14 +734,11 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
 
         def allocate_slots_any(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
             pool: Any = self.block_pool
-            if request.status is running and pool.__class__ is pool_class and pool.in_schedule:
-                pool.overdraft = True
-                try:
+            if request.status is running and type(pool) is pool_class and pool.in_schedule:
+                try:  # overdraft is on for the whole of schedule() (begin_schedule)
                     return original(self, request, *args, **kwargs)
                 except DeviceFullError:
                     return None
-                finally:
-                    pool.overdraft = False
             return general(self, request, *args, **kwargs)
 
         allocate_slots_any.__wrapped__ = original  # type: ignore[attr-defined]
@@ -744,9 +760,8 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> Any:
         pool: Any = self.block_pool
-        if request.status is running and pool.__class__ is pool_class and pool.in_schedule:
-            pool.overdraft = True
-            try:
+        if request.status is running and type(pool) is pool_class and pool.in_schedule:
+            try:  # overdraft is on for the whole of schedule() (begin_schedule)
                 return original(
                     self,
                     request,
@@ -764,8 +779,6 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
                 )
             except DeviceFullError:
                 return None
-            finally:
-                pool.overdraft = False
         return general(
             self,
             request,
