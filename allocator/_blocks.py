@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+from collections import Counter
 from collections.abc import Iterable
 
 from ._errors import AllocatorConfigError, AllocatorContractError, AllocatorError
@@ -125,6 +127,46 @@ class BlockAllocator:
         """Whether ``block`` is marked evictable now (False when not tracking)."""
         self._check_block(block)
         return self._allocated[block] == 2
+
+    def held_per_page(self) -> list[int]:
+        """Per page, allocated blocks not marked evictable (occupancy when not tracking).
+
+        O(pages), in C (``map(operator.sub, ...)``), no Python loop over pages.
+        """
+        if not self.tracks_evictable:
+            return list(self._occupancy)
+        return list(map(operator.sub, self._occupancy, self._ev_on))
+
+    def free_after_eviction(self, cap_pages: int, unlocked: Iterable[int] | None = None) -> int:
+        """A lower bound of the blocks :meth:`alloc` could hand out once every
+        evictable block is freed, with at most ``cap_pages`` pages in use.
+
+        Evictable = marked (tracking), or the ``unlocked`` block ids given.
+        Pages still holding other blocks stay in use: if they fit under the cap,
+        the answer is the cap's blocks minus those held; else only ``cap_pages``
+        of them can take blocks, counted as the *fullest* ones (the least room
+        any choice leaves). O(pages) in C plus O(blocks_per_page) in Python
+        (a count of pages per held level), O(unlocked) for ``unlocked``.
+        """
+        bpp = self.blocks_per_page
+        held = self.held_per_page()
+        if unlocked is not None:
+            for page, count in Counter(b // bpp for b in unlocked).items():
+                left = held[page] - count
+                held[page] = max(0, left)
+        in_use = len(held) - held.count(0)
+        if in_use <= cap_pages:
+            return max(0, cap_pages * bpp - sum(held))
+        per_level = Counter(held)  # pages per number of held blocks (C: _count_elements)
+        room, free = cap_pages, 0
+        for level in range(bpp, 0, -1):  # the fullest pages first
+            take = per_level.get(level, 0)
+            take = min(take, room)
+            free += take * (bpp - level)
+            room -= take
+            if not room:
+                break
+        return free
 
     def evictable_on(self, page: int) -> int:
         """Blocks on ``page`` marked evictable now (O(1); 0 when not tracking)."""

@@ -21,6 +21,11 @@ For each pool size (16 blocks per 4 KiB page, host memory):
    full pool, 15 of 16 blocks per page evictable, one pinned on every page)
    and no block event happened since the last pass. Goal: <= 1 ms at 100k
    blocks (it is O(1): the evictable counts are kept per block event).
+4. *Admission bound*: ``BlockAllocator.free_after_eviction``, what SGLang's
+   admission may count while pages are retired (``obtainable_blocks``,
+   recomputed when a block event happened), on a full pool with ~90 % of the
+   blocks evictable and a cap of half the pages; beside it the Python loop over
+   pages it replaced. O(pages) both, the new one in C.
 
 ``--max-blocks`` caps the sizes (to run the old quadratic code at all, e.g.
 ``PYTHONPATH=<old checkout> python bench/bench_scale.py --max-blocks 100000``).
@@ -160,6 +165,37 @@ def deferred_retry_ns(num_blocks: int) -> float:
         backend.release()
 
 
+def free_after_eviction_us(num_blocks: int) -> tuple[float, float]:
+    """SGLang's admission bound while pages are retired (``obtainable_blocks``):
+    ``BlockAllocator.free_after_eviction`` on a full, tracked pool with ~90 % of its
+    blocks marked evictable and a cap of half the pages, and the Python loop over
+    pages it replaced (two method calls per page, then a sort). µs per call."""
+    backend, _, blocks = build(num_blocks)
+    try:
+        blocks.track_evictable()
+        ids = blocks.alloc(blocks.num_blocks)
+        assert ids is not None
+        rng = random.Random(1)
+        blocks.mark_evictable([b for b in ids if rng.random() < 0.9])
+        num_pages = blocks.pages.num_pages
+        cap = num_pages // 2
+
+        def python_loop() -> int:
+            per_page = (blocks.occupancy(p) - blocks.evictable_on(p) for p in range(num_pages))
+            held = [n for n in per_page if n > 0]
+            if len(held) <= cap:
+                return cap * BPP - sum(held)
+            return sum(BPP - n for n in sorted(held, reverse=True)[:cap])
+
+        assert python_loop() == blocks.free_after_eviction(cap)
+        n = max(1, 200_000 // num_blocks)
+        now = min(timeit.repeat(lambda: blocks.free_after_eviction(cap), number=n, repeat=5))
+        before = min(timeit.repeat(python_loop, number=n, repeat=3))
+        return now / n * 1e6, before / n * 1e6
+    finally:
+        backend.release()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-blocks", type=int, default=SIZES[-1])
@@ -173,9 +209,9 @@ def main() -> None:
     print(
         "| blocks | pages freed | set_target ms | drain ms | µs / freed page | × 1k "
         "| net of harness µs/page | × 1k | raw unmap µs/page | idle step() ns "
-        "| deferred retry ns |"
+        "| deferred retry ns | admission bound µs (Python loop before) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = net_base = 0.0
     for size in sizes:
         runs = sorted(
@@ -186,11 +222,13 @@ def main() -> None:
         net_base = net_base or mid["net_per_page_us"]
         idle = idle_step_ns(size)
         retry = deferred_retry_ns(size)
+        bound, bound_before = free_after_eviction_us(size)
         print(
             f"| {size:,} | {int(mid['pages']):,} | {mid['target_ms']:.1f} | "
             f"{mid['drain_ms']:.1f} | {mid['per_page_us']:.1f} | {mid['per_page_us'] / base:.2f} "
             f"| {mid['net_per_page_us']:.1f} | {mid['net_per_page_us'] / net_base:.2f} "
-            f"| {mid['raw_per_page_us']:.1f} | {idle:.0f} | {retry:.0f} |",
+            f"| {mid['raw_per_page_us']:.1f} | {idle:.0f} | {retry:.0f} "
+            f"| {bound:.0f} ({bound_before:.0f}) |",
             flush=True,
         )
 

@@ -41,7 +41,6 @@ Thread: the scheduler thread only (the block allocator's guard enforces it).
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -164,8 +163,9 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         ``in use - cap`` of them stay retired and only the others take blocks:
         counted as the cap's *fullest* pages, the least room any choice leaves.
         Cached by the allocator's and the tree's change counters; when they moved,
-        O(pages) from the evictable marks (:mod:`._counts`), or O(tree) from the
-        reclaimer's scan without them. Asked only while a page is retired.
+        :meth:`BlockAllocator.free_after_eviction`: O(pages) in C from the
+        evictable marks (:mod:`._counts`), or O(tree) from the reclaimer's scan
+        without them. Asked only while a page is retired.
         """
         blocks = self.blocks
         pages = blocks.pages
@@ -182,20 +182,8 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         )
         if key == self._obtainable_key and source is self._obtainable_source:
             return self._obtainable
-        bpp = blocks.blocks_per_page
-        if tracked:  # O(pages), no tree scan
-            per_page = (
-                blocks.occupancy(p) - blocks.evictable_on(p) for p in range(pages.num_pages)
-            )
-        else:
-            unlocked = Counter(b // bpp for b in source)
-            per_page = (blocks.occupancy(p) - unlocked.get(p, 0) for p in range(pages.num_pages))
-        locked = [n for n in per_page if n > 0]
-        cap = pages.cap_pages()
-        if len(locked) <= cap:
-            obtainable = cap * bpp - sum(locked)
-        else:
-            obtainable = sum(bpp - n for n in sorted(locked, reverse=True)[:cap])
+        # O(pages) in C, not a Python loop over pages (bench/bench_scale.py)
+        obtainable = blocks.free_after_eviction(pages.cap_pages(), None if tracked else source)
         self._obtainable_key, self._obtainable_source = key, source
         self._obtainable = max(0, obtainable)
         return self._obtainable

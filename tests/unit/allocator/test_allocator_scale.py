@@ -206,3 +206,46 @@ def test_the_reserve_hands_out_the_lowest_page_first(make_host: MakeHost, reserv
     more = blocks.alloc(16 * reserve)
     assert more is not None
     assert sorted({b // 16 for b in more}) == list(range(reserve + 1))
+
+
+def _free_after_eviction_brute(held: list[int], cap: int, bpp: int) -> int:
+    """The reference: try every choice of ``cap`` pages among those still in use."""
+    from itertools import combinations
+
+    in_use = [n for n in held if n > 0]
+    if len(in_use) <= cap:
+        return max(0, cap * bpp - sum(in_use))
+    return min(sum(bpp - n for n in chosen) for chosen in combinations(in_use, cap))
+
+
+@pytest.mark.parametrize("tracked", [True, False])
+def test_free_after_eviction_matches_the_least_room_of_any_choice(
+    make_host: MakeHost, tracked: bool
+) -> None:
+    """``free_after_eviction`` (SGLang's admission bound while pages are retired) equals
+    the least free room over every choice of ``cap`` pages among those still holding
+    non-evictable blocks, for random fills, marks and caps."""
+    rng = random.Random(7)
+    bpp = 4
+    for trial in range(60):
+        backend = make_host(num_pages=8)
+        blocks = BlockAllocator(PageAllocator(backend), bpp)
+        if tracked:
+            blocks.track_evictable()
+        taken = blocks.alloc(rng.randrange(1, blocks.num_blocks + 1))
+        assert taken is not None
+        dropped = rng.sample(taken, rng.randrange(len(taken)))
+        blocks.free(dropped)
+        live = sorted(set(taken) - set(dropped))
+        evictable = rng.sample(live, rng.randrange(len(live) + 1))
+        if tracked:
+            blocks.mark_evictable(evictable)
+        held = [0] * blocks.pages.num_pages
+        for block in set(live) - set(evictable):
+            held[block // bpp] += 1
+        assert blocks.held_per_page() == (
+            held if tracked else [blocks.occupancy(p) for p in range(len(held))]
+        )
+        for cap in range(blocks.pages.num_pages + 1):
+            got = blocks.free_after_eviction(cap, None if tracked else evictable)
+            assert got == _free_after_eviction_brute(held, cap, bpp), (trial, cap, held)
