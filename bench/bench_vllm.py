@@ -438,6 +438,21 @@ void kvs_cg_stop(void) { CALLGRIND_DUMP_STATS_AT("pool-trace"); CALLGRIND_STOP_I
 """
 
 
+def _client_requests(source: str) -> Any:
+    """Build and load a tiny C helper issuing callgrind client requests (``cc`` and
+    valgrind's headers needed); outside valgrind its calls are no-ops."""
+    import ctypes
+    import subprocess
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvs-cg-"))
+    (workdir / "cg.c").write_text(source)
+    subprocess.run(
+        ["cc", "-O2", "-shared", "-fPIC", "-o", str(workdir / "cg.so"), str(workdir / "cg.c")],
+        check=True,
+    )
+    return ctypes.CDLL(str(workdir / "cg.so"))
+
+
 def callgrind_pool_trace(elastic: bool, prompts: list[list[int]]) -> None:
     """One pool trace with callgrind's instrumentation on only around it (load-independent).
 
@@ -446,16 +461,7 @@ def callgrind_pool_trace(elastic: bool, prompts: list[list[int]]) -> None:
     The client requests come from a three-line C helper built here with ``cc``
     (valgrind's headers needed); outside valgrind they are no-ops.
     """
-    import ctypes
-    import subprocess
-
-    workdir = Path(tempfile.mkdtemp(prefix="kvs-cg-"))
-    (workdir / "cg.c").write_text(_CALLGRIND_C)
-    subprocess.run(
-        ["cc", "-O2", "-shared", "-fPIC", "-o", str(workdir / "cg.so"), str(workdir / "cg.c")],
-        check=True,
-    )
-    lib = ctypes.CDLL(str(workdir / "cg.so"))
+    lib = _client_requests(_CALLGRIND_C)
     run_pool_trace(elastic, prompts)  # warm-up (imports, caches), not counted
     real_clock = time.thread_time
     calls = 0
@@ -488,17 +494,8 @@ def callgrind_steps(elastic: bool, model_dir: Path, num_requests: int = 64) -> N
     a warm-up run first, then instrumentation on and collection toggled around each
     scheduler call; the ``scheduler-steps`` dump's total is the figure (load-independent).
     """
-    import ctypes
-    import subprocess
-
     global _step_collect
-    workdir = Path(tempfile.mkdtemp(prefix="kvs-cg-"))
-    (workdir / "cg.c").write_text(_CALLGRIND_STEP_C)
-    subprocess.run(
-        ["cc", "-O2", "-shared", "-fPIC", "-o", str(workdir / "cg.so"), str(workdir / "cg.c")],
-        check=True,
-    )
-    lib = ctypes.CDLL(str(workdir / "cg.so"))
+    lib = _client_requests(_CALLGRIND_STEP_C)
     run_scheduler(elastic, model_dir, num_requests)  # warm-up (imports, caches)
     max_age = _runtime.DEMAND_MAX_AGE_S
     _runtime.DEMAND_MAX_AGE_S = float("inf")  # as in count_step_bytecodes: no periodic re-read
