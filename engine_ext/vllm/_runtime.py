@@ -716,9 +716,11 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
     fast path here: the original, under the pool's ``overdraft`` flag, which
     :meth:`VllmRuntime.begin_schedule` holds for the whole of ``schedule()`` (its
     blocks may go above the target: a limit never preempts it), and a device
-    found full after the free count is a refusal, as on a full cache. Admissions
-    and calls outside ``schedule()`` go to :meth:`VllmRuntime.allocating`, which
-    clears the flag for the call.
+    found full after the free count is a refusal, as on a full cache. The fast
+    path is taken only while the flag is up, so it never runs without it.
+    Admissions and calls outside ``schedule()`` go to
+    :meth:`VllmRuntime.allocating`, which sets the flag for the call (up for a
+    RUNNING request, down for an admission) and puts it back after.
     """
     from vllm.v1.request import RequestStatus
 
@@ -734,8 +736,8 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
 
         def allocate_slots_any(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
             pool: Any = self.block_pool
-            if request.status is running and type(pool) is pool_class and pool.in_schedule:
-                try:  # overdraft is on for the whole of schedule() (begin_schedule)
+            if request.status is running and type(pool) is pool_class and pool.overdraft:
+                try:  # overdraft: held for the whole of schedule() by begin_schedule
                     return original(self, request, *args, **kwargs)
                 except DeviceFullError:
                     return None
@@ -760,8 +762,8 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> Any:
         pool: Any = self.block_pool
-        if request.status is running and type(pool) is pool_class and pool.in_schedule:
-            try:  # overdraft is on for the whole of schedule() (begin_schedule)
+        if request.status is running and type(pool) is pool_class and pool.overdraft:
+            try:  # overdraft: held for the whole of schedule() by begin_schedule
                 return original(
                     self,
                     request,
