@@ -172,18 +172,18 @@ class Checks:
             )
             q = torch.randn(heads, dim, device=k.device, dtype=torch.float16)
 
-            def attend() -> Any:
-                keys = k[table].reshape(-1, heads, dim).transpose(0, 1)  # [H, T, D]
-                vals = v[table].reshape(-1, heads, dim).transpose(0, 1)
+            def attend(k_cache: Any, v_cache: Any) -> Any:
+                keys = k_cache[table].reshape(-1, heads, dim).transpose(0, 1)  # [H, T, D]
+                vals = v_cache[table].reshape(-1, heads, dim).transpose(0, 1)
                 weights = torch.softmax(
                     (keys @ q.unsqueeze(-1)).squeeze(-1).float() / dim**0.5, dim=-1
                 )
                 return (weights.unsqueeze(1) @ vals.float()).squeeze(1)
 
-            want = attend()
+            want = attend(k, v)
             torch.cuda.synchronize()
             backend.unmap_many([p for p in range(16) if p not in (1, 4, 9)])
-            got = attend()
+            got = attend(k, v)
             torch.cuda.synchronize()
             err = float((got - want).abs().max().item())
             del k, v

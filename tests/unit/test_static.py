@@ -24,7 +24,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_ruff_is_clean() -> None:
     pytest.importorskip("ruff", reason="ruff is in the dev extra (scripts/dev.sh installs it)")
-    proc = _run("ruff", "check", "allocator", "engine_ext", "sidecar", "tests", "bench")
+    proc = _run("ruff", "check", "allocator", "engine_ext", "sidecar", "tests", "bench", "scripts")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
