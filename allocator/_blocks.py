@@ -37,9 +37,7 @@ class BlockAllocator:
     ``changes`` counts every block event (alloc, free, mark, unmark,
     :meth:`note_change`): equal counts mean nothing a shrink pass looks at moved.
 
-    Invariants: ``num_allocated_blocks == sum(occupancy)`` ==
-    ``num_blocks - num_unallocated_blocks`` (both kept, so a reader needs no
-    subtraction); every in-use page
+    Invariants: ``num_allocated_blocks == sum(occupancy)``; every in-use page
     has occupancy >= 1; ``_partial_free`` == free slots on in-use,
     non-retired pages; every retired page is in ``_rbuckets[occupancy]``;
     ``_allocated[block]`` is 0 (free), 1 (allocated) or 2 (allocated and
@@ -68,7 +66,6 @@ class BlockAllocator:
         self.blocks_per_page = bpp
         self.num_blocks = pages.num_pages * bpp  # virtual capacity in blocks
         self.num_allocated_blocks = 0
-        self.num_unallocated_blocks = self.num_blocks  # num_blocks - num_allocated_blocks
         self.num_retired_blocks = 0  # allocated blocks on retired pages
         # per block: 0 free, 1 allocated, 2 allocated and marked evictable (when tracking)
         self._allocated = bytearray(self.num_blocks)
@@ -148,9 +145,21 @@ class BlockAllocator:
         any choice leaves). O(pages) in C plus O(blocks_per_page) in Python
         (a count of pages per held level), O(unlocked) for ``unlocked``.
         """
+        if type(cap_pages) is not int or not 0 <= cap_pages <= self.pages.num_pages:
+            raise AllocatorContractError(
+                f"free_after_eviction(): cap_pages must be an int in 0..{self.pages.num_pages}; "
+                f"got {cap_pages!r}"
+            )
         bpp = self.blocks_per_page
         held = self.held_per_page()
         if unlocked is not None:
+            unlocked = list(unlocked)
+            for block in unlocked:
+                if type(block) is not int or not 0 <= block < self.num_blocks:
+                    raise AllocatorContractError(
+                        f"free_after_eviction(): {block!r} is not a block id in "
+                        f"0..{self.num_blocks - 1}"
+                    )
             for page, count in Counter(b // bpp for b in unlocked).items():
                 left = held[page] - count
                 held[page] = max(0, left)
@@ -322,7 +331,6 @@ class BlockAllocator:
             self._free_checked(out)
             raise
         self.num_allocated_blocks += n
-        self.num_unallocated_blocks -= n
         self.changes += 1
         return out
 
@@ -348,7 +356,6 @@ class BlockAllocator:
         if len(batch) > 1 and len(set(batch)) != len(batch):
             raise AllocatorContractError("free(): the same block appears twice in one call")
         self.num_allocated_blocks -= len(batch)
-        self.num_unallocated_blocks += len(batch)
         self.changes += 1
         if self.tracks_evictable:
             self._untrack_freed(batch)

@@ -183,9 +183,10 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         if key == self._obtainable_key and source is self._obtainable_source:
             return self._obtainable
         # O(pages) in C, not a Python loop over pages (bench/bench_scale.py)
-        obtainable = blocks.free_after_eviction(pages.cap_pages(), None if tracked else source)
+        self._obtainable = blocks.free_after_eviction(
+            pages.cap_pages(), None if tracked else source
+        )
         self._obtainable_key, self._obtainable_source = key, source
-        self._obtainable = max(0, obtainable)
         return self._obtainable
 
     def capacity_tokens(self) -> int:

@@ -114,7 +114,13 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
     def get_num_free_blocks(self) -> int:
         # Read-only: never takes a target, never evicts (docs/vllm.md, "Safe points").
         if self.overdraft:  # a running request: every unallocated block, above the target
-            return self._blocks.num_unallocated_blocks + self.free_block_queue.num_free_blocks  # type: ignore[no-any-return]
+            blocks = self._blocks
+            num_evictable: int = self.free_block_queue.num_free_blocks
+            return blocks.num_blocks - blocks.num_allocated_blocks + num_evictable
+        return self._free_under_target()
+
+    def _free_under_target(self) -> int:
+        """Blocks the allocator can hand out under the target + evictable blocks."""
         fresh = self._fresh_free
         if fresh < 0:
             fresh = self._fresh_free = self._blocks.num_free_blocks
@@ -138,10 +144,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         under the target, evictable cached blocks included). Unlimited, this equals
         vLLM's figure; cached blocks count as available, as in vLLM.
         """
-        fresh = self._fresh_free
-        if fresh < 0:
-            fresh = self._fresh_free = self._blocks.num_free_blocks
-        available = fresh + self.free_block_queue.num_free_blocks  # under the target
+        available = self._free_under_target()  # also inside schedule(), under the overdraft
         in_use = self._blocks.num_allocated_blocks - self.free_block_queue.num_free_blocks - 1
         allowed = in_use + available  # the null block (allocated for good) is neither
         return in_use / allowed if allowed > 0 else 0.0

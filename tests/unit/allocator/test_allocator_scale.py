@@ -249,3 +249,27 @@ def test_free_after_eviction_matches_the_least_room_of_any_choice(
         for cap in range(blocks.pages.num_pages + 1):
             got = blocks.free_after_eviction(cap, None if tracked else evictable)
             assert got == _free_after_eviction_brute(held, cap, bpp), (trial, cap, held)
+
+
+@pytest.mark.parametrize(
+    ("cap", "unlocked", "message"),
+    [
+        (-1, None, "cap_pages must be an int in 0..8"),
+        (9, None, "cap_pages must be an int in 0..8"),
+        (2.0, None, "cap_pages must be an int in 0..8"),
+        (2, [0, 32], "32 is not a block id in 0..31"),
+        (2, [-1], "-1 is not a block id in 0..31"),
+    ],
+)
+def test_free_after_eviction_rejects_bad_input_and_changes_nothing(
+    make_host: MakeHost, cap: object, unlocked: list[int] | None, message: str
+) -> None:
+    blocks = BlockAllocator(PageAllocator(make_host(num_pages=8)), 4)
+    blocks.track_evictable()
+    taken = blocks.alloc(10)
+    assert taken is not None
+    blocks.mark_evictable(taken[:3])
+    before = (blocks.held_per_page(), blocks.num_allocated_blocks, blocks.changes)
+    with pytest.raises(AllocatorContractError, match=message):
+        blocks.free_after_eviction(cap, unlocked)  # type: ignore[arg-type]
+    assert (blocks.held_per_page(), blocks.num_allocated_blocks, blocks.changes) == before
