@@ -5,47 +5,28 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ._errors import AllocatorConfigError, AllocatorContractError, AllocatorError
 from ._guard import ThreadGuard
 from ._pages import PageAllocator
 
-__all__ = ["BlockAllocator"]
+try:  # the C hot paths (allocator/_speedups.c), built by scripts/dev.sh or pip
+    from . import _speedups
+except ImportError:  # no compiler where this was installed: the pure-Python ones below
+    _speedups = None  # type: ignore[assignment]
+else:
+    _speedups.configure(AllocatorContractError, AllocatorError)
+
+#: Whether :class:`BlockAllocator` runs its hot paths in C (``allocator._speedups``).
+SPEEDUPS = _speedups is not None
+
+__all__ = ["SPEEDUPS", "BlockAllocator", "PyBlockAllocator"]
 
 
-class BlockAllocator:
-    """Hands out engine blocks from pages; engine thread only (guarded).
-
-    Block ids are ``page * blocks_per_page + slot``: a block never straddles
-    a page, and :meth:`page_of` is a division.
-
-    Owns, per page, the free slots and the occupancy (allocated blocks), and
-    buckets of *partly used, non-retired* pages keyed by occupancy, so that
-    best fit (fullest partly used page first) is found in O(blocks_per_page)
-    per ``alloc`` call and each block costs O(1). Empty pages go back to the
-    :class:`PageAllocator` at once (one ``release_many`` per ``free`` call).
-    Retired pages sit in separate buckets by occupancy, never in the partly
-    used ones, so they never receive new blocks and the fullest one is found
-    in O(blocks_per_page) when the PageAllocator takes one back.
-
-    Evictable tracking (opt-in, :meth:`track_evictable`): the prefix cache
-    above marks the allocated blocks it alone holds (:meth:`mark_evictable`,
-    :meth:`unmark_evictable`; :meth:`free` unmarks). The allocator then keeps
-    per page how many of its blocks are evictable, and
-    ``num_reclaimable_pages`` (pages whose every allocated block is evictable)
-    in O(1) per block event, so nobody rescans the cache for these figures.
-    ``changes`` counts every block event (alloc, free, mark, unmark,
-    :meth:`note_change`): equal counts mean nothing a shrink pass looks at moved.
-
-    Invariants: ``num_allocated_blocks == sum(occupancy)``; every in-use page
-    has occupancy >= 1; ``_partial_free`` == free slots on in-use,
-    non-retired pages; every retired page is in ``_rbuckets[occupancy]``;
-    ``_allocated[block]`` is 0 (free), 1 (allocated) or 2 (allocated and
-    marked evictable: one flag per block, so a mark is one test and one store);
-    when tracking, ``_ev_on[page]`` == marked blocks on ``page`` <= its
-    occupancy, and ``num_reclaimable_pages`` == pages with
-    ``0 < occupancy == _ev_on``.
-    """
+class _BlockBook:
+    """Everything of :class:`BlockAllocator` but its four hot paths (state, queries,
+    retirement, multi-block frees); see :class:`BlockAllocator`."""
 
     def __init__(
         self, pages: PageAllocator, blocks_per_page: int, *, guard: ThreadGuard | None = None
@@ -234,136 +215,6 @@ class BlockAllocator:
         """Something a shrink pass looks at moved outside this allocator's calls."""
         self.changes += 1
 
-    def mark_evictable(self, blocks: Iterable[int]) -> None:
-        """These allocated blocks are now held by the cache alone (O(1) each).
-
-        Each id is checked (allocated, not marked yet); on a bad one the blocks
-        before it stay marked and :class:`AllocatorContractError` is raised.
-        """
-        if self.guard.enabled:  # a call only when the guard is on (hot path)
-            self.guard.check()
-        if not self.tracks_evictable:
-            raise AllocatorContractError("mark_evictable(): call track_evictable() first")
-        flags, ev_on, occupancy = self._allocated, self._ev_on, self._occupancy
-        bpp = self.blocks_per_page
-        gained = 0
-        count = 0
-        try:
-            for block in blocks:
-                if flags[block] != 1:  # 0: not allocated, 2: already marked
-                    raise AllocatorContractError(
-                        f"mark_evictable(): block {block} is "
-                        f"{'already marked' if flags[block] else 'not allocated'}"
-                    )
-                flags[block] = 2
-                count += 1
-                page = block // bpp
-                on = ev_on[page] + 1
-                ev_on[page] = on
-                if on == occupancy[page]:
-                    gained += 1
-        finally:  # the counts agree with the flags stored, even after a bad id
-            self.num_reclaimable_pages += gained
-            self.num_evictable_blocks += count
-            self.changes += 1
-
-    def unmark_evictable(self, blocks: Iterable[int]) -> None:
-        """These blocks are referenced again (or about to be reused in place)."""
-        if self.guard.enabled:  # a call only when the guard is on (hot path)
-            self.guard.check()
-        if not self.tracks_evictable:
-            raise AllocatorContractError("unmark_evictable(): call track_evictable() first")
-        flags, ev_on, occupancy = self._allocated, self._ev_on, self._occupancy
-        bpp = self.blocks_per_page
-        lost = 0
-        count = 0
-        try:
-            for block in blocks:
-                if flags[block] != 2:
-                    raise AllocatorContractError(f"unmark_evictable(): block {block} is not marked")
-                flags[block] = 1
-                count += 1
-                page = block // bpp
-                on = ev_on[page]
-                if on == occupancy[page]:
-                    lost += 1
-                ev_on[page] = on - 1
-        finally:
-            self.num_reclaimable_pages -= lost
-            self.num_evictable_blocks -= count
-            self.changes += 1
-
-    def alloc(self, n: int) -> list[int] | None:
-        """``n`` blocks, all or nothing; ``None`` when they cannot all be had now.
-
-        Fills partly used, non-retired pages first (fullest first), then
-        acquires pages from the :class:`PageAllocator`.
-        """
-        if self.guard.enabled:  # a call only when the guard is on (hot path)
-            self.guard.check()
-        self.refused_by_device = False
-        if type(n) is not int or n < 0:
-            raise AllocatorContractError(f"alloc(n) needs an int >= 0; got {n!r}")
-        if n > self._partial_free and n > self.num_free_blocks:
-            return None
-        out: list[int] = []
-        need = n
-        try:
-            buckets = self._buckets
-            while need and self._partial_free:
-                top = self._top  # the fullest partly used page sits in the highest bucket
-                while not buckets[top]:
-                    top -= 1
-                self._top = top
-                need -= self._take(buckets[top][-1], need, out)
-            while need:
-                fresh = self.pages.acquire()
-                if fresh is None:
-                    if self.pages.refused_by_device:  # no device memory: all or nothing
-                        self.refused_by_device = True
-                        self._free_checked(out)
-                        return None
-                    raise AllocatorContractError("PageAllocator refused a page within headroom")
-                self._slots[fresh] = list(range(self.blocks_per_page - 1, -1, -1))
-                self._partial_free += self.blocks_per_page
-                need -= self._take(fresh, need, out)
-        except AllocatorError:
-            self._free_checked(out)
-            raise
-        self.num_allocated_blocks += n
-        self.changes += 1
-        return out
-
-    def free(self, blocks: Iterable[int]) -> None:
-        """Give ``blocks`` back; a page that empties goes back to the PageAllocator.
-
-        Checks every id first (range, allocated, no repeats) and changes
-        nothing if one is wrong.
-        """
-        if self.guard.enabled:  # a call only when the guard is on (hot path)
-            self.guard.check()
-        batch = blocks if type(blocks) is list else list(blocks)
-        allocated, limit = self._allocated, self.num_blocks
-        for block in batch:
-            if type(block) is not int or not 0 <= block < limit:
-                raise AllocatorContractError(
-                    f"free(): {block!r} is not a block id in 0..{limit - 1}"
-                )
-            if not allocated[block]:
-                raise AllocatorContractError(
-                    f"free(): block {block} is not allocated (double free?)"
-                )
-        if len(batch) > 1 and len(set(batch)) != len(batch):
-            raise AllocatorContractError("free(): the same block appears twice in one call")
-        self.num_allocated_blocks -= len(batch)
-        self.changes += 1
-        if self.tracks_evictable:
-            self._untrack_freed(batch)
-        if len(batch) == 1:
-            self._free_one(batch[0])
-        else:
-            self._free_checked(batch)
-
     # ------------------------------------------------------------------ internals
     def _check_page(self, page: int) -> None:
         if not 0 <= page < self.pages.num_pages:
@@ -372,46 +223,6 @@ class BlockAllocator:
     def _check_block(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:
             raise AllocatorContractError(f"block {block} is outside 0..{self.num_blocks - 1}")
-
-    def _take(self, page: int, need: int, out: list[int]) -> int:
-        """Allocate up to ``need`` blocks from ``page`` (in use, not retired) into ``out``."""
-        bpp = self.blocks_per_page
-        old = self._occupancy[page]
-        count = min(need, bpp - old)
-        slots = self._slots[page]
-        first = page * bpp
-        allocated = self._allocated
-        if not old:  # a fresh page: its slots are bpp-1..0, so the ids taken are one run
-            allocated[first : first + count] = self._ones[:count]
-            out.extend(range(first, first + count))
-            del slots[-count:]
-        elif count == 1:  # the common decode step: one block
-            block = first + slots.pop()
-            allocated[block] = 1
-            out.append(block)
-        else:
-            for slot in slots[-count:]:
-                allocated[first + slot] = 1
-                out.append(first + slot)
-            del slots[-count:]
-        new = old + count
-        self._occupancy[page] = new
-        self._partial_free -= count
-        if old and self.tracks_evictable and self._ev_on[page] == old:
-            self.num_reclaimable_pages -= 1  # a fresh block on it is not evictable
-        buckets, pos = self._buckets, self._pos
-        if old:  # leave bucket[old] (swap-remove)
-            bucket = buckets[old]
-            last = bucket.pop()
-            if last != page:
-                bucket[pos[page]] = last
-                pos[last] = pos[page]
-        if new < bpp:  # join bucket[new]
-            bucket = buckets[new]
-            pos[page] = len(bucket)
-            bucket.append(page)
-            self._top = max(self._top, new)
-        return count
 
     def _untrack_freed(self, batch: list[int]) -> None:
         """Evictable accounting for ``batch`` (checked), before the occupancy drops."""
@@ -492,6 +303,220 @@ class BlockAllocator:
         if emptied_retired or emptied:
             self.pages.release_many(emptied_retired + emptied)
 
+    def _bucket_add(self, page: int, occ: int) -> None:
+        bucket = self._buckets[occ]
+        self._pos[page] = len(bucket)
+        bucket.append(page)
+        self._top = max(self._top, occ)
+
+    def _bucket_remove(self, page: int, occ: int) -> None:
+        bucket = self._buckets[occ]
+        index = self._pos[page]
+        last = bucket.pop()
+        if last != page:
+            bucket[index] = last
+            self._pos[last] = index
+
+    def _rbucket_add(self, page: int, occ: int) -> None:
+        bucket = self._rbuckets[occ]
+        self._pos[page] = len(bucket)
+        bucket.append(page)
+        self._rtop = max(self._rtop, occ)
+
+    def _rbucket_remove(self, page: int, occ: int) -> None:
+        bucket = self._rbuckets[occ]
+        index = self._pos[page]
+        last = bucket.pop()
+        if last != page:
+            bucket[index] = last
+            self._pos[last] = index
+
+
+class PyBlockAllocator(_BlockBook):
+    """:class:`BlockAllocator` with its hot paths (``alloc``, ``free``, ``mark_evictable``,
+    ``unmark_evictable``) in Python: the reference the C ones (``allocator/_speedups.c``)
+    are tested against, and what runs where the C module was not built."""
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` blocks, all or nothing; ``None`` when they cannot all be had now.
+
+        Fills partly used, non-retired pages first (fullest first), then
+        acquires pages from the :class:`PageAllocator`.
+        """
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
+        self.refused_by_device = False
+        if type(n) is not int or n < 0:
+            raise AllocatorContractError(f"alloc(n) needs an int >= 0; got {n!r}")
+        if n > self._partial_free and n > self.num_free_blocks:
+            return None
+        out: list[int] = []
+        need = n
+        try:
+            buckets = self._buckets
+            while need and self._partial_free:
+                top = self._top  # the fullest partly used page sits in the highest bucket
+                while not buckets[top]:
+                    top -= 1
+                self._top = top
+                need -= self._take(buckets[top][-1], need, out)
+            while need:
+                fresh = self.pages.acquire()
+                if fresh is None:
+                    if self.pages.refused_by_device:  # no device memory: all or nothing
+                        self.refused_by_device = True
+                        self._free_checked(out)
+                        return None
+                    raise AllocatorContractError("PageAllocator refused a page within headroom")
+                self._slots[fresh] = list(range(self.blocks_per_page - 1, -1, -1))
+                self._partial_free += self.blocks_per_page
+                need -= self._take(fresh, need, out)
+        except AllocatorError:
+            self._free_checked(out)
+            raise
+        self.num_allocated_blocks += n
+        self.changes += 1
+        return out
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Give ``blocks`` back; a page that empties goes back to the PageAllocator.
+
+        Checks every id first (range, allocated, no repeats) and changes
+        nothing if one is wrong.
+        """
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
+        batch = blocks if type(blocks) is list else list(blocks)
+        allocated, limit = self._allocated, self.num_blocks
+        for block in batch:
+            if type(block) is not int or not 0 <= block < limit:
+                raise AllocatorContractError(
+                    f"free(): {block!r} is not a block id in 0..{limit - 1}"
+                )
+            if not allocated[block]:
+                raise AllocatorContractError(
+                    f"free(): block {block} is not allocated (double free?)"
+                )
+        if len(batch) > 1 and len(set(batch)) != len(batch):
+            raise AllocatorContractError("free(): the same block appears twice in one call")
+        self.num_allocated_blocks -= len(batch)
+        self.changes += 1
+        if self.tracks_evictable:
+            self._untrack_freed(batch)
+        if len(batch) == 1:
+            self._free_one(batch[0])
+        else:
+            self._free_checked(batch)
+
+    def mark_evictable(self, blocks: Iterable[int]) -> None:
+        """These allocated blocks are now held by the cache alone (O(1) each).
+
+        Each id is checked (allocated, not marked yet); on a bad one the blocks
+        before it stay marked and :class:`AllocatorContractError` is raised.
+        """
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
+        if not self.tracks_evictable:
+            raise AllocatorContractError("mark_evictable(): call track_evictable() first")
+        flags, ev_on, occupancy = self._allocated, self._ev_on, self._occupancy
+        bpp = self.blocks_per_page
+        gained = 0
+        count = 0
+        limit = self.num_blocks
+        try:
+            for block in blocks:
+                if type(block) is not int or not 0 <= block < limit:
+                    raise AllocatorContractError(
+                        f"mark_evictable(): {block!r} is not a block id in 0..{limit - 1}"
+                    )
+                if flags[block] != 1:  # 0: not allocated, 2: already marked
+                    raise AllocatorContractError(
+                        f"mark_evictable(): block {block} is "
+                        f"{'already marked' if flags[block] else 'not allocated'}"
+                    )
+                flags[block] = 2
+                count += 1
+                page = block // bpp
+                on = ev_on[page] + 1
+                ev_on[page] = on
+                if on == occupancy[page]:
+                    gained += 1
+        finally:  # the counts agree with the flags stored, even after a bad id
+            self.num_reclaimable_pages += gained
+            self.num_evictable_blocks += count
+            self.changes += 1
+
+    def unmark_evictable(self, blocks: Iterable[int]) -> None:
+        """These blocks are referenced again (or about to be reused in place)."""
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
+        if not self.tracks_evictable:
+            raise AllocatorContractError("unmark_evictable(): call track_evictable() first")
+        flags, ev_on, occupancy = self._allocated, self._ev_on, self._occupancy
+        bpp = self.blocks_per_page
+        lost = 0
+        count = 0
+        limit = self.num_blocks
+        try:
+            for block in blocks:
+                if type(block) is not int or not 0 <= block < limit:
+                    raise AllocatorContractError(
+                        f"unmark_evictable(): {block!r} is not a block id in 0..{limit - 1}"
+                    )
+                if flags[block] != 2:
+                    raise AllocatorContractError(f"unmark_evictable(): block {block} is not marked")
+                flags[block] = 1
+                count += 1
+                page = block // bpp
+                on = ev_on[page]
+                if on == occupancy[page]:
+                    lost += 1
+                ev_on[page] = on - 1
+        finally:
+            self.num_reclaimable_pages -= lost
+            self.num_evictable_blocks -= count
+            self.changes += 1
+
+    def _take(self, page: int, need: int, out: list[int]) -> int:
+        """Allocate up to ``need`` blocks from ``page`` (in use, not retired) into ``out``."""
+        bpp = self.blocks_per_page
+        old = self._occupancy[page]
+        count = min(need, bpp - old)
+        slots = self._slots[page]
+        first = page * bpp
+        allocated = self._allocated
+        if not old:  # a fresh page: its slots are bpp-1..0, so the ids taken are one run
+            allocated[first : first + count] = self._ones[:count]
+            out.extend(range(first, first + count))
+            del slots[-count:]
+        elif count == 1:  # the common decode step: one block
+            block = first + slots.pop()
+            allocated[block] = 1
+            out.append(block)
+        else:
+            for slot in slots[-count:]:
+                allocated[first + slot] = 1
+                out.append(first + slot)
+            del slots[-count:]
+        new = old + count
+        self._occupancy[page] = new
+        self._partial_free -= count
+        if old and self.tracks_evictable and self._ev_on[page] == old:
+            self.num_reclaimable_pages -= 1  # a fresh block on it is not evictable
+        buckets, pos = self._buckets, self._pos
+        if old:  # leave bucket[old] (swap-remove)
+            bucket = buckets[old]
+            last = bucket.pop()
+            if last != page:
+                bucket[pos[page]] = last
+                pos[last] = pos[page]
+        if new < bpp:  # join bucket[new]
+            bucket = buckets[new]
+            pos[page] = len(bucket)
+            bucket.append(page)
+            self._top = max(self._top, new)
+        return count
+
     def _free_one(self, block: int) -> None:
         """Free one block known to be allocated (the common decode-step case)."""
         bpp = self.blocks_per_page
@@ -529,30 +554,52 @@ class BlockAllocator:
             self._slots[page] = []
             self.pages.release(page)
 
-    def _bucket_add(self, page: int, occ: int) -> None:
-        bucket = self._buckets[occ]
-        self._pos[page] = len(bucket)
-        bucket.append(page)
-        self._top = max(self._top, occ)
 
-    def _bucket_remove(self, page: int, occ: int) -> None:
-        bucket = self._buckets[occ]
-        index = self._pos[page]
-        last = bucket.pop()
-        if last != page:
-            bucket[index] = last
-            self._pos[last] = index
+_DOC = """Hands out engine blocks from pages; engine thread only (guarded).
 
-    def _rbucket_add(self, page: int, occ: int) -> None:
-        bucket = self._rbuckets[occ]
-        self._pos[page] = len(bucket)
-        bucket.append(page)
-        self._rtop = max(self._rtop, occ)
+Block ids are ``page * blocks_per_page + slot``: a block never straddles
+a page, and :meth:`page_of` is a division.
 
-    def _rbucket_remove(self, page: int, occ: int) -> None:
-        bucket = self._rbuckets[occ]
-        index = self._pos[page]
-        last = bucket.pop()
-        if last != page:
-            bucket[index] = last
-            self._pos[last] = index
+Owns, per page, the free slots and the occupancy (allocated blocks), and
+buckets of *partly used, non-retired* pages keyed by occupancy, so that
+best fit (fullest partly used page first) is found in O(blocks_per_page)
+per ``alloc`` call and each block costs O(1). Empty pages go back to the
+:class:`PageAllocator` at once (one ``release_many`` per ``free`` call).
+Retired pages sit in separate buckets by occupancy, never in the partly
+used ones, so they never receive new blocks and the fullest one is found
+in O(blocks_per_page) when the PageAllocator takes one back.
+
+Evictable tracking (opt-in, :meth:`track_evictable`): the prefix cache
+above marks the allocated blocks it alone holds (:meth:`mark_evictable`,
+:meth:`unmark_evictable`; :meth:`free` unmarks). The allocator then keeps
+per page how many of its blocks are evictable, and
+``num_reclaimable_pages`` (pages whose every allocated block is evictable)
+in O(1) per block event, so nobody rescans the cache for these figures.
+``changes`` counts every block event (alloc, free, mark, unmark,
+:meth:`note_change`): equal counts mean nothing a shrink pass looks at moved.
+
+Invariants: ``num_allocated_blocks == sum(occupancy)``; every in-use page
+has occupancy >= 1; ``_partial_free`` == free slots on in-use,
+non-retired pages; every retired page is in ``_rbuckets[occupancy]``;
+``_allocated[block]`` is 0 (free), 1 (allocated) or 2 (allocated and
+marked evictable: one flag per block, so a mark is one test and one store);
+when tracking, ``_ev_on[page]`` == marked blocks on ``page`` <= its
+occupancy, and ``num_reclaimable_pages`` == pages with
+``0 < occupancy == _ev_on``.
+
+The four hot paths (``alloc``, ``free``, ``mark_evictable``,
+``unmark_evictable``) run in C (``allocator/_speedups.c``, :data:`SPEEDUPS`)
+when that module is built, else in Python (:class:`PyBlockAllocator`, their
+reference: tests drive both with the same operations and compare every field).
+"""
+
+
+if TYPE_CHECKING or _speedups is None:
+
+    class BlockAllocator(PyBlockAllocator):
+        __doc__ = _DOC
+
+else:
+
+    class BlockAllocator(_speedups.BlockCore, _BlockBook):
+        __doc__ = _DOC

@@ -113,6 +113,30 @@ ensure_installed() {
         >/dev/null 2>&1 || pipi --no-deps -e .
 }
 
+# The allocator's C hot paths (allocator/_speedups.c), compiled into this
+# checkout (which PYTHONPATH puts first) whenever the source is newer than the
+# module. Without a C compiler the pure-Python ones run (slower; the test
+# suite's test_speedups_are_built then fails, saying so).
+build_speedups() {
+    local src="allocator/_speedups.c" suffix include out
+    suffix="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+    out="allocator/_speedups$suffix"
+    [[ -f "$out" && "$out" -nt "$src" ]] && return 0
+    include="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+    if ! command -v "${CC:-cc}" >/dev/null 2>&1; then
+        echo "kvsidecar: no C compiler (cc): the allocator runs its pure-Python hot paths" >&2
+        return 0
+    fi
+    # to a temporary name first: a process importing it meanwhile never sees half a file
+    if "${CC:-cc}" -O2 -fPIC -shared -Wall -Wextra -Wno-missing-field-initializers \
+        -I"$include" -o "$out.$$.tmp" "$src"; then
+        mv -f "$out.$$.tmp" "$out"
+    else
+        rm -f "$out.$$.tmp"
+        echo "kvsidecar: $src did not compile: the allocator runs its pure-Python hot paths" >&2
+    fi
+}
+
 cmd="${1:-test}"
 shift || true
 case "$cmd" in
@@ -121,6 +145,7 @@ case "$cmd" in
 esac
 build_env
 ensure_installed
+build_speedups
 export PATH="$venv/bin:$PATH"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_TARGET_DEVICE="${VLLM_TARGET_DEVICE:-cpu}"

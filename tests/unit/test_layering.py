@@ -86,6 +86,10 @@ def _modules() -> dict[str, tuple[Path, bool]]:
             parts = list(path.relative_to(REPO).with_suffix("").parts)
             is_package = parts[-1] == "__init__"
             found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+        # a compiled module (allocator/_speedups.c) is known by its interface stub
+        for path in sorted((REPO / top).rglob("*.pyi")):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            found.setdefault(name, (path, False))
     return found
 
 

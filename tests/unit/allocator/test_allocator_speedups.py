@@ -1,0 +1,283 @@
+"""The C hot paths of BlockAllocator (allocator/_speedups.c) against their Python reference.
+
+Two allocators, each over its own PageAllocator and memfd-backed HostBackend,
+are driven by the same seeded random operations: allocations of every size
+(also more than fits, and malformed sizes), frees of random sets (also bad ids,
+double frees, repeats), evictable marks and unmarks (also bad ids), targets up
+and down (retiring pages and taking them back), and maps the device refuses.
+After every operation the two must agree on the result (or the exception and
+its message) and on every field of both allocators, and the memory each
+backend has committed (``fstat`` of its memfd) must be the same.
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import random
+import tracemalloc
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import allocator._blocks as blocks_module
+import allocator._pages as pages_module
+from allocator import (
+    AllocatorContractError,
+    BlockAllocator,
+    DeviceOutOfMemory,
+    HostBackend,
+    PageAllocator,
+    PageLayout,
+    ThreadGuard,
+)
+from allocator._blocks import PyBlockAllocator
+
+
+def test_speedups_are_built() -> None:
+    # scripts/dev.sh compiles allocator/_speedups.c into the checkout; pip builds it too.
+    assert blocks_module.SPEEDUPS, (
+        "allocator._speedups is not importable: BlockAllocator runs its pure-Python hot "
+        "paths. Build it with `bash scripts/dev.sh env` (needs a C compiler, cc) or "
+        "`pip install -e .`"
+    )
+    assert BlockAllocator.alloc is not PyBlockAllocator.alloc
+
+
+class RefusingBackend:
+    """A HostBackend whose maps the test can make the device refuse (``full``)."""
+
+    def __init__(self, inner: HostBackend) -> None:
+        self.inner = inner
+        self.full = False
+
+    def map(self, page: int) -> None:
+        if self.full:
+            raise DeviceOutOfMemory(f"page {page}: the test says the device is full")
+        self.inner.map(page)
+
+    def map_many(self, pages: Any) -> None:
+        if self.full:
+            raise DeviceOutOfMemory("the test says the device is full")
+        self.inner.map_many(pages)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class Side:
+    def __init__(self, cls: type[Any], num_pages: int, bpp: int, reserve: int) -> None:
+        layout = PageLayout(mmap.PAGESIZE, num_pages, 1)
+        self.host = HostBackend.reserve(layout, name=f"kvs-speedups-{cls.__name__}")
+        self.backend = RefusingBackend(self.host)
+        self.pages = PageAllocator(self.backend, reserve_pages=reserve)  # type: ignore[arg-type]
+        self.blocks = cls(self.pages, bpp)
+
+    def committed(self) -> int:
+        return os.fstat(self.host.fd).st_blocks * 512
+
+    def snapshot(self) -> dict[str, Any]:
+        b, p = self.blocks, self.pages
+        in_buckets = [pg for bucket in b._buckets + b._rbuckets for pg in bucket]
+        return {
+            "allocated": bytes(b._allocated),
+            "occupancy": list(b._occupancy),
+            "ev_on": list(b._ev_on) if b.tracks_evictable else None,
+            "slots": [list(s) for s in b._slots],
+            "retired_flags": bytes(b._retired),
+            "buckets": [list(x) for x in b._buckets],
+            "rbuckets": [list(x) for x in b._rbuckets],
+            "pos": {pg: b._pos[pg] for pg in in_buckets},
+            "top": b._top,
+            "rtop": b._rtop,
+            "counts": (
+                b.num_allocated_blocks,
+                b.num_retired_blocks,
+                b._partial_free,
+                b.changes,
+                b.num_evictable_blocks,
+                b.num_reclaimable_pages,
+                b.num_free_blocks,
+                b.refused_by_device,
+            ),
+            "pages": (p.num_mapped, p.target_pages, [p.is_retired(i) for i in range(p.num_pages)]),
+            "committed": self.committed(),
+        }
+
+    def close(self) -> None:
+        self.host.release()
+
+
+def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        return "ok", call()
+    except Exception as exc:  # noqa: BLE001 - the exception and its message must match too
+        return type(exc).__name__, str(exc)
+
+
+@pytest.fixture
+def fixed_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
+    """The PageAllocator's device-full hold is timed: both sides read one test clock."""
+    now = [1000.0]
+    monkeypatch.setattr(pages_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    yield now
+
+
+def random_ids(rng: random.Random, live: list[int], num_blocks: int) -> list[Any]:
+    kind = rng.random()
+    if kind < 0.8 and live:
+        return rng.sample(live, rng.randint(1, min(len(live), 12)))
+    if kind < 0.85 and live:
+        block = rng.choice(live)
+        return [block, block]  # the same block twice
+    return [rng.choice([-1, num_blocks, num_blocks + 7, 1.0, True, "3", None, 2**70])]
+
+
+@pytest.mark.parametrize(
+    ("seed", "num_pages", "bpp", "reserve"),
+    [(1, 6, 4, 0), (2, 12, 3, 2), (3, 4, 1, 0), (4, 9, 8, 1), (5, 20, 5, 0)],
+)
+def test_c_and_python_hot_paths_agree_on_every_operation(
+    fixed_clock: list[float], seed: int, num_pages: int, bpp: int, reserve: int
+) -> None:
+    rng = random.Random(seed)
+    sides = [
+        Side(PyBlockAllocator, num_pages, bpp, reserve),
+        Side(BlockAllocator, num_pages, bpp, reserve),
+    ]
+    try:
+        for side in sides:
+            side.blocks.track_evictable()
+        num_blocks = num_pages * bpp
+        for step in range(2500):
+            fixed_clock[0] += rng.choice([0.0, 0.01, 1.0, 30.0])
+            ref = sides[0].blocks
+            allocated = [b for b in range(num_blocks) if ref._allocated[b]]
+            held = [b for b in allocated if ref._allocated[b] == 1]
+            marked = [b for b in allocated if ref._allocated[b] == 2]
+            op = rng.random()
+            if op < 0.3:
+                n: Any = rng.choice([0, 1, 1, 1, 2, 3, bpp, bpp + 1, 2 * bpp + 1, num_blocks])
+                if rng.random() < 0.03:
+                    n = rng.choice([-1, 1.5, True, "2", None])
+                args: tuple[Any, ...] = ("alloc", n)
+            elif op < 0.5:
+                args = ("free", random_ids(rng, allocated, num_blocks))
+            elif op < 0.65:
+                args = ("mark_evictable", random_ids(rng, held, num_blocks))
+            elif op < 0.75:
+                ids = random_ids(rng, marked, num_blocks)
+                args = ("unmark_evictable", iter(ids) if rng.random() < 0.3 else ids)
+            elif op < 0.85:
+                target = rng.choice([None, 0, 1, 2, num_pages // 2, num_pages])
+                args = ("set_target", target)
+            elif op < 0.9:
+                args = ("full", rng.random() < 0.5)
+            else:
+                args = ("free_marked", rng.sample(marked, min(len(marked), rng.randint(1, 6))))
+            results = []
+            for side in sides:
+                name, value = args
+                if isinstance(value, Iterator):
+                    value = iter(list(ids))  # a fresh iterator per side
+                if name == "set_target":
+                    results.append(outcome(lambda s=side, v=value: s.pages.set_target(v)))
+                elif name == "full":
+                    side.backend.full = value
+                    results.append(("ok", None))
+                elif name == "free_marked":  # what a cache's eviction does: unmark, then free
+                    results.append(
+                        outcome(
+                            lambda s=side, v=value: (
+                                s.blocks.unmark_evictable(v),
+                                s.blocks.free(v),
+                            )
+                        )
+                    )
+                else:
+                    results.append(outcome(lambda s=side, n=name, v=value: getattr(s.blocks, n)(v)))
+            assert results[0] == results[1], f"step {step} {args}: {results}"
+            snaps = [side.snapshot() for side in sides]
+            for key in snaps[0]:
+                assert snaps[0][key] == snaps[1][key], f"step {step} {args}: {key} differs"
+            b = sides[1].blocks
+            assert b.num_allocated_blocks == sum(b._occupancy)
+            assert b._partial_free >= 0 and b.num_evictable_blocks >= 0
+    finally:
+        for side in sides:
+            side.close()
+
+
+def test_c_hot_paths_leak_no_references() -> None:
+    # Page ids and block ids above 256 are fresh int objects: a missing DECREF in the C
+    # code keeps each of them alive, which tracemalloc sees as memory that only grows.
+    side = Side(BlockAllocator, 400, 4, 0)
+    try:
+        b = side.blocks
+        b.track_evictable()
+
+        def churn() -> None:
+            for _ in range(200):
+                got = b.alloc(37)
+                assert got is not None
+                b.mark_evictable(got[:20])
+                b.unmark_evictable(got[:10])
+                b.free(got[:1])
+                b.free(got[20:])
+                b.unmark_evictable(got[10:20])
+                b.free(got[1:20])
+                assert b.alloc(b.num_free_blocks + 1) is None
+                for bad in ([-1], [got[0]], [got[1], got[1]]):
+                    with pytest.raises(AllocatorContractError):
+                        b.free(bad)
+
+        churn()  # warm: every list reaches its size
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(5):
+            churn()
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert grown < 64 * 1024, f"{grown} bytes still allocated after 1000 churn rounds"
+        assert b.num_allocated_blocks == 0 and side.pages.num_mapped == 0
+    finally:
+        side.close()
+
+
+def test_c_hot_paths_check_the_thread_guard() -> None:
+    # The guard is read from the object at every call: the C paths honour it as Python does.
+    import threading
+
+    side = Side(BlockAllocator, 4, 2, 0)
+    try:
+        guard = ThreadGuard("speedups-test", enabled=True)
+        side.blocks.guard = guard
+        guard.bind_current()
+        got = side.blocks.alloc(1)
+        assert got is not None
+        errors: list[BaseException] = []
+
+        def foreign() -> None:
+            for call in (
+                lambda: side.blocks.alloc(1),
+                lambda: side.blocks.free(got),
+                lambda: side.blocks.mark_evictable(got),
+            ):
+                try:
+                    call()
+                except BaseException as exc:  # noqa: BLE001 - recorded and checked below
+                    errors.append(exc)
+
+        side.blocks.track_evictable()
+        thread = threading.Thread(target=foreign)
+        thread.start()
+        thread.join()
+        assert [type(e).__name__ for e in errors] == ["ForeignThreadError"] * 3
+        assert side.blocks.num_allocated_blocks == 1 and side.blocks.is_allocated(got[0])
+    finally:
+        side.close()
