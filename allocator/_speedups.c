@@ -1,4 +1,5 @@
-/* allocator._speedups: the per-block hot paths of BlockAllocator, in C.
+/* allocator._speedups: the per-block hot paths of BlockAllocator, in C, and the
+ * host backend's two per-page libc calls (mprotect, fallocate) without ctypes.
  *
  * BlockCore is the C base of allocator.BlockAllocator. It stores the fields the
  * hot paths read (as members with the same names the Python code uses, so the
@@ -19,6 +20,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <sys/mman.h>
 
 typedef struct {
     PyObject_HEAD
@@ -799,7 +805,68 @@ configure(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* The host backend's per-page calls (allocator/_libc.py): ctypes spends thousands of
+ * instructions converting arguments per call, a map or unmap makes two per region. */
+static PyObject *
+sys_mprotect(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "mprotect(addr, length, prot) takes 3 arguments");
+        return NULL;
+    }
+    unsigned long long addr = PyLong_AsUnsignedLongLong(args[0]);
+    if (addr == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    size_t length = PyLong_AsSize_t(args[1]);
+    if (length == (size_t)-1 && PyErr_Occurred())
+        return NULL;
+    long prot = PyLong_AsLong(args[2]);
+    if (prot == -1 && PyErr_Occurred())
+        return NULL;
+    int rc, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mprotect((void *)(uintptr_t)addr, length, (int)prot);
+    if (rc != 0)
+        err = errno;
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(err);
+}
+
+static PyObject *
+sys_fallocate(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "fallocate(fd, mode, offset, length) takes 4 arguments");
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[0]);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    long mode = PyLong_AsLong(args[1]);
+    if (mode == -1 && PyErr_Occurred())
+        return NULL;
+    long long offset = PyLong_AsLongLong(args[2]);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    long long length = PyLong_AsLongLong(args[3]);
+    if (length == -1 && PyErr_Occurred())
+        return NULL;
+    int rc, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fallocate((int)fd, (int)mode, (off_t)offset, (off_t)length);
+    if (rc != 0)
+        err = errno;
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(err);
+}
+
 static PyMethodDef module_methods[] = {
+    {"mprotect", (PyCFunction)(void (*)(void))sys_mprotect, METH_FASTCALL,
+     "mprotect(addr, length, prot) -> 0, or the errno of the failure."},
+    {"fallocate", (PyCFunction)(void (*)(void))sys_fallocate, METH_FASTCALL,
+     "fallocate(fd, mode, offset, length) -> 0, or the errno of the failure."},
     {"configure", configure, METH_VARARGS,
      "configure(AllocatorContractError, AllocatorError): the errors the hot paths raise."},
     {NULL, NULL, 0, NULL},

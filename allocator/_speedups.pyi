@@ -35,3 +35,9 @@ class BlockCore:
 
 def configure(contract_error: type[Exception], base_error: type[Exception]) -> None:
     """The exceptions the hot paths raise (``AllocatorContractError``, ``AllocatorError``)."""
+
+def mprotect(addr: int, length: int, prot: int) -> int:
+    """libc ``mprotect``: 0, or the errno of the failure."""
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> int:
+    """libc ``fallocate``: 0, or the errno of the failure."""

@@ -281,3 +281,44 @@ def test_c_hot_paths_check_the_thread_guard() -> None:
         assert side.blocks.num_allocated_blocks == 1 and side.blocks.is_allocated(got[0])
     finally:
         side.close()
+
+
+def test_c_libc_calls_commit_punch_and_report_errno_as_ctypes_does() -> None:
+    import errno
+
+    from allocator import _libc, _speedups
+
+    fd = os.memfd_create("kvs-speedups-libc")
+    try:
+        os.ftruncate(fd, 4 * mmap.PAGESIZE)
+        assert _speedups.fallocate(fd, 0, mmap.PAGESIZE, 2 * mmap.PAGESIZE) == 0
+        assert os.fstat(fd).st_blocks * 512 == 2 * mmap.PAGESIZE  # what the kernel committed
+        mode = _libc.FALLOC_FL_PUNCH_HOLE | _libc.FALLOC_FL_KEEP_SIZE
+        assert _speedups.fallocate(fd, mode, mmap.PAGESIZE, mmap.PAGESIZE) == 0
+        assert os.fstat(fd).st_blocks * 512 == mmap.PAGESIZE
+        base = _libc.reserve_file(fd, 4 * mmap.PAGESIZE)
+        try:
+            assert _speedups.mprotect(base, mmap.PAGESIZE, _libc.PROT_READ) == 0
+            assert _speedups.mprotect(base + 1, mmap.PAGESIZE, _libc.PROT_NONE) == errno.EINVAL
+        finally:
+            _libc.unreserve(base, 4 * mmap.PAGESIZE)
+    finally:
+        os.close(fd)
+    assert _speedups.fallocate(-1, 0, 0, mmap.PAGESIZE) == errno.EBADF
+    # the ctypes path says the same
+    assert _libc._fallocate(-1, 0, 0, mmap.PAGESIZE) != 0
+    assert ctypes_errno() == errno.EBADF
+    with pytest.raises(TypeError):
+        _speedups.fallocate(1, 2, 3)
+    # a failure reaches the caller as a BackendError with its errno
+    from allocator import BackendError
+
+    with pytest.raises(BackendError) as caught:
+        _libc.commit(-1, 0, mmap.PAGESIZE)
+    assert caught.value.errno == errno.EBADF and "Bad file descriptor" in str(caught.value)
+
+
+def ctypes_errno() -> int:
+    import ctypes
+
+    return ctypes.get_errno()
