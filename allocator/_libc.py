@@ -50,22 +50,15 @@ _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int6
 
 
 try:  # mprotect and fallocate in C (allocator/_speedups.c): a ctypes call costs ~20x more
-    from ._speedups import fallocate as _c_fallocate
-    from ._speedups import mprotect as _c_mprotect
-except ImportError:  # not built: ctypes
-    _c_fallocate = _c_mprotect = None  # type: ignore[assignment]
+    from ._speedups import fallocate as _errno_of_fallocate
+    from ._speedups import mprotect as _errno_of_mprotect
+except ImportError:  # not built: the same calls through ctypes
 
+    def _errno_of_mprotect(addr: int, length: int, prot: int) -> int:
+        return 0 if _mprotect(addr, length, prot) == 0 else ctypes.get_errno()
 
-def _errno_of_mprotect(addr: int, length: int, prot: int) -> int:
-    if _c_mprotect is not None:
-        return _c_mprotect(addr, length, prot)
-    return 0 if _mprotect(addr, length, prot) == 0 else ctypes.get_errno()
-
-
-def _errno_of_fallocate(fd: int, mode: int, offset: int, length: int) -> int:
-    if _c_fallocate is not None:
-        return _c_fallocate(fd, mode, offset, length)
-    return 0 if _fallocate(fd, mode, offset, length) == 0 else ctypes.get_errno()
+    def _errno_of_fallocate(fd: int, mode: int, offset: int, length: int) -> int:
+        return 0 if _fallocate(fd, mode, offset, length) == 0 else ctypes.get_errno()
 
 
 def _fail(call: str, detail: str, err: int | None = None) -> BackendError:

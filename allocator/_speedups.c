@@ -38,19 +38,37 @@ typedef struct {
     PyObject *buckets;    /* list[list[int]] partly used, non-retired pages by occupancy */
     PyObject *rbuckets;   /* list[list[int]] retired pages by occupancy */
     PyObject *pos;        /* list[int] per page: index in its bucket */
-    Py_ssize_t blocks_per_page;
-    Py_ssize_t num_blocks;
-    Py_ssize_t num_allocated_blocks;
-    Py_ssize_t num_retired_blocks;
-    Py_ssize_t partial_free;
-    Py_ssize_t top;
-    Py_ssize_t rtop;
-    Py_ssize_t changes;
-    Py_ssize_t num_evictable_blocks;
-    Py_ssize_t num_reclaimable_pages;
-    char tracks_evictable;
-    char refused_by_device;
+    /* ints and bools as Python objects (members of type object): Python code reads and
+     * writes them at the speed of a slot (its LOAD_ATTR specialises only object members) */
+    PyObject *blocks_per_page;
+    PyObject *num_blocks;
+    PyObject *num_allocated_blocks;
+    PyObject *num_retired_blocks;
+    PyObject *partial_free;
+    PyObject *top;
+    PyObject *rtop;
+    PyObject *changes;
+    PyObject *num_evictable_blocks;
+    PyObject *num_reclaimable_pages;
+    PyObject *tracks_evictable;
+    PyObject *refused_by_device;
 } BlockCore;
+
+#define N(field) PyLong_AsSsize_t(self->field)
+#define FLAG_ON(field) (self->field == Py_True)
+
+/* Store an int in an int field; on a failed allocation the old value stays and
+ * MemoryError is pending (the public methods check PyErr_Occurred before returning). */
+static inline void
+store_n(PyObject **slot, Py_ssize_t value)
+{
+    PyObject *o = PyLong_FromSsize_t(value);
+    if (o != NULL)
+        Py_XSETREF(*slot, o);
+}
+#define SET_N(field, value) store_n(&self->field, (value))
+#define ADD_N(field, delta) store_n(&self->field, N(field) + (delta))
+#define SET_FLAG(field, on) Py_XSETREF(self->field, Py_NewRef((on) ? Py_True : Py_False))
 
 static PyObject *ContractError = NULL; /* allocator.AllocatorContractError (configure()) */
 static PyObject *BaseError = NULL;     /* allocator.AllocatorError */
@@ -72,21 +90,38 @@ not_configured(void)
 static int
 check_fields(BlockCore *self)
 {
+    PyObject *ints[] = {self->blocks_per_page,    self->num_blocks,   self->num_allocated_blocks,
+                        self->num_retired_blocks, self->partial_free, self->top,
+                        self->rtop,               self->changes,      self->num_evictable_blocks,
+                        self->num_reclaimable_pages};
+    for (size_t i = 0; i < sizeof(ints) / sizeof(ints[0]); i++) {
+        if (ints[i] == NULL || !PyLong_CheckExact(ints[i])) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "BlockAllocator: a count is missing or not an int (call __init__)");
+            return -1;
+        }
+    }
+    if (!self->tracks_evictable || !PyBool_Check(self->tracks_evictable) ||
+        !self->refused_by_device || !PyBool_Check(self->refused_by_device)) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "BlockAllocator: tracks_evictable/refused_by_device must be bools");
+        return -1;
+    }
     if (!self->allocated || !PyByteArray_CheckExact(self->allocated) || !self->occupancy ||
         !PyList_CheckExact(self->occupancy) || !self->slots || !PyList_CheckExact(self->slots) ||
         !self->retired || !PyByteArray_CheckExact(self->retired) || !self->buckets ||
         !PyList_CheckExact(self->buckets) || !self->rbuckets ||
         !PyList_CheckExact(self->rbuckets) || !self->pos || !PyList_CheckExact(self->pos) ||
-        !self->pages || !self->guard || self->blocks_per_page <= 0 ||
-        PyByteArray_GET_SIZE(self->allocated) != self->num_blocks ||
-        PyList_GET_SIZE(self->occupancy) * self->blocks_per_page != self->num_blocks ||
-        PyList_GET_SIZE(self->buckets) != self->blocks_per_page ||
-        PyList_GET_SIZE(self->rbuckets) != self->blocks_per_page + 1) {
+        !self->pages || !self->guard || N(blocks_per_page) <= 0 ||
+        PyByteArray_GET_SIZE(self->allocated) != N(num_blocks) ||
+        PyList_GET_SIZE(self->occupancy) * N(blocks_per_page) != N(num_blocks) ||
+        PyList_GET_SIZE(self->buckets) != N(blocks_per_page) ||
+        PyList_GET_SIZE(self->rbuckets) != N(blocks_per_page) + 1) {
         PyErr_SetString(PyExc_RuntimeError,
                         "BlockAllocator: its fields are not initialised (call __init__)");
         return -1;
     }
-    if (self->tracks_evictable &&
+    if (FLAG_ON(tracks_evictable) &&
         (!self->ev_on || !PyList_CheckExact(self->ev_on) ||
          PyList_GET_SIZE(self->ev_on) != PyList_GET_SIZE(self->occupancy))) {
         PyErr_SetString(PyExc_RuntimeError, "BlockAllocator: _ev_on does not match the pages");
@@ -197,7 +232,7 @@ out_append(PyObject *out, Py_ssize_t block)
 static Py_ssize_t
 take(BlockCore *self, Py_ssize_t page, Py_ssize_t need, PyObject *out)
 {
-    Py_ssize_t bpp = self->blocks_per_page;
+    Py_ssize_t bpp = N(blocks_per_page);
     Py_ssize_t old = item(self->occupancy, page);
     Py_ssize_t count = need < bpp - old ? need : bpp - old;
     PyObject *slots = PyList_GET_ITEM(self->slots, page);
@@ -229,16 +264,16 @@ take(BlockCore *self, Py_ssize_t page, Py_ssize_t need, PyObject *out)
     Py_ssize_t new = old + count;
     if (set_item(self->occupancy, page, new) < 0)
         return -1;
-    self->partial_free -= count;
-    if (old && self->tracks_evictable && item(self->ev_on, page) == old)
-        self->num_reclaimable_pages -= 1; /* a fresh block on it is not evictable */
+    ADD_N(partial_free, -(count));
+    if (old && FLAG_ON(tracks_evictable) && item(self->ev_on, page) == old)
+        ADD_N(num_reclaimable_pages, -(1)); /* a fresh block on it is not evictable */
     if (old && bucket_remove(self, self->buckets, page, old) < 0)
         return -1;
     if (new < bpp) {
         if (bucket_add(self, self->buckets, page, new) < 0)
             return -1;
-        if (new > self->top)
-            self->top = new;
+        if (new > N(top))
+            SET_N(top, new);
     }
     return count;
 }
@@ -248,7 +283,7 @@ take(BlockCore *self, Py_ssize_t page, Py_ssize_t need, PyObject *out)
 static Py_ssize_t
 take_many(BlockCore *self, Py_ssize_t page, Py_ssize_t need, PyObject *out)
 {
-    Py_ssize_t bpp = self->blocks_per_page;
+    Py_ssize_t bpp = N(blocks_per_page);
     Py_ssize_t old = item(self->occupancy, page);
     Py_ssize_t count = need < bpp - old ? need : bpp - old;
     if (!old || count == 1)
@@ -273,16 +308,16 @@ take_many(BlockCore *self, Py_ssize_t page, Py_ssize_t need, PyObject *out)
     Py_ssize_t new = old + count;
     if (set_item(self->occupancy, page, new) < 0)
         return -1;
-    self->partial_free -= count;
-    if (self->tracks_evictable && item(self->ev_on, page) == old)
-        self->num_reclaimable_pages -= 1;
+    ADD_N(partial_free, -(count));
+    if (FLAG_ON(tracks_evictable) && item(self->ev_on, page) == old)
+        ADD_N(num_reclaimable_pages, -(1));
     if (bucket_remove(self, self->buckets, page, old) < 0)
         return -1;
     if (new < bpp) {
         if (bucket_add(self, self->buckets, page, new) < 0)
             return -1;
-        if (new > self->top)
-            self->top = new;
+        if (new > N(top))
+            SET_N(top, new);
     }
     return count;
 }
@@ -320,7 +355,7 @@ BlockCore_alloc(BlockCore *self, PyObject *arg)
 {
     if (not_configured() || check_fields(self) < 0 || guard_check(self) < 0)
         return NULL;
-    self->refused_by_device = 0;
+    SET_FLAG(refused_by_device, 0);
     if (!PyLong_CheckExact(arg)) {
         PyErr_Format(ContractError, "alloc(n) needs an int >= 0; got %R", arg);
         return NULL;
@@ -332,7 +367,7 @@ BlockCore_alloc(BlockCore *self, PyObject *arg)
         PyErr_Format(ContractError, "alloc(n) needs an int >= 0; got %R", arg);
         return NULL;
     }
-    if (n > self->partial_free) {
+    if (n > N(partial_free)) {
         PyObject *free_obj = PyObject_GetAttr((PyObject *)self, s_num_free_blocks);
         if (free_obj == NULL)
             return NULL;
@@ -347,12 +382,12 @@ BlockCore_alloc(BlockCore *self, PyObject *arg)
     if (out == NULL)
         return NULL;
     Py_ssize_t need = n;
-    Py_ssize_t bpp = self->blocks_per_page;
-    while (need && self->partial_free) {
-        Py_ssize_t top = self->top;
+    Py_ssize_t bpp = N(blocks_per_page);
+    while (need && N(partial_free)) {
+        Py_ssize_t top = N(top);
         while (top > 0 && PyList_GET_SIZE(bucket_of(self->buckets, top)) == 0)
             top--;
-        self->top = top;
+        SET_N(top, top);
         PyObject *bucket = bucket_of(self->buckets, top);
         if (top == 0 || PyList_GET_SIZE(bucket) == 0) {
             PyErr_SetString(PyExc_RuntimeError,
@@ -379,7 +414,7 @@ BlockCore_alloc(BlockCore *self, PyObject *arg)
             if (is < 0)
                 goto error;
             if (is) { /* no device memory: all or nothing */
-                self->refused_by_device = 1;
+                SET_FLAG(refused_by_device, 1);
                 if (call_free_checked(self, out) < 0) {
                     Py_DECREF(out);
                     return NULL;
@@ -399,14 +434,18 @@ BlockCore_alloc(BlockCore *self, PyObject *arg)
             goto error;
         if (PyList_SetItem(self->slots, page, slots) < 0) /* steals slots */
             goto error;
-        self->partial_free += bpp;
+        ADD_N(partial_free, bpp);
         Py_ssize_t got = take(self, page, need, out);
         if (got < 0)
             goto error;
         need -= got;
     }
-    self->num_allocated_blocks += n;
-    self->changes += 1;
+    ADD_N(num_allocated_blocks, n);
+    ADD_N(changes, 1);
+    if (PyErr_Occurred()) { /* a count could not be stored (out of memory) */
+        Py_DECREF(out);
+        return NULL;
+    }
     return out;
 
 error:
@@ -455,7 +494,7 @@ clear_slots(BlockCore *self, Py_ssize_t page)
 static void
 untrack_one(BlockCore *self, Py_ssize_t block)
 {
-    Py_ssize_t bpp = self->blocks_per_page;
+    Py_ssize_t bpp = N(blocks_per_page);
     Py_ssize_t page = block / bpp;
     Py_ssize_t occ = item(self->occupancy, page);
     Py_ssize_t on = item(self->ev_on, page);
@@ -463,16 +502,16 @@ untrack_one(BlockCore *self, Py_ssize_t block)
     if (PyByteArray_AS_STRING(self->allocated)[block] == 2) {
         on -= 1;
         set_item(self->ev_on, page, on);
-        self->num_evictable_blocks -= 1;
+        ADD_N(num_evictable_blocks, -(1));
     }
-    self->num_reclaimable_pages += (occ > 1 && on == occ - 1) - was;
+    ADD_N(num_reclaimable_pages, (occ > 1 && on == occ - 1) - was);
 }
 
 /* _free_one: one checked block back; its page goes back when it empties. */
 static int
 free_one(BlockCore *self, Py_ssize_t block)
 {
-    Py_ssize_t bpp = self->blocks_per_page;
+    Py_ssize_t bpp = N(blocks_per_page);
     Py_ssize_t page = block / bpp;
     PyByteArray_AS_STRING(self->allocated)[block] = 0;
     PyObject *slot = PyLong_FromSsize_t(block - page * bpp);
@@ -488,14 +527,14 @@ free_one(BlockCore *self, Py_ssize_t block)
         return -1;
     char *retired = PyByteArray_AS_STRING(self->retired);
     if (retired[page]) {
-        self->num_retired_blocks -= 1;
+        ADD_N(num_retired_blocks, -(1));
         if (bucket_remove(self, self->rbuckets, page, old) < 0)
             return -1;
         if (new) {
             if (bucket_add(self, self->rbuckets, page, new) < 0)
                 return -1;
-            if (new > self->rtop)
-                self->rtop = new;
+            if (new > N(rtop))
+                SET_N(rtop, new);
             return 0;
         }
         if (clear_slots(self, page) < 0)
@@ -503,17 +542,17 @@ free_one(BlockCore *self, Py_ssize_t block)
         retired[page] = 0;
         return release_page(self, page);
     }
-    self->partial_free += 1;
+    ADD_N(partial_free, 1);
     if (old < bpp && bucket_remove(self, self->buckets, page, old) < 0)
         return -1;
     if (new) {
         if (bucket_add(self, self->buckets, page, new) < 0)
             return -1;
-        if (new > self->top)
-            self->top = new;
+        if (new > N(top))
+            SET_N(top, new);
         return 0;
     }
-    self->partial_free -= bpp;
+    ADD_N(partial_free, -(bpp));
     if (clear_slots(self, page) < 0)
         return -1;
     return release_page(self, page);
@@ -535,7 +574,7 @@ BlockCore_free(BlockCore *self, PyObject *blocks)
             return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(batch);
-    Py_ssize_t limit = self->num_blocks;
+    Py_ssize_t limit = N(num_blocks);
     unsigned char *flags = (unsigned char *)PyByteArray_AS_STRING(self->allocated);
     Py_ssize_t i;
     for (i = 0; i < n; i++) {
@@ -570,17 +609,17 @@ BlockCore_free(BlockCore *self, PyObject *blocks)
             goto bad;
         }
     }
-    self->num_allocated_blocks -= n;
-    self->changes += 1;
+    ADD_N(num_allocated_blocks, -(n));
+    ADD_N(changes, 1);
     if (n == 1) {
         Py_ssize_t block = PyLong_AsSsize_t(PyList_GET_ITEM(batch, 0));
-        if (self->tracks_evictable)
+        if (FLAG_ON(tracks_evictable))
             untrack_one(self, block);
         if (PyErr_Occurred() || free_one(self, block) < 0)
             goto bad;
     }
     else if (n > 1) {
-        if (self->tracks_evictable) {
+        if (FLAG_ON(tracks_evictable)) {
             PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, s_untrack_freed, batch);
             if (r == NULL)
                 goto bad;
@@ -590,6 +629,8 @@ BlockCore_free(BlockCore *self, PyObject *blocks)
             goto bad;
     }
     Py_DECREF(batch);
+    if (PyErr_Occurred())
+        return NULL;
     Py_RETURN_NONE;
 bad:
     Py_DECREF(batch);
@@ -605,7 +646,7 @@ change_marks(BlockCore *self, PyObject *blocks, int mark)
     const char *name = mark ? "mark_evictable" : "unmark_evictable";
     if (not_configured() || check_fields(self) < 0 || guard_check(self) < 0)
         return NULL;
-    if (!self->tracks_evictable) {
+    if (!FLAG_ON(tracks_evictable)) {
         PyErr_Format(ContractError, "%s(): call track_evictable() first", name);
         return NULL;
     }
@@ -616,7 +657,7 @@ change_marks(BlockCore *self, PyObject *blocks, int mark)
     PyObject **items = PySequence_Fast_ITEMS(seq);
     char *flags = PyByteArray_AS_STRING(self->allocated);
     PyObject *ev_on = self->ev_on, *occupancy = self->occupancy;
-    Py_ssize_t bpp = self->blocks_per_page, limit = self->num_blocks;
+    Py_ssize_t bpp = N(blocks_per_page), limit = N(num_blocks);
     char from = mark ? 1 : 2, to = mark ? 2 : 1;
     Py_ssize_t changed_pages = 0, count = 0;
     int failed = 0;
@@ -663,15 +704,15 @@ change_marks(BlockCore *self, PyObject *blocks, int mark)
     }
     Py_DECREF(seq);
     if (mark) {
-        self->num_reclaimable_pages += changed_pages;
-        self->num_evictable_blocks += count;
+        ADD_N(num_reclaimable_pages, changed_pages);
+        ADD_N(num_evictable_blocks, count);
     }
     else {
-        self->num_reclaimable_pages -= changed_pages;
-        self->num_evictable_blocks -= count;
+        ADD_N(num_reclaimable_pages, -(changed_pages));
+        ADD_N(num_evictable_blocks, -(count));
     }
-    self->changes += 1;
-    if (failed)
+    ADD_N(changes, 1);
+    if (failed || PyErr_Occurred())
         return NULL;
     Py_RETURN_NONE;
 }
@@ -719,6 +760,18 @@ BlockCore_clear(BlockCore *self)
     Py_CLEAR(self->buckets);
     Py_CLEAR(self->rbuckets);
     Py_CLEAR(self->pos);
+    Py_CLEAR(self->blocks_per_page);
+    Py_CLEAR(self->num_blocks);
+    Py_CLEAR(self->num_allocated_blocks);
+    Py_CLEAR(self->num_retired_blocks);
+    Py_CLEAR(self->partial_free);
+    Py_CLEAR(self->top);
+    Py_CLEAR(self->rtop);
+    Py_CLEAR(self->changes);
+    Py_CLEAR(self->num_evictable_blocks);
+    Py_CLEAR(self->num_reclaimable_pages);
+    Py_CLEAR(self->tracks_evictable);
+    Py_CLEAR(self->refused_by_device);
     return 0;
 }
 
@@ -745,8 +798,6 @@ static PyMethodDef BlockCore_methods[] = {
 };
 
 #define OBJ(name, field) {name, T_OBJECT_EX, offsetof(BlockCore, field), 0, NULL}
-#define SIZE(name, field) {name, T_PYSSIZET, offsetof(BlockCore, field), 0, NULL}
-#define FLAG(name, field) {name, T_BOOL, offsetof(BlockCore, field), 0, NULL}
 static PyMemberDef BlockCore_members[] = {
     OBJ("guard", guard),
     OBJ("pages", pages),
@@ -758,18 +809,18 @@ static PyMemberDef BlockCore_members[] = {
     OBJ("_buckets", buckets),
     OBJ("_rbuckets", rbuckets),
     OBJ("_pos", pos),
-    SIZE("blocks_per_page", blocks_per_page),
-    SIZE("num_blocks", num_blocks),
-    SIZE("num_allocated_blocks", num_allocated_blocks),
-    SIZE("num_retired_blocks", num_retired_blocks),
-    SIZE("_partial_free", partial_free),
-    SIZE("_top", top),
-    SIZE("_rtop", rtop),
-    SIZE("changes", changes),
-    SIZE("num_evictable_blocks", num_evictable_blocks),
-    SIZE("num_reclaimable_pages", num_reclaimable_pages),
-    FLAG("tracks_evictable", tracks_evictable),
-    FLAG("refused_by_device", refused_by_device),
+    OBJ("blocks_per_page", blocks_per_page),
+    OBJ("num_blocks", num_blocks),
+    OBJ("num_allocated_blocks", num_allocated_blocks),
+    OBJ("num_retired_blocks", num_retired_blocks),
+    OBJ("_partial_free", partial_free),
+    OBJ("_top", top),
+    OBJ("_rtop", rtop),
+    OBJ("changes", changes),
+    OBJ("num_evictable_blocks", num_evictable_blocks),
+    OBJ("num_reclaimable_pages", num_reclaimable_pages),
+    OBJ("tracks_evictable", tracks_evictable),
+    OBJ("refused_by_device", refused_by_device),
     {NULL, 0, 0, 0, NULL},
 };
 

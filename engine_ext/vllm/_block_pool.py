@@ -224,7 +224,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             self._notify_reuse(ret)
         collector = self.metrics_collector
         for block in ret:
-            assert block.ref_cnt == 0 and block.block_hash is None
+            assert block.ref_cnt == 0 and block._block_hash is None  # (no property call)
             block.ref_cnt = 1
             if collector:
                 collector.on_block_allocated(block)

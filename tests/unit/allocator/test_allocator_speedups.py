@@ -322,3 +322,44 @@ def ctypes_errno() -> int:
     import ctypes
 
     return ctypes.get_errno()
+
+
+def test_everything_works_without_the_c_module() -> None:
+    # Where no C compiler was found the package must still work: pure-Python hot paths,
+    # ctypes for the libc calls. A fresh interpreter with the C module's import blocked.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import errno, mmap, os, sys
+        sys.modules["allocator._speedups"] = None  # import allocator._speedups -> ImportError
+        import allocator
+        from allocator import _blocks, _libc, BackendError
+        assert not _blocks.SPEEDUPS
+        assert allocator.BlockAllocator.alloc is _blocks.PyBlockAllocator.alloc
+        layout = allocator.PageLayout(mmap.PAGESIZE, 8, 1)
+        backend = allocator.HostBackend.reserve(layout, name="kvs-no-c")
+        blocks = allocator.BlockAllocator(allocator.PageAllocator(backend), 2)
+        blocks.track_evictable()
+        got = blocks.alloc(5)
+        blocks.mark_evictable(got[:2])
+        assert os.fstat(backend.fd).st_blocks * 512 == 3 * mmap.PAGESIZE
+        blocks.unmark_evictable(got[:2])
+        blocks.free(got)
+        assert os.fstat(backend.fd).st_blocks == 0
+        try:
+            _libc.commit(-1, 0, mmap.PAGESIZE)
+        except BackendError as exc:
+            assert exc.errno == errno.EBADF, exc
+        else:
+            raise AssertionError("commit on fd -1 did not fail")
+        backend.release()
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
