@@ -79,6 +79,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         backing: PoolBacking = backing_for_pool(self, num_gpu_blocks)
         self._backing = backing
         self._blocks = backing.blocks
+        self._num_blocks = backing.blocks.num_blocks  # the allocator's capacity (fixed)
         self._guard = backing.guard
         self._hooks = backing.hooks
         self._mailbox = backing.mailbox
@@ -114,9 +115,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
     def get_num_free_blocks(self) -> int:
         # Read-only: never takes a target, never evicts (docs/vllm.md, "Safe points").
         if self.overdraft:  # a running request: every unallocated block, above the target
-            blocks = self._blocks
-            num_evictable: int = self.free_block_queue.num_free_blocks
-            return blocks.num_blocks - blocks.num_allocated_blocks + num_evictable
+            free: int = self._num_blocks - self._blocks.num_allocated_blocks
+            return free + self.free_block_queue.num_free_blocks
         return self._free_under_target()
 
     def _free_under_target(self) -> int:
