@@ -228,7 +228,10 @@ out_append(PyObject *out, Py_ssize_t block)
     return rc;
 }
 
-/* _take: up to `need` blocks from `page` (in use, not retired) into `out`; -1 on error. */
+/* _take: up to `need` blocks from `page` (in use, not retired) into `out`; -1 on error.
+ * The ids come out in the Python reference's order: a fresh page's slots are
+ * bpp-1..0, so its blocks are one ascending run; on a partly used page they are
+ * slots[-count:] in list order (for one block that is slots.pop()). */
 static Py_ssize_t
 take(BlockCore *self, Py_ssize_t page, Py_ssize_t need, PyObject *out)
 {
@@ -244,61 +247,9 @@ take(BlockCore *self, Py_ssize_t page, Py_ssize_t need, PyObject *out)
     Py_ssize_t first = page * bpp;
     char *flags = PyByteArray_AS_STRING(self->allocated);
     Py_ssize_t n = PyList_GET_SIZE(slots);
-    if (!old) { /* a fresh page: slots bpp-1..0, the ids taken are one run */
-        for (Py_ssize_t i = 0; i < count; i++) {
-            flags[first + i] = 1;
-            if (out_append(out, first + i) < 0)
-                return -1;
-        }
-    }
-    else {
-        for (Py_ssize_t i = n - 1; i >= n - count; i--) { /* pop order, as in Python */
-            Py_ssize_t block = first + PyLong_AsSsize_t(PyList_GET_ITEM(slots, i));
-            flags[block] = 1;
-            if (out_append(out, block) < 0)
-                return -1;
-        }
-    }
-    if (PyList_SetSlice(slots, n - count, n, NULL) < 0)
-        return -1;
-    Py_ssize_t new = old + count;
-    if (set_item(self->occupancy, page, new) < 0)
-        return -1;
-    ADD_N(partial_free, -(count));
-    if (old && FLAG_ON(tracks_evictable) && item(self->ev_on, page) == old)
-        ADD_N(num_reclaimable_pages, -(1)); /* a fresh block on it is not evictable */
-    if (old && bucket_remove(self, self->buckets, page, old) < 0)
-        return -1;
-    if (new < bpp) {
-        if (bucket_add(self, self->buckets, page, new) < 0)
-            return -1;
-        if (new > N(top))
-            SET_N(top, new);
-    }
-    return count;
-}
-
-/* The block order of the Python reference when it takes several blocks from a
- * partly used page is slots[-count:] in list order (not pop order). */
-static Py_ssize_t
-take_many(BlockCore *self, Py_ssize_t page, Py_ssize_t need, PyObject *out)
-{
-    Py_ssize_t bpp = N(blocks_per_page);
-    Py_ssize_t old = item(self->occupancy, page);
-    Py_ssize_t count = need < bpp - old ? need : bpp - old;
-    if (!old || count == 1)
-        return take(self, page, need, out);
-    PyObject *slots = PyList_GET_ITEM(self->slots, page);
-    if (!PyList_CheckExact(slots) || PyList_GET_SIZE(slots) < count) {
-        PyErr_Format(PyExc_RuntimeError, "BlockAllocator: page %zd has no free slots listed",
-                     page);
-        return -1;
-    }
-    Py_ssize_t first = page * bpp;
-    char *flags = PyByteArray_AS_STRING(self->allocated);
-    Py_ssize_t n = PyList_GET_SIZE(slots);
     for (Py_ssize_t i = n - count; i < n; i++) {
-        Py_ssize_t block = first + PyLong_AsSsize_t(PyList_GET_ITEM(slots, i));
+        Py_ssize_t block = old ? first + PyLong_AsSsize_t(PyList_GET_ITEM(slots, i))
+                               : first + (i - (n - count));
         flags[block] = 1;
         if (out_append(out, block) < 0)
             return -1;
@@ -309,9 +260,9 @@ take_many(BlockCore *self, Py_ssize_t page, Py_ssize_t need, PyObject *out)
     if (set_item(self->occupancy, page, new) < 0)
         return -1;
     ADD_N(partial_free, -(count));
-    if (FLAG_ON(tracks_evictable) && item(self->ev_on, page) == old)
-        ADD_N(num_reclaimable_pages, -(1));
-    if (bucket_remove(self, self->buckets, page, old) < 0)
+    if (old && FLAG_ON(tracks_evictable) && item(self->ev_on, page) == old)
+        ADD_N(num_reclaimable_pages, -(1)); /* a fresh block on it is not evictable */
+    if (old && bucket_remove(self, self->buckets, page, old) < 0)
         return -1;
     if (new < bpp) {
         if (bucket_add(self, self->buckets, page, new) < 0)
@@ -395,7 +346,7 @@ BlockCore_alloc(BlockCore *self, PyObject *arg)
             goto error;
         }
         Py_ssize_t page = PyLong_AsSsize_t(PyList_GET_ITEM(bucket, PyList_GET_SIZE(bucket) - 1));
-        Py_ssize_t got = take_many(self, page, need, out);
+        Py_ssize_t got = take(self, page, need, out);
         if (got < 0)
             goto error;
         need -= got;
