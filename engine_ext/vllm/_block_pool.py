@@ -115,8 +115,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
     def get_num_free_blocks(self) -> int:
         # Read-only: never takes a target, never evicts (docs/vllm.md, "Safe points").
         if self.overdraft:  # a running request: every unallocated block, above the target
-            free: int = self._num_blocks - self._blocks.num_allocated_blocks
-            return free + self.free_block_queue.num_free_blocks
+            num_evictable: int = self.free_block_queue.num_free_blocks
+            return self._num_blocks - self._blocks.num_allocated_blocks + num_evictable
         return self._free_under_target()
 
     def _free_under_target(self) -> int:
