@@ -414,67 +414,47 @@ class PyBlockAllocator(_BlockBook):
         Each id is checked (allocated, not marked yet); on a bad one the blocks
         before it stay marked and :class:`AllocatorContractError` is raised.
         """
-        if self.guard.enabled:  # a call only when the guard is on (hot path)
-            self.guard.check()
-        if not self.tracks_evictable:
-            raise AllocatorContractError("mark_evictable(): call track_evictable() first")
-        flags, ev_on, occupancy = self._allocated, self._ev_on, self._occupancy
-        bpp = self.blocks_per_page
-        gained = 0
-        count = 0
-        limit = self.num_blocks
-        try:
-            for block in blocks:
-                if type(block) is not int or not 0 <= block < limit:
-                    raise AllocatorContractError(
-                        f"mark_evictable(): {block!r} is not a block id in 0..{limit - 1}"
-                    )
-                if flags[block] != 1:  # 0: not allocated, 2: already marked
-                    raise AllocatorContractError(
-                        f"mark_evictable(): block {block} is "
-                        f"{'already marked' if flags[block] else 'not allocated'}"
-                    )
-                flags[block] = 2
-                count += 1
-                page = block // bpp
-                on = ev_on[page] + 1
-                ev_on[page] = on
-                if on == occupancy[page]:
-                    gained += 1
-        finally:  # the counts agree with the flags stored, even after a bad id
-            self.num_reclaimable_pages += gained
-            self.num_evictable_blocks += count
-            self.changes += 1
+        self._change_marks(blocks, True)
 
     def unmark_evictable(self, blocks: Iterable[int]) -> None:
         """These blocks are referenced again (or about to be reused in place)."""
+        self._change_marks(blocks, False)
+
+    def _change_marks(self, blocks: Iterable[int], mark: bool) -> None:
+        """Flag 1 -> 2 (``mark``) or 2 -> 1 for each block, keeping the per-page counts."""
+        name = "mark_evictable" if mark else "unmark_evictable"
         if self.guard.enabled:  # a call only when the guard is on (hot path)
             self.guard.check()
         if not self.tracks_evictable:
-            raise AllocatorContractError("unmark_evictable(): call track_evictable() first")
+            raise AllocatorContractError(f"{name}(): call track_evictable() first")
         flags, ev_on, occupancy = self._allocated, self._ev_on, self._occupancy
-        bpp = self.blocks_per_page
-        lost = 0
+        bpp, limit = self.blocks_per_page, self.num_blocks
+        before, after, step = (1, 2, 1) if mark else (2, 1, -1)
+        pages_changed = 0  # pages that became (mark) or stopped being (unmark) all evictable
         count = 0
-        limit = self.num_blocks
         try:
             for block in blocks:
                 if type(block) is not int or not 0 <= block < limit:
                     raise AllocatorContractError(
-                        f"unmark_evictable(): {block!r} is not a block id in 0..{limit - 1}"
+                        f"{name}(): {block!r} is not a block id in 0..{limit - 1}"
                     )
-                if flags[block] != 2:
-                    raise AllocatorContractError(f"unmark_evictable(): block {block} is not marked")
-                flags[block] = 1
+                if flags[block] != before:
+                    if not mark:
+                        raise AllocatorContractError(f"{name}(): block {block} is not marked")
+                    raise AllocatorContractError(
+                        f"{name}(): block {block} is "
+                        f"{'already marked' if flags[block] else 'not allocated'}"
+                    )
+                flags[block] = after
                 count += 1
                 page = block // bpp
                 on = ev_on[page]
-                if on == occupancy[page]:
-                    lost += 1
-                ev_on[page] = on - 1
-        finally:
-            self.num_reclaimable_pages -= lost
-            self.num_evictable_blocks -= count
+                if on + (step > 0) == occupancy[page]:  # all evictable after (mark) or before
+                    pages_changed += 1
+                ev_on[page] = on + step
+        finally:  # the counts agree with the flags stored, even after a bad id
+            self.num_reclaimable_pages += step * pages_changed
+            self.num_evictable_blocks += step * count
             self.changes += 1
 
     def _take(self, page: int, need: int, out: list[int]) -> int:
