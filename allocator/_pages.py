@@ -105,6 +105,9 @@ class PageAllocator:
         self.target_pages: int | None = None  # None = unlimited
         self._state = bytearray(num_pages)  # PageState per page
         self._unmapped = list(range(num_pages - 1, -1, -1))  # stack: low pages come out first
+        # Pages with memory behind them (free reserve + in use + retired): num_pages -
+        # len(_unmapped), kept as a plain int because every free and step reads it.
+        self.num_mapped = 0
         self._free: list[int] = []  # stack of FREE pages
         self._in_use: set[int] = set()  # IN_USE (not retired)
         self._retired: set[int] = set()  # RETIRED
@@ -118,11 +121,6 @@ class PageAllocator:
         self._top_up()
 
     # ------------------------------------------------------------------ counts
-    @property
-    def num_mapped(self) -> int:
-        """Pages with memory behind them (free reserve + in use + retired)."""
-        return self.num_pages - len(self._unmapped)
-
     @property
     def num_free_mapped(self) -> int:
         """Mapped pages that hold no blocks (the reserve)."""
@@ -261,6 +259,7 @@ class PageAllocator:
                 )
                 return None
             self._unmapped.pop()
+            self.num_mapped += 1
         else:
             return None
         self._state[page] = PageState.IN_USE
@@ -410,6 +409,7 @@ class PageAllocator:
         for page in pages:
             self._state[page] = PageState.UNMAPPED
         self._unmapped.extend(reversed(pages))
+        self.num_mapped -= len(pages)
 
     def _trim_spares(self) -> None:
         """Backends that keep unmapped handles for reuse (CudaBackend) keep them under the cap."""
@@ -429,6 +429,7 @@ class PageAllocator:
         pages = self._unmapped[-want:]
         self.backend.map_many(pages)
         del self._unmapped[-want:]
+        self.num_mapped += len(pages)
         for page in pages:
             self._state[page] = PageState.FREE
         self._free.extend(sorted(pages, reverse=True))  # the lowest page is popped first
