@@ -90,6 +90,28 @@ def test_prefix_hit_window_keeps_the_last_admissions_only() -> None:
     assert HIT_WINDOW_ADMISSIONS >= 1
 
 
+@pytest.mark.parametrize("size", [1, 3, 128])
+def test_prefix_hit_window_equals_a_recount_of_the_last_admissions(size: int) -> None:
+    """The ring's running sums against a recount of the last ``size`` recorded pairs."""
+    import random
+
+    rng = random.Random(size)
+    window = PrefixHitWindow(size)
+    kept: list[tuple[int, int]] = []
+    for _ in range(1000):
+        looked_up = rng.choice([0, -3, rng.randint(1, 5000)])
+        hit = rng.choice([-7, 0, rng.randint(0, 6000)])
+        window.record(hit, looked_up)
+        if looked_up > 0:
+            kept.append((min(max(hit, 0), looked_up), looked_up))
+        last = kept[-size:]
+        assert len(window) == len(last)
+        if not last:
+            assert window.rate is None
+            continue
+        assert window.rate == sum(h for h, _ in last) / sum(n for _, n in last)
+
+
 def test_num_preemptions_equals_vllms_own_per_request_counts(plugin_env: Path) -> None:
     """A reservation too small for the batch: vLLM preempts; every preemption is counted."""
     # 8 pages of 4 blocks: 31 usable blocks of 16 tokens, for 5 requests of up to 13 blocks
