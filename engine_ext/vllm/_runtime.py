@@ -338,67 +338,54 @@ class VllmRuntime:
             from vllm.v1.request import RequestStatus
 
             _running_status = RequestStatus.RUNNING
-        running = request.status == _running_status
+        running = request.status is _running_status
         was_in_schedule, was_overdraft = pool.in_schedule, pool.overdraft
         pool.overdraft = running  # an admission sees only the headroom under the target
+        reservation = self._reservation
         try:
-            return self._allocating(original, manager, request, running, args, kwargs)
+            if reservation is not None:
+                if self._manager is not manager:  # the probe reads the requests' blocks here
+                    self._manager = manager
+                    reservation.max_model_len = int(manager.max_model_len)
+                if (
+                    not running
+                    and pool.blocks_target() is not None
+                    and self._reserve_refuses(manager, request, args, kwargs)
+                ):
+                    return None  # its whole output would not fit under the limit: it waits
+            # a RUNNING request holds its blocks; only an admission may hold none yet (then
+            # a failed map must give back the prefix hits it touched)
+            held = running or _holds_blocks(manager, request.request_id)
+            pool.in_schedule = True  # frees inside allocate_slots (sliding window) evict later
+            device = False
+            try:
+                result = original(manager, request, *args, **kwargs)
+            except DeviceFullError:
+                # The device filled between the free count and the map (another engine
+                # took the memory, nothing cached to reuse): a refusal, which vLLM handles
+                # (the admission waits; a running request is preempted as on a full cache).
+                if not held:
+                    manager.free(request)  # the prefix hits it touched: as before the call
+                result, device = None, True
+            if running:
+                return result
+            self._demand_events += 1  # an admission or a refusal: the demand moved
+            if result is None:
+                device = device or pool.device_full()
+                if device or pool.blocks_target() is not None:
+                    self._device_refused = device
+                    self._refused_blocks = self._waiting_blocks(
+                        request, args, kwargs, pool.hash_block_size
+                    )
+            else:  # an admission: its prefix lookup feeds prefix_hit_rate
+                self._hits.record(_hit_tokens(args, kwargs), request.num_tokens)
+                if reservation is not None:
+                    held_now = manager.coordinator.single_type_managers[0].req_to_blocks
+                    reservation.admitted(request, len(held_now.get(request.request_id, ())))
+            return result
         finally:
             pool.overdraft = was_overdraft
             pool.in_schedule = was_in_schedule
-
-    def _allocating(
-        self,
-        original: Any,
-        manager: Any,
-        request: Any,
-        running: bool,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """:meth:`allocating` with the pool's overdraft flag set for this request."""
-        pool = self.pool
-        assert pool is not None
-        reservation = self._reservation
-        if reservation is not None:
-            if self._manager is not manager:  # the probe reads the requests' blocks from it
-                self._manager = manager
-                reservation.max_model_len = int(manager.max_model_len)
-            if (
-                not running
-                and pool.blocks_target() is not None
-                and self._reserve_refuses(manager, request, args, kwargs)
-            ):
-                return None  # its whole output would not fit under the limit: it waits
-        # a RUNNING request holds its blocks; only an admission may hold none yet (then a
-        # failed map must give back the prefix hits it touched)
-        held = running or _holds_blocks(manager, request.request_id)
-        pool.in_schedule = True  # frees inside allocate_slots (sliding window) evict later
-        device = False
-        try:
-            result = original(manager, request, *args, **kwargs)
-        except DeviceFullError:
-            # The device filled between the free count and the map (another engine took
-            # the memory, nothing cached to reuse): a refusal, which vLLM handles (the
-            # admission waits; a running request is preempted as on a full cache).
-            if not held:
-                manager.free(request)  # the prefix hits it touched: as before the call
-            result, device = None, True
-        if not running:
-            self._demand_events += 1  # an admission or a refusal: the demand moved
-        if result is None:
-            device = device or pool.device_full()
-            if not running and (device or pool.blocks_target() is not None):
-                self._device_refused = device
-                self._refused_blocks = self._waiting_blocks(
-                    request, args, kwargs, pool.hash_block_size
-                )
-        elif not running:  # an admission: its prefix lookup feeds prefix_hit_rate
-            self._hits.record(_hit_tokens(args, kwargs), int(request.num_tokens))
-            if self._reservation is not None:
-                held_now = manager.coordinator.single_type_managers[0].req_to_blocks
-                self._reservation.admitted(request, len(held_now.get(request.request_id, ())))
-        return result
 
     def _reserve_refuses(
         self, manager: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -411,7 +398,7 @@ class VllmRuntime:
         computed = (
             int(request.num_computed_tokens)
             + _hit_tokens(args, kwargs)
-            + int(kwargs.get("num_external_computed_tokens", 0))
+            + _external_tokens(args, kwargs)
         )
         need = reservation.admission_blocks(request, computed)
         held = manager.coordinator.single_type_managers[0].req_to_blocks
@@ -448,7 +435,7 @@ class VllmRuntime:
         if reservation is None:
             total = _blocks_needed(refused, args, kwargs, block_tokens)
         else:  # with the output reserved, a request needs its whole life to start
-            hit = _hit_tokens(args, kwargs) + int(kwargs.get("num_external_computed_tokens", 0))
+            hit = _hit_tokens(args, kwargs) + _external_tokens(args, kwargs)
             computed = int(refused.num_computed_tokens) + hit
             total = max(1, reservation.admission_blocks(refused, computed))
         sched = self._scheduler
@@ -549,13 +536,21 @@ class VllmRuntime:
             self._freed_in_update = True  # the end of update_from_output refreshes
             return
         # Frees outside schedule() (aborts, resets) happen with no prefix lookup pending.
-        # When the memory the state shows moved (a page mapped or unmapped, a page became
-        # or stopped being all evictable) or a pass may be due: a safe point now, so the
-        # state follows /proc at once. Otherwise only demand counts moved: they are read
-        # at the next safe point (the end of the next schedule(), or the idle hook armed
-        # here), not at every free: a safe point per free cost ~4% of the pool's
-        # instructions on bench_vllm's trace (bench/README.md, issue 17).
-        if self._memory_unmoved():
+        # When mapped memory moved (a page unmapped, the device-full flag) or a pass may
+        # be due (a publish, a deferred status): a safe point now, so the state follows
+        # /proc at once. Otherwise only figures moved (demand counts, pages becoming or
+        # ceasing to be all evictable): they are read at the next safe point (the end of
+        # the next schedule(), or the idle hook armed here, which runs as soon as the
+        # busy loop has handled the message that freed them), not at every free: a safe
+        # point per free cost ~8% of the pool's instructions on bench_vllm's trace
+        # (bench/README.md, issue 17), and an abort of many requests one per request.
+        pages = self._blocks.pages
+        if (  # mapped memory unmoved (_memory_unmoved less the all-evictable pages)
+            self._steady
+            and not self._woken
+            and pages.num_mapped == self._seen_mapped
+            and pages.device_full == self._seen_device_full
+        ):
             if not self._armed and self._engine_core is not None:
                 self._arm(wakeup=False)  # an idle engine refreshes the demand once
             return
@@ -781,21 +776,23 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
                 )
             except DeviceFullError:
                 return None
-        return general(
-            self,
-            request,
+        args = (  # all positional, in 0.33's order: no keyword dict per admission
             num_new_tokens,
             num_new_computed_tokens,
             new_computed_blocks,
-            num_lookahead_tokens=num_lookahead_tokens,
-            num_external_computed_tokens=num_external_computed_tokens,
-            delay_cache_blocks=delay_cache_blocks,
-            num_encoder_tokens=num_encoder_tokens,
-            full_sequence_must_fit=full_sequence_must_fit,
-            reserved_blocks=reserved_blocks,
-            has_scheduled_reqs=has_scheduled_reqs,
-            skip_zeroing_group_ids=skip_zeroing_group_ids,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            skip_zeroing_group_ids,
         )
+        runtime = _runtime
+        if runtime is None:
+            return original(self, request, *args)
+        return runtime.allocating(original, self, request, args, _ALL_POSITIONAL_033)
 
     allocate_slots.__wrapped__ = original  # type: ignore[attr-defined]
     return allocate_slots
@@ -803,9 +800,23 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
 
 def _holds_blocks(manager: Any, request_id: str) -> bool:
     """Whether ``request_id`` holds blocks in any of the manager's KV cache groups."""
-    return any(
-        single.req_to_blocks.get(request_id) for single in manager.coordinator.single_type_managers
-    )
+    for single in manager.coordinator.single_type_managers:  # (a loop: no generator per call)
+        if single.req_to_blocks.get(request_id):
+            return True
+    return False
+
+
+# ``kwargs`` of a call whose ``args`` are all of vLLM 0.33's parameters after ``request``,
+# in signature order (the 0.33 wrapper passes them so: no keyword dict per admission).
+# Compared by identity; never mutated.
+_ALL_POSITIONAL_033: dict[str, Any] = {}
+
+
+def _external_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """``allocate_slots``' ``num_external_computed_tokens`` (KV connector hits)."""
+    if kwargs is _ALL_POSITIONAL_033:
+        return int(args[4])
+    return int(kwargs.get("num_external_computed_tokens", 0))
 
 
 def _hit_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -831,7 +842,7 @@ def _blocks_needed(
     """
     num_new = int(args[0]) if args else int(kwargs.get("num_new_tokens", 0))
     num_hit = int(args[1]) if len(args) > 1 else int(kwargs.get("num_new_computed_tokens", 0))
-    num_ext = int(kwargs.get("num_external_computed_tokens", 0))
+    num_ext = _external_tokens(args, kwargs)
     num_tokens, num_computed = int(request.num_tokens), int(request.num_computed_tokens)
     total = max(num_tokens, num_computed + num_hit + num_ext + num_new)
     return max(1, -(-total // block_tokens) - num_hit // block_tokens)

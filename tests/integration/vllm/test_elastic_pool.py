@@ -195,6 +195,8 @@ def test_figures_after_traffic_match_a_recount_once_idle(
 
     rng = random.Random(seed)
     e = make_elastic()
+    core = _IdleCore()
+    e.runtime._engine_core = core  # attach without starting sockets
     assert isinstance(e.pool, Reclaimer)  # the pool is the core's reclaimer itself
     live: list[Request] = []
     for i in range(40):
@@ -207,8 +209,14 @@ def test_figures_after_traffic_match_a_recount_once_idle(
             live.append(request)
         if rng.random() < 0.2:
             e.runtime.safe_point()
-    for request in live:  # the engine goes idle: no scheduler step follows
+    for request in live:  # aborts handled by the busy loop: no scheduler step follows
         e.finish(request)
+        # mapped memory is settled at once, at every free (/proc is the reference)
+        assert e.runtime.instance.state().mapped_bytes == e.backend.mapped_bytes()  # type: ignore[union-attr]
+    # The figures are refreshed by the idle hook each free arms (once), which vLLM's
+    # busy loop runs as soon as it has handled the message and finds no work.
+    assert len(core._idle_state_callbacks) <= 1
+    core.go_idle()
     blocks = e.runtime.instance.binding.blocks  # type: ignore[union-attr]
     reclaimable = count_reclaimable_pages(e.pool.evictable_block_ids(), blocks)
     state = e.runtime.instance.state()  # type: ignore[union-attr]
@@ -339,22 +347,30 @@ def test_pool_mutation_off_the_busy_loop_thread_raises(
     assert e.mapped_pages() == 1  # nothing changed
 
 
+class _FakeQueue:
+    def __init__(self) -> None:
+        self.items: list[object] = []
+
+    def put_nowait(self, item: object) -> None:
+        self.items.append(item)
+
+
+class _IdleCore:
+    """The two EngineCoreProc attributes the runtime touches, and its idle notification."""
+
+    def __init__(self) -> None:
+        self._idle_state_callbacks: list[Callable[[object], None]] = []
+        self.input_queue = _FakeQueue()
+
+    def go_idle(self) -> None:
+        """What EngineCore._notify_idle_state_callbacks does when the loop finds no work."""
+        while self._idle_state_callbacks:
+            self._idle_state_callbacks.pop()(self)
+
+
 def test_published_limit_wakes_idle_engine_once(make_elastic: Callable[..., Elastic]) -> None:
     e = make_elastic()
-
-    class FakeQueue:
-        def __init__(self) -> None:
-            self.items: list[object] = []
-
-        def put_nowait(self, item: object) -> None:
-            self.items.append(item)
-
-    class Core:  # the two EngineCoreProc attributes the runtime touches
-        def __init__(self) -> None:
-            self._idle_state_callbacks: list[Callable[[object], None]] = []
-            self.input_queue = FakeQueue()
-
-    core = Core()
+    core = _IdleCore()
     e.runtime._engine_core = core  # attach without starting sockets
     for i in range(3):
         request = e.make_request(f"r{i}", tokens(30 + i, PAGE_TOKENS))
