@@ -117,24 +117,26 @@ ensure_installed() {
 # checkout (which PYTHONPATH puts first) whenever the source is newer than the
 # module. Without a C compiler the pure-Python ones run (slower; the test
 # suite's test_speedups_are_built then fails, saying so).
-build_speedups() {
-    local src="allocator/_speedups.c" suffix include out
+build_speedups() {  # the optional C modules, compiled in place when the source is newer
+    local src suffix include out
     suffix="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
-    out="allocator/_speedups$suffix"
-    [[ -f "$out" && "$out" -nt "$src" ]] && return 0
     include="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
-    if ! command -v "${CC:-cc}" >/dev/null 2>&1; then
-        echo "kvsidecar: no C compiler (cc): the allocator runs its pure-Python hot paths" >&2
-        return 0
-    fi
-    # to a temporary name first: a process importing it meanwhile never sees half a file
-    if "${CC:-cc}" -O2 -fPIC -shared -Wall -Wextra -Wno-missing-field-initializers \
-        -I"$include" -o "$out.$$.tmp" "$src"; then
-        mv -f "$out.$$.tmp" "$out"
-    else
-        rm -f "$out.$$.tmp"
-        echo "kvsidecar: $src did not compile: the allocator runs its pure-Python hot paths" >&2
-    fi
+    for src in allocator/_speedups.c engine_ext/vllm/_block_speedups.c; do
+        out="${src%.c}$suffix"
+        [[ -f "$out" && "$out" -nt "$src" ]] && continue
+        if ! command -v "${CC:-cc}" >/dev/null 2>&1; then
+            echo "kvsidecar: no C compiler (cc): $src's pure-Python paths run instead" >&2
+            return 0
+        fi
+        # to a temporary name first: a process importing it meanwhile never sees half a file
+        if "${CC:-cc}" -O2 -fPIC -shared -Wall -Wextra -Wno-missing-field-initializers \
+            -I"$include" -o "$out.$$.tmp" "$src"; then
+            mv -f "$out.$$.tmp" "$out"
+        else
+            rm -f "$out.$$.tmp"
+            echo "kvsidecar: $src did not compile: its pure-Python paths run instead" >&2
+        fi
+    done
 }
 
 cmd="${1:-test}"

@@ -38,7 +38,14 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from engine_ext._errors import EngineExtConfigError
 from engine_ext.vllm._pool_backing import DeviceFullError, PoolBacking
 
-__all__ = ["DeviceFullError", "ElasticBlockPool"]
+try:  # the per-block loops in C (engine_ext/vllm/_block_speedups.c; optional)
+    from engine_ext.vllm._block_speedups import BlockFields
+except ImportError:  # no C compiler where this was installed: the Python loops run
+    BlockFields = None  # type: ignore[assignment,misc]
+
+__all__ = ["SPEEDUPS", "DeviceFullError", "ElasticBlockPool"]
+
+SPEEDUPS = BlockFields is not None  # whether the per-block loops run in C
 
 _log = logging.getLogger("engine_ext.vllm.block_pool")
 _block_id = operator.attrgetter("block_id")
@@ -54,6 +61,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
     """
 
     name = "vllm-prefix-cache"  # Reclaimer
+    _use_c = SPEEDUPS  # class-wide switch (tests build pools with it off to compare)
 
     def __init__(
         self,
@@ -97,6 +105,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         # own then; the evictions it owes run at the next safe point (cleanup()).
         self.in_schedule = False
         self._cleanup_due = False
+        # The per-block loops of get_new_blocks and free_blocks in C for vLLM's own block
+        # class (None: the Python loops below, the reference the tests compare them to).
+        self._fields = _block_fields(type(self.null_block)) if self._use_c else None
         bound = backing.max_cached_tokens
         self._max_cached_blocks = None if bound < 0 else bound // hash_block_size
         # Evictable blocks only (none yet): unlink what BlockPool linked.
@@ -201,16 +212,25 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
                         "limit)"
                     )
                 return self.get_new_blocks(num_blocks)  # the headroom is what is mapped now
-            all_blocks = self.blocks
-            ret = [all_blocks[i] for i in ids]
+            fields = self._fields
+            if fields is not None and not self._reuse_watchers:  # (watchers see ref_cnt 0)
+                ret = fields.take(self.blocks, ids)  # checked free, ref_cnt 1: the loop in C
+                done = len(ret)
+            else:
+                all_blocks = self.blocks
+                ret = [all_blocks[i] for i in ids]
+                done = 0
         else:
             ret = []
+            done = 0
         self._fresh_free = fresh_free - num_fresh  # alloc(k) lowers the free count by k
         if num_over:
             try:
                 ret.extend(self._alloc_over_target(num_over))
             except DeviceFullError:  # give the fresh blocks back (no leak)
                 if ret:
+                    for block in ret[:done]:
+                        block.ref_cnt = 0  # as they were before take()
                     self._fresh_free = -1
                     self._blocks.free([block.block_id for block in ret])
                 raise
@@ -222,11 +242,13 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             ret.extend(reused)
         if self._reuse_watchers:
             self._notify_reuse(ret)
+        if done < len(ret):  # (done: the fresh blocks take() set up in C)
+            for block in ret[done:] if done else ret:
+                assert block.ref_cnt == 0 and block._block_hash is None  # (no property call)
+                block.ref_cnt = 1
         collector = self.metrics_collector
-        for block in ret:
-            assert block.ref_cnt == 0 and block._block_hash is None  # (no property call)
-            block.ref_cnt = 1
-            if collector:
+        if collector:
+            for block in ret:
                 collector.on_block_allocated(block)
         return ret
 
@@ -283,6 +305,23 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         deferred = self.in_schedule
         evict_all = not self.enable_caching or self._max_cached_blocks == 0
         retired = self._backing.reclaim and self._blocks.num_retired_blocks > 0 and not deferred
+        fields = self._fields
+        if fields is not None and not retired and not (evict_all and not deferred):
+            # the loop below in C (no block needs a per-block eviction decision)
+            split = fields.split_freed(ordered_blocks, self)
+            if type(split) is tuple:
+                to_free, to_cache, cache_ids, foreign = split
+                if to_cache:
+                    self.free_block_queue.append_n(to_cache)
+                    self._blocks.mark_evictable(cache_ids)
+                if to_free:
+                    self._fresh_free = -1
+                    self._blocks.free(to_free)
+                for block in foreign:
+                    others.setdefault(block.pool, []).append(block)
+                self._after_free(others, deferred, bool(to_cache))
+                return
+            ordered_blocks = split  # a block of another class: the Python loop, unchanged
         for block in ordered_blocks:
             if block.is_null:
                 continue
@@ -305,10 +344,16 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         if to_free:
             self._fresh_free = -1
             self._blocks.free(to_free)
+        self._after_free(others, deferred, bool(to_cache))
+
+    def _after_free(
+        self, others: dict[BlockPool, list[KVCacheBlock]], deferred: bool, cached: bool
+    ) -> None:
+        """The end of :meth:`free_blocks`: other pools' blocks, the cache bound, the hook."""
         for pool, group in others.items():
             pool.free_blocks(group)
         if deferred:
-            self._cleanup_due = self._cleanup_due or bool(to_cache)
+            self._cleanup_due = self._cleanup_due or cached
         elif self._max_cached_blocks is not None:
             self._enforce_cache_bound()
         self._hooks.after_change()
@@ -415,3 +460,22 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         return self._backing.reclaim and self._blocks.pages.is_retired(
             block.block_id // self._blocks.blocks_per_page
         )
+
+
+_fields_by_class: dict[type, BlockFields] = {}
+
+
+def _block_fields(cls: type) -> BlockFields | None:
+    """The C loops for blocks of ``cls`` (one per class), or None where they cannot run
+    (a vLLM whose KVCacheBlock fields are not plain slots: the Python loops then)."""
+    if BlockFields is None:
+        return None
+    fields = _fields_by_class.get(cls)
+    if fields is None:
+        try:
+            fields = BlockFields(cls)
+        except TypeError as exc:
+            _log.warning("kvsidecar: block pool loops in Python (%s)", exc)
+            return None
+        _fields_by_class[cls] = fields
+    return fields

@@ -384,3 +384,65 @@ def test_published_limit_wakes_idle_engine_once(make_elastic: Callable[..., Elas
     state = e.runtime.instance.state()  # type: ignore[union-attr]
     assert state.status is Status.APPLIED and state.passes == 1
     assert e.backend.mapped_bytes() <= 2 * e.bundle_bytes
+
+
+def _pool_trace(e: Elastic, seed: int, limits: bool) -> list[object]:
+    """Random shared-prefix traffic with frees in any order (and limits): what is seen."""
+    import random
+
+    rng = random.Random(seed)
+    pool, blocks = e.pool, e.runtime.instance.binding.blocks  # type: ignore[union-attr]
+    seen: list[object] = []
+    live: list[Request] = []
+    for i in range(300):
+        roll = rng.random()
+        if live and roll < 0.4:
+            e.finish(live.pop(rng.randrange(len(live))))
+        elif limits and roll < 0.47:
+            pages = rng.choice([None, 0, 1, 3, 6, 12])
+            e.runtime.instance.set_limit(  # type: ignore[union-attr]
+                None if pages is None else pages * e.bundle_bytes
+            )
+            e.runtime.safe_point()
+        else:
+            shared = tokens(rng.randrange(4), rng.randint(0, 3) * BLOCK_TOKENS)
+            request = e.make_request(f"r{i}", shared + tokens(1000 + i, rng.randint(1, 70)))
+            if e.admit(request):
+                live.append(request)
+            seen.append(request.request_id in {r.request_id for r in live})
+        seen.append(
+            (
+                [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+                pool.evictable_block_ids(),
+                blocks.num_allocated_blocks,
+                blocks.num_evictable_blocks,
+                blocks.num_reclaimable_pages,
+                e.backend.mapped_bytes(),
+                pool.take_events(),
+            )
+        )
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("limits", [False, True])
+def test_c_block_loops_do_what_the_python_loops_do(
+    make_elastic: Callable[..., Elastic], monkeypatch: pytest.MonkeyPatch, seed: int, limits: bool
+) -> None:
+    """get_new_blocks/free_blocks with their per-block loops in C (engine_ext/vllm/
+    _block_speedups.c) against the Python loops, on the same traffic: every block's
+    ref_cnt and hash, the LRU order, the allocator's counts, /proc and vLLM's KV events."""
+    from engine_ext.vllm import _block_pool
+
+    assert _block_pool.SPEEDUPS, "the C loops were not built (bash scripts/dev.sh builds them)"
+    runs = []
+    for use_c in (True, False):
+        monkeypatch.setattr(ElasticBlockPool, "_use_c", use_c)
+        e = make_elastic(num_pages=24)
+        assert (e.pool._fields is not None) is use_c
+        runs.append(_pool_trace(e, seed, limits))
+        e.backend.release()
+        clear_kv_memory()
+    assert len(runs[0]) == len(runs[1])
+    for step, (c, py) in enumerate(zip(*runs)):
+        assert c == py, f"step {step}: C and Python loops differ"

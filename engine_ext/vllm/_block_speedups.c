@@ -1,0 +1,327 @@
+/* engine_ext.vllm._block_speedups: ElasticBlockPool's two per-block loops, in C.
+ *
+ * vLLM's KVCacheBlock is a dataclass with __slots__; BlockFields(cls) finds the
+ * slot offsets of the five fields the loops read (block_id, ref_cnt, pool,
+ * _block_hash, is_null), as CPython's own LOAD_ATTR specialisation does, and
+ * refuses a class whose fields are not plain object slots. Its two methods do
+ * what the pure-Python loops of engine_ext/vllm/_block_pool.py do, for blocks
+ * of exactly that class:
+ *
+ *   take(all_blocks, ids)      the fresh blocks of get_new_blocks: all_blocks[i]
+ *                              for i in ids, each checked free (ref_cnt 0, no
+ *                              hash) and given ref_cnt 1; on a failed check
+ *                              (AssertionError) nothing is changed;
+ *   split_freed(blocks, pool)  free_blocks' partition: per block, skip the null
+ *                              block, set aside blocks of another pool, take one
+ *                              reference off, and sort the blocks that reach 0
+ *                              into (ids to free, blocks to cache, their ids).
+ *
+ * A block of another class makes split_freed change nothing and return the
+ * blocks as a list (the caller runs its Python loop over it); take raises.
+ * The pool's tests run the same random traffic through both and compare.
+ * Only CPython's public API (3.11: the member descriptor's offset).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyTypeObject *cls;
+    Py_ssize_t off_block_id, off_ref_cnt, off_pool, off_block_hash, off_is_null;
+} BlockFields;
+
+static PyObject *s_fields[5]; /* the five field names, interned */
+static PyObject *one, *zero; /* the ints 1 and 0 */
+static const char *const field_names[5] = {"block_id", "ref_cnt", "pool", "_block_hash",
+                                           "is_null"};
+
+static Py_ssize_t
+slot_offset(PyTypeObject *cls, PyObject *name)
+{
+    PyObject *descr = PyObject_GetAttr((PyObject *)cls, name); /* a slot: its descriptor */
+    if (descr == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s has no slot %R: vLLM's KVCacheBlock changed",
+                     cls->tp_name, name);
+        return -1;
+    }
+    Py_ssize_t offset = -1;
+    if (Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
+        ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX)
+        offset = ((PyMemberDescrObject *)descr)->d_member->offset;
+    else
+        PyErr_Format(PyExc_TypeError, "%s.%U is not a plain slot: vLLM's KVCacheBlock changed",
+                     cls->tp_name, name);
+    Py_DECREF(descr);
+    return offset;
+}
+
+static PyObject *
+BlockFields_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *cls;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
+        PyErr_SetString(PyExc_TypeError, "BlockFields(cls) takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "O!:BlockFields", &PyType_Type, &cls))
+        return NULL;
+    Py_ssize_t offs[5];
+    for (int i = 0; i < 5; i++) {
+        offs[i] = slot_offset((PyTypeObject *)cls, s_fields[i]);
+        if (offs[i] < 0)
+            return NULL;
+    }
+    BlockFields *self = (BlockFields *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->cls = (PyTypeObject *)Py_NewRef(cls);
+    self->off_block_id = offs[0];
+    self->off_ref_cnt = offs[1];
+    self->off_pool = offs[2];
+    self->off_block_hash = offs[3];
+    self->off_is_null = offs[4];
+    return (PyObject *)self;
+}
+
+static int
+BlockFields_traverse(BlockFields *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->cls);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+BlockFields_clear(BlockFields *self)
+{
+    Py_CLEAR(self->cls);
+    return 0;
+}
+
+static void
+BlockFields_dealloc(BlockFields *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    BlockFields_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+#define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
+
+/* The slot's value (borrowed), or NULL with AttributeError as Python would raise. */
+static inline PyObject *
+read_slot(PyObject *o, Py_ssize_t off, int field)
+{
+    PyObject *v = SLOT(o, off);
+    if (v == NULL)
+        PyErr_Format(PyExc_AttributeError, "'%s' object has no attribute '%U'",
+                     Py_TYPE(o)->tp_name, s_fields[field]);
+    return v;
+}
+
+static PyObject *
+BlockFields_take(BlockFields *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_CheckExact(args[0]) || !PyList_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "take(all_blocks: list, ids: list[int])");
+        return NULL;
+    }
+    PyObject *all = args[0], *ids = args[1];
+    Py_ssize_t n = PyList_GET_SIZE(ids), size = PyList_GET_SIZE(all);
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    /* check and take each block; a failed check puts the ones taken back (ref_cnt 0,
+     * as checked): nothing changed. A repeated id fails its second check. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id = PyList_GET_ITEM(ids, i);
+        Py_ssize_t k = PyLong_CheckExact(id) ? PyLong_AsSsize_t(id) : -1;
+        if (k < 0 || k >= size) {
+            if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_IndexError, "take(): %R is not a block id in 0..%zd", id,
+                             size - 1);
+            }
+            goto undo;
+        }
+        PyObject *block = PyList_GET_ITEM(all, k);
+        if (!Py_IS_TYPE(block, self->cls)) {
+            PyErr_Format(PyExc_TypeError, "take(): block %zd is a %s, not a %s", k,
+                         Py_TYPE(block)->tp_name, self->cls->tp_name);
+            goto undo;
+        }
+        PyObject *ref = read_slot(block, self->off_ref_cnt, 1);
+        if (ref == NULL)
+            goto undo;
+        PyObject *hash = read_slot(block, self->off_block_hash, 3);
+        if (hash == NULL)
+            goto undo;
+        if (!PyLong_CheckExact(ref) || PyLong_AsSsize_t(ref) != 0 || hash != Py_None) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_AssertionError,
+                         "block %zd handed out while in use or cached (ref_cnt %R, hash %R)",
+                         k, ref, hash);
+            goto undo;
+        }
+        Py_XSETREF(SLOT(block, self->off_ref_cnt), Py_NewRef(one));
+        PyList_SET_ITEM(out, i, Py_NewRef(block));
+    }
+    return out;
+undo:
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *block = PyList_GET_ITEM(out, j);
+        if (block == NULL)
+            break;
+        Py_XSETREF(SLOT(block, self->off_ref_cnt), Py_NewRef(zero));
+    }
+    Py_DECREF(out); /* the NULL items left by PyList_New are skipped by its dealloc */
+    return NULL;
+}
+
+static PyObject *
+BlockFields_split_freed(BlockFields *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "split_freed(blocks, pool)");
+        return NULL;
+    }
+    PyObject *pool = args[1];
+    PyObject *seq = PySequence_Fast(args[0], "free_blocks(): blocks must be iterable");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!Py_IS_TYPE(items[i], self->cls)) { /* the Python loop handles it: no change */
+            PyObject *list = PySequence_List(seq);
+            Py_DECREF(seq);
+            return list;
+        }
+    }
+    PyObject *to_free = PyList_New(0), *to_cache = PyList_New(0), *cache_ids = PyList_New(0),
+             *others = PyList_New(0), *result = NULL;
+    if (to_free == NULL || to_cache == NULL || cache_ids == NULL || others == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block = items[i];
+        PyObject *v = read_slot(block, self->off_is_null, 4);
+        if (v == NULL)
+            goto done;
+        int is_null = v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v);
+        if (is_null < 0)
+            goto done;
+        if (is_null)
+            continue;
+        v = read_slot(block, self->off_pool, 2);
+        if (v == NULL)
+            goto done;
+        if (v != Py_None && v != pool) {
+            if (PyList_Append(others, block) < 0)
+                goto done;
+            continue;
+        }
+        PyObject *ref = read_slot(block, self->off_ref_cnt, 1);
+        if (ref == NULL)
+            goto done;
+        PyObject *less;
+        if (PyLong_CheckExact(ref)) {
+            Py_ssize_t count = PyLong_AsSsize_t(ref);
+            less = count == -1 && PyErr_Occurred() ? NULL : PyLong_FromSsize_t(count - 1);
+        }
+        else
+            less = PyNumber_Subtract(ref, one);
+        if (less == NULL)
+            goto done;
+        Py_XSETREF(SLOT(block, self->off_ref_cnt), less);
+        int held = PyObject_IsTrue(less);
+        if (held < 0)
+            goto done;
+        if (held)
+            continue;
+        PyObject *id = read_slot(block, self->off_block_id, 0);
+        PyObject *hash = id == NULL ? NULL : read_slot(block, self->off_block_hash, 3);
+        if (hash == NULL)
+            goto done;
+        if (hash == Py_None) {
+            if (PyList_Append(to_free, id) < 0)
+                goto done;
+        }
+        else if (PyList_Append(to_cache, block) < 0 || PyList_Append(cache_ids, id) < 0)
+            goto done;
+    }
+    result = PyTuple_Pack(4, to_free, to_cache, cache_ids, others);
+done:
+    Py_DECREF(seq);
+    Py_XDECREF(to_free);
+    Py_XDECREF(to_cache);
+    Py_XDECREF(cache_ids);
+    Py_XDECREF(others);
+    return result;
+}
+
+static PyMethodDef BlockFields_methods[] = {
+    {"take", (PyCFunction)(void (*)(void))BlockFields_take, METH_FASTCALL,
+     "take(all_blocks, ids) -> [all_blocks[i] for i in ids], each checked free, ref_cnt 1."},
+    {"split_freed", (PyCFunction)(void (*)(void))BlockFields_split_freed, METH_FASTCALL,
+     "split_freed(blocks, pool) -> (ids to free, blocks to cache, their ids, other pools' "
+     "blocks), one reference taken off each; or the blocks as a list (another class)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef BlockFields_members[] = {
+    {"cls", T_OBJECT, offsetof(BlockFields, cls), READONLY, "the block class"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot BlockFields_slots[] = {
+    {Py_tp_doc, "BlockFields(cls): the per-block loops of ElasticBlockPool for blocks of cls."},
+    {Py_tp_new, BlockFields_new},
+    {Py_tp_methods, BlockFields_methods},
+    {Py_tp_members, BlockFields_members},
+    {Py_tp_traverse, BlockFields_traverse},
+    {Py_tp_clear, BlockFields_clear},
+    {Py_tp_dealloc, BlockFields_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec BlockFields_spec = {
+    .name = "engine_ext.vllm._block_speedups.BlockFields",
+    .basicsize = sizeof(BlockFields),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .slots = BlockFields_slots,
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "engine_ext.vllm._block_speedups",
+    .m_doc = "ElasticBlockPool's per-block loops over vLLM's KVCacheBlock slots, in C.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__block_speedups(void)
+{
+    for (int i = 0; i < 5; i++) {
+        s_fields[i] = PyUnicode_InternFromString(field_names[i]);
+        if (s_fields[i] == NULL)
+            return NULL;
+    }
+    one = PyLong_FromLong(1);
+    zero = PyLong_FromLong(0);
+    if (one == NULL || zero == NULL)
+        return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL)
+        return NULL;
+    PyObject *type = PyType_FromSpec(&BlockFields_spec);
+    if (type == NULL || PyModule_AddObject(module, "BlockFields", type) < 0) {
+        Py_XDECREF(type);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
