@@ -776,6 +776,8 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
                 )
             except DeviceFullError:
                 return None
+        # The same list as above, as one tuple for the admission path's helpers (the
+        # running path above spells it out: no tuple, no *args call at every extension).
         args = (  # all positional, in 0.33's order: no keyword dict per admission
             num_new_tokens,
             num_new_computed_tokens,
