@@ -104,7 +104,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         # in allocate_slots hit blocks have ref_cnt 0): the pool evicts nothing on its
         # own then; the evictions it owes run at the next safe point (cleanup()).
         self.in_schedule = False
-        self._cleanup_due = False
+        # Evictions deferred to the next safe point are owed (set by the pool, cleared by
+        # cleanup(); the runtime reads it to skip a safe point when nothing is owed).
+        self.cleanup_due = False
         # The per-block loops of get_new_blocks and free_blocks in C for vLLM's own block
         # class (None: the Python loops below, the reference the tests compare them to).
         self._fields = _block_fields(type(self.null_block)) if self._use_c else None
@@ -271,7 +273,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             pages.set_target(saved)
         if ids is None:
             raise DeviceFullError(f"Cannot get {count} blocks: the device is out of memory")
-        self._cleanup_due = True  # pages were retired: evict cached blocks on them later
+        self.cleanup_due = True  # pages were retired: evict cached blocks on them later
         all_blocks = self.blocks
         return [all_blocks[i] for i in ids]
 
@@ -353,16 +355,16 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         for pool, group in others.items():
             pool.free_blocks(group)
         if deferred:
-            self._cleanup_due = self._cleanup_due or cached
+            self.cleanup_due = self.cleanup_due or cached
         elif self._max_cached_blocks is not None:
             self._enforce_cache_bound()
         self._hooks.after_change()
 
     def cleanup(self) -> None:
         """Safe point only: the evictions ``free_blocks`` deferred during ``schedule()``."""
-        if not self._cleanup_due:
+        if not self.cleanup_due:
             return
-        self._cleanup_due = False
+        self.cleanup_due = False
         if not self.enable_caching or self._max_cached_blocks == 0:
             self.evict(self.evictable_block_ids())
         else:

@@ -275,7 +275,7 @@ class VllmRuntime:
         pool.overdraft = False
         if (
             self._memory_unmoved()
-            and not pool._cleanup_due
+            and not pool.cleanup_due
             and self._demand_events == self._seen_events
             and len(self._scheduler.requests) == self._seen_requests
             and _monotonic() < self._refresh_due
