@@ -90,7 +90,20 @@ def _committed_within_budget(samples: list[Sample]) -> None:
         # the sidecar's own bound is then not the budget (the /proc check still holds)
         if None in held or max(held) > BUDGET:
             continue
-        assert sum(held) <= BUDGET, s.device
+        assert sum(held) <= BUDGET, (  # which phase, and each member's figures
+            s.phase,
+            s.t,
+            {
+                iid: {
+                    k: x.get(k)
+                    for k in ("status", "limit_bytes", "target_bytes", "mapped_bytes")
+                    + ("committed_bytes", "reason")
+                }
+                for iid, x in m.items()
+            },
+            s.held,
+            s.proc,
+        )
 
 
 def _proc_within_budget(watch: Watch) -> None:
