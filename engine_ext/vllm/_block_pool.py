@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
@@ -297,68 +298,66 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         if self._guard.enabled:  # a call only when the guard is on (hot path)
             self._guard.check()
-        to_free: list[int] = []
-        to_cache: list[KVCacheBlock] = []
-        others: dict[BlockPool, list[KVCacheBlock]] = {}
         # Cached blocks are evicted at once with caching off, with a bound of 0, and
         # (reclaim on) on retired pages, which must empty to be unmapped.
         # Inside schedule() a freed block may be a hit of a pending lookup of another
         # request (shared prefix): keep it cached and evict at the next safe point.
         deferred = self.in_schedule
-        evict_all = not self.enable_caching or self._max_cached_blocks == 0
+        evict_now = (not self.enable_caching or self._max_cached_blocks == 0) and not deferred
         retired = self._backing.reclaim and self._blocks.num_retired_blocks > 0 and not deferred
         fields = self._fields
-        if fields is not None and not retired and not (evict_all and not deferred):
-            # the loop below in C (no block needs a per-block eviction decision)
+        split: Any = ordered_blocks  # the C's 4-tuple, or blocks for the Python loop
+        if fields is not None and not retired and not evict_now:
+            # in C (no block needs an eviction decision of its own); a block of another
+            # class comes back as a list, for the Python loop
             split = fields.split_freed(ordered_blocks, self)
-            if type(split) is tuple:
-                to_free, to_cache, cache_ids, foreign = split
-                if to_cache:
-                    self.free_block_queue.append_n(to_cache)
-                    self._blocks.mark_evictable(cache_ids)
-                if to_free:
-                    self._fresh_free = -1
-                    self._blocks.free(to_free)
-                for block in foreign:
-                    others.setdefault(block.pool, []).append(block)
-                self._after_free(others, deferred, bool(to_cache))
-                return
-            ordered_blocks = split  # a block of another class: the Python loop, unchanged
+        if type(split) is not tuple:
+            split = self._split_freed(split, evict_now, retired)
+        to_free, to_cache, cache_ids, foreign = split
+        if to_cache:
+            self.free_block_queue.append_n(to_cache)
+            self._blocks.mark_evictable(cache_ids)
+        if to_free:
+            self._fresh_free = -1
+            self._blocks.free(to_free)
+        if foreign:  # blocks of other pools (deferred frees), each pool's in one call
+            others: dict[BlockPool, list[KVCacheBlock]] = {}
+            for block in foreign:
+                others.setdefault(block.pool, []).append(block)
+            for pool, group in others.items():
+                pool.free_blocks(group)
+        if deferred:
+            self.cleanup_due = self.cleanup_due or bool(to_cache)
+        elif self._max_cached_blocks is not None:
+            self._enforce_cache_bound()
+        self._hooks.after_change()
+
+    def _split_freed(
+        self, ordered_blocks: Iterable[KVCacheBlock], evict_now: bool, retired: bool
+    ) -> tuple[list[int], list[KVCacheBlock], list[int], list[KVCacheBlock]]:
+        """:meth:`free_blocks`' loop in Python (the reference of ``BlockFields.split_freed``,
+        which it extends with the evictions): one reference off each block; returns the
+        ids to free, the blocks to cache, their ids and other pools' blocks."""
+        to_free: list[int] = []
+        to_cache: list[KVCacheBlock] = []
+        foreign: list[KVCacheBlock] = []
         for block in ordered_blocks:
             if block.is_null:
                 continue
             if block.pool is not None and block.pool is not self:
-                others.setdefault(block.pool, []).append(block)
+                foreign.append(block)
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt:
                 continue
             if block._block_hash is None:  # vLLM 0.33's slot behind the block_hash property
                 to_free.append(block.block_id)
-            elif (evict_all and not deferred) or (retired and self._on_retired_page(block)):
+            elif evict_now or (retired and self._on_retired_page(block)):
                 self._maybe_evict_cached_block(block)
                 to_free.append(block.block_id)
             else:
                 to_cache.append(block)
-        if to_cache:
-            self.free_block_queue.append_n(to_cache)
-            self._blocks.mark_evictable(list(map(_block_id, to_cache)))
-        if to_free:
-            self._fresh_free = -1
-            self._blocks.free(to_free)
-        self._after_free(others, deferred, bool(to_cache))
-
-    def _after_free(
-        self, others: dict[BlockPool, list[KVCacheBlock]], deferred: bool, cached: bool
-    ) -> None:
-        """The end of :meth:`free_blocks`: other pools' blocks, the cache bound, the hook."""
-        for pool, group in others.items():
-            pool.free_blocks(group)
-        if deferred:
-            self.cleanup_due = self.cleanup_due or cached
-        elif self._max_cached_blocks is not None:
-            self._enforce_cache_bound()
-        self._hooks.after_change()
+        return to_free, to_cache, list(map(_block_id, to_cache)), foreign
 
     def cleanup(self) -> None:
         """Safe point only: the evictions ``free_blocks`` deferred during ``schedule()``."""
@@ -464,20 +463,13 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         )
 
 
-_fields_by_class: dict[type, BlockFields] = {}
-
-
 def _block_fields(cls: type) -> BlockFields | None:
-    """The C loops for blocks of ``cls`` (one per class), or None where they cannot run
-    (a vLLM whose KVCacheBlock fields are not plain slots: the Python loops then)."""
+    """The C loops for blocks of ``cls``, or None where they cannot run (no module, or a
+    vLLM whose KVCacheBlock fields are not plain slots: the Python loops then)."""
     if BlockFields is None:
         return None
-    fields = _fields_by_class.get(cls)
-    if fields is None:
-        try:
-            fields = BlockFields(cls)
-        except TypeError as exc:
-            _log.warning("kvsidecar: block pool loops in Python (%s)", exc)
-            return None
-        _fields_by_class[cls] = fields
-    return fields
+    try:
+        return BlockFields(cls)
+    except TypeError as exc:
+        _log.warning("kvsidecar: block pool loops in Python (%s)", exc)
+        return None
