@@ -266,6 +266,36 @@ class PageAllocator:
         self._in_use.add(page)
         return page
 
+    def refill_reserve(self) -> int:
+        """Map free pages until the reserve is full again; returns how many were mapped.
+
+        Pages :meth:`acquire` takes out of the reserve come back only when a page
+        empties or the target moves; call this at a safe point (the engine's own
+        thread, no allocation under way) so the next burst finds its pages mapped.
+        Within the cap, none while pages are retired. A device out of memory holds
+        the cap at what is mapped, as in :meth:`acquire` (:attr:`device_full`); any
+        other backend error is logged and the next call tries again.
+        """
+        if self.guard.enabled:  # a call only when the guard is on (hot path)
+            self.guard.check()
+        before = self.num_mapped
+        try:
+            self._top_up()
+        except DeviceOutOfMemory as exc:
+            self._device_full_at = time.monotonic()
+            self._device_cap = self.num_mapped
+            _log.warning(
+                "no device memory to refill the page reserve (%d pages mapped): %s; holding "
+                "at %d pages for %.1f s",
+                self.num_mapped,
+                exc,
+                self.num_mapped,
+                DEVICE_RETRY_S,
+            )
+        except BackendError as exc:
+            _log.warning("could not refill the page reserve: %s; trying again later", exc)
+        return self.num_mapped - before
+
     def release(self, page: int) -> None:
         """``page`` holds no blocks any more: unmap it, or keep it as free reserve.
 
@@ -420,10 +450,15 @@ class PageAllocator:
             except BackendError as exc:
                 _log.warning("could not give back spare device memory: %s", exc)
 
+    def reserve_wanted(self) -> int:
+        """Pages :meth:`refill_reserve` would map now: what the reserve lacks, within the
+        cap; 0 while any page is retired."""
+        if self._retired or not self.reserve_pages:
+            return 0
+        return max(0, min(self.reserve_pages - len(self._free), self.cap_pages() - self.num_mapped))
+
     def _top_up(self) -> None:
-        if self._retired:
-            return
-        want = min(self.reserve_pages - len(self._free), self.cap_pages() - self.num_mapped)
+        want = self.reserve_wanted()
         if want <= 0:
             return
         pages = self._unmapped[-want:]

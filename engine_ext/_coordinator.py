@@ -182,13 +182,23 @@ class ShrinkCoordinator:
 
         Call it only at a safe point (top of a scheduler step, idle hook): it may
         evict and unmap. When nothing waits it only refreshes the demand figures
-        (O(1)), so calling it at every scheduler step keeps the state fresh.
+        (O(1)), so calling it at every scheduler step keeps the state fresh; with a
+        page reserve (``reserve_pages``) it also maps back what allocations took.
         """
         self._guard.check()
+        pages = self._pages
+        if (  # allocations took pages out of the reserve: map them back (mapped moves,
+            # so the pass below publishes it); not while a target waits or a pass is due
+            pages.reserve_pages
+            and self._settled
+            and not self._mailbox.has_untaken
+            and pages.reserve_wanted()
+        ):
+            pages.refill_reserve()
         if self._settled and self._barrier is None and not self._mailbox.has_untaken:
             # The common case (nothing waits, one rank): a few int compares, no syscall,
             # no allocation unless the demand or a figure moved.
-            pages, blocks = self._pages, self._blocks
+            blocks = self._blocks
             if (
                 pages.num_mapped == self._seen_num_mapped
                 and pages.device_full == self._seen_device_full

@@ -294,6 +294,7 @@ class VllmRuntime:
             and pages.num_mapped == self._seen_mapped
             and self._blocks.num_reclaimable_pages == self._seen_reclaimable
             and pages.device_full == self._seen_device_full
+            and not (pages.reserve_pages and pages.reserve_wanted())  # the pass refills it
         )
 
     def begin_update(self) -> None:

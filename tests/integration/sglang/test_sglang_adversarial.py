@@ -157,13 +157,26 @@ def _run(h: CpuHarness, *, with_limits: bool) -> Trace:
     return trace
 
 
-@pytest.mark.parametrize("max_evict", [1, None], ids=["evict1", "evict-all"])
+@pytest.mark.parametrize(
+    ("max_evict", "reserve"),
+    [(1, 0), (None, 0), (1, 3)],
+    ids=["evict1", "evict-all", "evict1-reserve3"],
+)
 def test_random_limits_from_a_foreign_thread(
-    make_harness: Make, cache_kind: str, max_evict: int | None
+    make_harness: Make, cache_kind: str, max_evict: int | None, reserve: int
 ) -> None:
     reference = _run(make_harness(cache_kind), with_limits=False)
-    h = make_harness(cache_kind, max_evict_pages_per_step=max_evict)
+    h = make_harness(cache_kind, max_evict_pages_per_step=max_evict, reserve_pages=reserve)
+    pages = h.token_to_kv_pool_allocator.blocks.pages
+    assert pages.reserve_pages == reserve
+    refilled: list[int] = []
+    refill = pages.refill_reserve
+    pages.refill_reserve = lambda: refilled.append(refill()) or refilled[-1]  # type: ignore[method-assign]
     limited = _run(h, with_limits=True)
+    if reserve:  # the passes refilled what admissions took (within the limit)
+        h.iterate()  # idle and unlimited: the pass at the top tops it up
+        assert sum(refilled) > reserve and pages.reserve_wanted() == 0
+        assert pages.num_free_mapped == min(reserve, pages.num_pages - pages.num_in_use)
 
     assert limited.limits_published > 50 and limited.applied_samples > 0
     assert limited.min_available >= 0

@@ -327,3 +327,53 @@ def test_data_parallel_busy_loop_is_refused(plugin_env: Path) -> None:
     _runtime._runtime = _runtime.VllmRuntime(*_runtime._configured)  # type: ignore[misc]
     with pytest.raises(EngineExtConfigError, match="data parallel"):
         DPEngineCoreProc.run_busy_loop(Probe())  # type: ignore[arg-type]
+
+
+def test_a_page_reserve_is_refilled_at_safe_points_under_foreign_limits(
+    plugin_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVSIDECAR_RESERVE_PAGES: admissions take pages out of the reserve, the safe point at
+    the end of ``schedule()`` maps them again; under limits published from a foreign
+    thread at any point the reserve never lifts mapped memory above an applied limit
+    (``drive`` checks /proc at every step), and the tokens are those of a run without
+    limit changes."""
+    monkeypatch.setenv("KVSIDECAR_RESERVE_PAGES", "3")
+    monkeypatch.setattr(_runtime, "_configured", None)
+    plugin.register()  # the settings again, with the reserve (vLLM loads plugins only once)
+    core = build_core(plugin_env)
+    runtime = _runtime.current_runtime()
+    assert runtime is not None and runtime.pool is not None
+    pages = runtime.pool._blocks.pages
+    assert pages.reserve_pages == 3
+    refills: list[int] = []
+    refill = pages.refill_reserve
+
+    def counted() -> int:
+        mapped = refill()
+        refills.append(mapped)
+        return mapped
+
+    pages.refill_reserve = counted  # type: ignore[method-assign]
+    try:
+        baseline = drive(core, 11, num_steps=500, limits=False, monkeypatch=monkeypatch)
+        grown = sum(refills)
+        core.reset_prefix_cache()
+        stressed = drive(core, 11, num_steps=500, limits=True, monkeypatch=monkeypatch)
+        core.step()  # drained, unlimited again: the last safe point tops the reserve up
+        # one long decode alone: its new pages come out of the reserve in steps where
+        # nothing else moves (no admission, no free, the same mapped count); the end of
+        # each such step still refills the reserve
+        core.add_request(*core.preprocess_add_request(make_request("long", [7] * 20, 400)))
+        for _ in range(600):
+            core.step()
+            assert pages.reserve_wanted() == 0, "a step left the page reserve short"
+            if not core.scheduler.has_requests():
+                break
+        state = _runtime.current_runtime().instance.state()  # type: ignore[union-attr]
+    finally:
+        core.shutdown()
+    assert grown > 3  # traffic took reserve pages more than once, and they came back
+    assert pages.reserve_wanted() == 0  # the reserve is full (or the capacity is mapped)
+    assert pages.num_free_mapped == min(3, pages.num_pages - pages.num_in_use)
+    assert state.mapped_bytes == pages.num_mapped * state.page_bundle_bytes
+    assert_same_outcomes(baseline, stressed, min_compared=40)

@@ -12,6 +12,7 @@ from allocator import (
     AllocatorContractError,
     BackendError,
     BlockAllocator,
+    DeviceOutOfMemory,
     HostBackend,
     PageAllocator,
     PageLayout,
@@ -267,3 +268,56 @@ def test_a_bad_evictable_mark_raises_and_leaves_counts_matching_the_flags(
     blocks.free(got)  # marked or not, every allocated block can be freed
     assert blocks.num_evictable_blocks == 0 and blocks.num_allocated_blocks == 0
     assert pages.num_mapped == 0
+
+
+class _Refusing:
+    """The host backend with maps the test can make fail (device full, or another error)."""
+
+    def __init__(self, inner: HostBackend) -> None:
+        self.inner = inner
+        self.error: BackendError | None = None
+
+    def map_many(self, pages: Sequence[int]) -> None:
+        if self.error is not None:
+            raise self.error
+        self.inner.map_many(pages)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_refill_reserve_maps_what_acquire_took_within_the_target(make_host: MakeHost) -> None:
+    backend, pages, blocks = stack(make_host, reserve=2)  # 8 pages of 4 blocks
+    got = blocks.alloc(12)  # 3 pages: the 2 reserve pages, then one map
+    assert got is not None and measured_pages(backend) == 3 and pages.num_free_mapped == 0
+    assert pages.reserve_wanted() == 2
+    assert pages.refill_reserve() == 2
+    assert measured_pages(backend) == pages.num_mapped == 5 and pages.num_free_mapped == 2
+    assert pages.refill_reserve() == 0 and measured_pages(backend) == 5  # already full
+    more = blocks.alloc(4)  # a page out of the reserve: nothing mapped
+    assert more is not None and measured_pages(backend) == 5
+    pages.set_target(5)  # 4 in use + 1 free: the target leaves no room for a second
+    assert pages.reserve_wanted() == 0 and pages.refill_reserve() == 0
+    assert measured_pages(backend) == 5
+    pages.set_target(2)  # 2 pages retired: no reserve while any is
+    assert pages.num_retired == 2 and measured_pages(backend) == 4
+    assert pages.reserve_wanted() == 0 and pages.refill_reserve() == 0
+    assert measured_pages(backend) == 4
+
+
+def test_refill_reserve_on_a_full_device_holds_the_cap(make_host: MakeHost) -> None:
+    host = make_host(num_pages=8)
+    backend = _Refusing(host)
+    pages = PageAllocator(backend, reserve_pages=2)  # type: ignore[arg-type]
+    blocks = BlockAllocator(pages, 4)
+    assert blocks.alloc(8) is not None and pages.num_free_mapped == 0
+    backend.error = DeviceOutOfMemory("the test says the device is full")
+    assert pages.refill_reserve() == 0  # not raised: a safe point must not end the engine
+    assert pages.device_full and pages.cap_pages() == 2 == measured_pages(host)
+    assert pages.reserve_wanted() == 0  # held at what is mapped until the device is tried again
+    backend.error = BackendError("the test's map failed")
+    pages.set_target(None)  # limits moved: the device is tried again (and fails otherwise)
+    assert not pages.device_full and pages.refill_reserve() == 0
+    assert measured_pages(host) == 2 and pages.reserve_wanted() == 2
+    backend.error = None
+    assert pages.refill_reserve() == 2 and measured_pages(host) == 4 == pages.num_mapped

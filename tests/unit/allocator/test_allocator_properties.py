@@ -98,6 +98,14 @@ class AllocatorMachine(RuleBasedStateMachine):
     def set_target(self, pages: int | None) -> None:
         self.pages.set_target(pages)
 
+    @rule()
+    def refill_reserve(self) -> None:  # a safe point
+        wanted = self.pages.reserve_wanted()
+        free_before = self.pages.num_free_mapped
+        assert self.pages.refill_reserve() == wanted
+        assert self.pages.reserve_wanted() == 0
+        assert self.pages.num_free_mapped == free_before + wanted
+
     # ------------------------------------------------------------------ invariants
     @invariant()
     def evictable_counts_match_a_recount(self) -> None:
