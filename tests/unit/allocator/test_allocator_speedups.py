@@ -12,6 +12,8 @@ backend has committed (``fstat`` of its memfd) must be the same.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
 import mmap
 import os
@@ -27,6 +29,7 @@ import allocator._blocks as blocks_module
 import allocator._pages as pages_module
 from allocator import (
     AllocatorContractError,
+    BackendError,
     BlockAllocator,
     DeviceOutOfMemory,
     HostBackend,
@@ -284,8 +287,6 @@ def test_c_hot_paths_check_the_thread_guard() -> None:
 
 
 def test_c_libc_calls_commit_punch_and_report_errno_as_ctypes_does() -> None:
-    import errno
-
     from allocator import _libc, _speedups
 
     fd = os.memfd_create("kvs-speedups-libc")
@@ -307,21 +308,13 @@ def test_c_libc_calls_commit_punch_and_report_errno_as_ctypes_does() -> None:
     assert _speedups.fallocate(-1, 0, 0, mmap.PAGESIZE) == errno.EBADF
     # the ctypes path says the same
     assert _libc._fallocate(-1, 0, 0, mmap.PAGESIZE) != 0
-    assert ctypes_errno() == errno.EBADF
+    assert ctypes.get_errno() == errno.EBADF
     with pytest.raises(TypeError):
         _speedups.fallocate(1, 2, 3)
     # a failure reaches the caller as a BackendError with its errno
-    from allocator import BackendError
-
     with pytest.raises(BackendError) as caught:
         _libc.commit(-1, 0, mmap.PAGESIZE)
     assert caught.value.errno == errno.EBADF and "Bad file descriptor" in str(caught.value)
-
-
-def ctypes_errno() -> int:
-    import ctypes
-
-    return ctypes.get_errno()
 
 
 def test_everything_works_without_the_c_module() -> None:
