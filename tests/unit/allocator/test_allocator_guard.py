@@ -40,23 +40,25 @@ def in_thread(fn: Callable[[], object]) -> BaseException | None:
 
 
 def test_foreign_thread_mutations_raise_and_change_nothing(make_host: MakeHost) -> None:
-    pages = PageAllocator(make_host(num_pages=4))
+    pages = PageAllocator(make_host(num_pages=4), reserve_pages=1)
     blocks = BlockAllocator(pages, 2)
     got = blocks.alloc(3)  # the test thread becomes the owner
     assert got is not None
+    assert pages.reserve_wanted() == 1 and pages.num_mapped == 2  # the reserve page was taken
     calls: list[Callable[[], object]] = [
         lambda: blocks.alloc(1),
         lambda: blocks.free([got[0]]),
         lambda: pages.set_target(0),
         pages.acquire,
         lambda: pages.release(0),
+        pages.refill_reserve,  # a safe point's work, never a controller's
     ]
     for call in calls:
         err = in_thread(call)
         assert isinstance(err, ForeignThreadError), err
         assert "controller" in str(err) and "LimitMailbox" in str(err)
     assert blocks.num_allocated_blocks == 3 and all(blocks.is_allocated(b) for b in got)
-    assert pages.target_pages is None and pages.num_in_use == 2
+    assert pages.target_pages is None and pages.num_in_use == 2 and pages.num_mapped == 2
 
 
 def test_bind_current_hands_ownership_to_the_engine_thread(make_host: MakeHost) -> None:
