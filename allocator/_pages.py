@@ -118,6 +118,7 @@ class PageAllocator:
         # time-based, unlike device_full: the caller of acquire reads it right after)
         self.refused_by_device = False
         self._device_cap = num_pages  # pages mapped when the device was found full
+        self._refill_held_until = 0.0  # monotonic time before which refills wait (0: none)
         self._top_up()
 
     # ------------------------------------------------------------------ counts
@@ -205,6 +206,7 @@ class PageAllocator:
             raise AllocatorContractError(f"target must be None or an int >= 0; got {pages!r}")
         self.target_pages = pages
         self._device_full_at = None  # limits moved: memory may be free again, try the device
+        self._refill_held_until = 0.0
         error: BackendError | None = None
         if self._unmap_failed:
             try:
@@ -274,10 +276,13 @@ class PageAllocator:
         thread, no allocation under way) so the next burst finds its pages mapped.
         Within the cap, none while pages are retired. A device out of memory holds
         the cap at what is mapped, as in :meth:`acquire` (:attr:`device_full`); any
-        other backend error is logged and the next call tries again.
+        other backend error is logged and refills wait ``DEVICE_RETRY_S`` (or the
+        next :meth:`set_target`), so a failing backend is not retried at every step.
         """
         if self.guard.enabled:  # a call only when the guard is on (hot path)
             self.guard.check()
+        if self._refill_held_until and time.monotonic() < self._refill_held_until:
+            return 0
         before = self.num_mapped
         try:
             self._top_up()
@@ -293,7 +298,12 @@ class PageAllocator:
                 DEVICE_RETRY_S,
             )
         except BackendError as exc:
-            _log.warning("could not refill the page reserve: %s; trying again later", exc)
+            self._refill_held_until = time.monotonic() + DEVICE_RETRY_S
+            _log.warning(
+                "could not refill the page reserve: %s; trying again in %.1f s",
+                exc,
+                DEVICE_RETRY_S,
+            )
         return self.num_mapped - before
 
     def release(self, page: int) -> None:

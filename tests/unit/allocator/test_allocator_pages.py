@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import mmap
+import types
 from collections.abc import Callable, Sequence
 
 import pytest
 
+import allocator._pages as pages_module
 from allocator import (
     AllocatorConfigError,
     AllocatorContractError,
@@ -305,7 +307,9 @@ def test_refill_reserve_maps_what_acquire_took_within_the_target(make_host: Make
     assert measured_pages(backend) == 4
 
 
-def test_refill_reserve_on_a_full_device_holds_the_cap(make_host: MakeHost) -> None:
+def test_refill_reserve_on_a_full_device_holds_the_cap(
+    make_host: MakeHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
     host = make_host(num_pages=8)
     backend = _Refusing(host)
     pages = PageAllocator(backend, reserve_pages=2)  # type: ignore[arg-type]
@@ -316,8 +320,15 @@ def test_refill_reserve_on_a_full_device_holds_the_cap(make_host: MakeHost) -> N
     assert pages.device_full and pages.cap_pages() == 2 == measured_pages(host)
     assert pages.reserve_wanted() == 0  # held at what is mapped until the device is tried again
     backend.error = BackendError("the test's map failed")
-    pages.set_target(None)  # limits moved: the device is tried again (and fails otherwise)
-    assert not pages.device_full and pages.refill_reserve() == 0
+    pages.set_target(None)  # limits moved: the device is tried again (the refill in it fails)
+    assert not pages.device_full and pages.refill_reserve() == 0  # fails: logged, not raised
     assert measured_pages(host) == 2 and pages.reserve_wanted() == 2
     backend.error = None
+    assert pages.refill_reserve() == 0  # held: a failing backend is not retried every step
+    real = pages_module.time.monotonic
+    monkeypatch.setattr(
+        pages_module,
+        "time",
+        types.SimpleNamespace(monotonic=lambda: real() + pages_module.DEVICE_RETRY_S),
+    )
     assert pages.refill_reserve() == 2 and measured_pages(host) == 4 == pages.num_mapped
