@@ -1,7 +1,7 @@
 """The autopilot's pure policy (sidecar/_policy.py): targets, bounds, shrink before grow.
 
 The fuzz plays engines that apply their limits late or never, grow under their
-held limit (or, deferred, up to the overage they report), die and return, against random demand, and checks at every step
+held limit, die and return, against random demand, and checks at every step
 that what the instances may hold never exceeds the budget.
 """
 
@@ -157,29 +157,18 @@ def test_fuzz_the_budget_holds_at_every_step(seed: int, n: int, budget_g: int) -
                     busy=rng.random() < 0.6,
                 )
             if m.live and rng.random() < 0.5:  # takes its desired limit
-                old = (m.held if m.held is not None else m.capacity) + m.overage
-                m = replace(m, held=m.desired, overage=0)
-                new = m.held if m.held is not None else m.capacity
-                if new < old and rng.random() < 0.5:
-                    # deferred: requests admitted under the old limit still add their output
-                    # (the output reservation); they end at most where the old bound was,
-                    # maybe above what is mapped now, and the engine reports it (overage)
-                    end = m.mapped + rng.randint(0, max(0, old - m.mapped)) // PAGE * PAGE
-                    m = replace(m, overage=max(0, end - new))
-            elif m.overage and rng.random() < 0.3:  # those requests finished: applied
-                m = replace(m, overage=0)
-            if m.live and rng.random() < 0.5:  # evicts down to / maps up to what it may hold
-                cap = (m.held if m.held is not None else m.capacity) + m.overage
-                want = max(m.mapped, m.pinned, cap if m.overage else 0)  # the outputs come
-                m = replace(m, mapped=min(want, cap, max(m.floor, cap)))
-                if m.held is not None and m.mapped > m.held + m.overage:
-                    m = replace(m, mapped=max(m.held + m.overage, m.floor))
+                m = replace(m, held=m.desired)
+            if m.live and rng.random() < 0.5:  # evicts down to / maps up to what it holds
+                cap = m.held if m.held is not None else m.capacity
+                m = replace(m, mapped=min(max(m.mapped, m.pinned), cap, max(m.floor, cap)))
+                if m.held is not None and m.mapped > m.held:
+                    m = replace(m, mapped=max(m.held, m.floor))
             moved.append(m)
         members = moved
         for i, m in enumerate(members):
             if rng.random() < 0.03:  # dies (its memory is gone) or returns, fitted to the room
                 if m.live:
-                    members[i] = replace(m, live=False, mapped=0, overage=0)
+                    members[i] = replace(m, live=False, mapped=0)
                 else:
                     room = max(0, room_for(m.id, budget, members)) // PAGE * PAGE
                     kept = room if m.desired is None else min(m.desired, room)
