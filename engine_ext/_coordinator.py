@@ -485,13 +485,10 @@ class ShrinkCoordinator:
         shortfall = self._seen_shortfall = self._demand.reserve_shortfall_blocks
         if shortfall and limit is not None:
             # output reservation: the running requests' remaining output does not fit under
-            # the limit; they would end above it, so the limit is not applied yet. The
-            # overage is the most they end above it: what is mapped above it now plus the
-            # pages their output still needs beyond every free block (whole pages), so
-            # limit + overage bounds what the engine maps until it is applied (the
-            # sidecar counts that for the instance, docs/autopilot.md)
+            # the limit; they would end above it, so the limit is not applied yet (the
+            # overage is what they would add beyond it, in whole pages)
             per_page = self._blocks.blocks_per_page
-            over += -(-shortfall // per_page) * bundle
+            over = max(over, -(-shortfall // per_page) * bundle)
             if reason is None:
                 reason = DeferReason.RUNNING_REQUESTS
         # A copy of a blank state with every field set: every value is computed here

@@ -584,7 +584,6 @@ class Autopilot:
             desired=rec.row.limit_bytes,
             held=held,
             mapped=obs.mapped_bytes,
-            overage=obs.overage_bytes,  # 0 unless deferred
             waiting=obs.waiting_bytes,
             # pinned bytes are a periodic scan: without running requests nothing is pinned;
             # with the output reservation (vLLM) what they may still add is theirs too

@@ -40,7 +40,6 @@ class Member:
     desired: int | None = None
     held: int | None = None
     mapped: int = 0
-    overage: int = 0  # deferred: the most it maps above ``held`` before it applies
     pinned: int = 0  # bytes held by running requests
     waiting: int = 0  # bytes the waiting requests need to start
     busy: bool = False  # running or waiting requests (recently)
@@ -84,10 +83,8 @@ def committed(m: Member) -> int:
     restarts, before it registers and can be told any limit, so that much stays
     free for its return. One not heard from since the sidecar started counts
     as unbounded (nothing grows until it reports). Otherwise the largest of its
-    desired limit, what it maps, and the limit it holds plus its reported
-    overage: a deferred engine's running requests may still map more than they
-    map now (with the output reservation, their remaining output), and the
-    overage says how much, so a lower limit frees nothing until it is applied.
+    desired limit, the limit it holds (a lower limit counts only once applied)
+    and what it maps.
     """
     if not m.live:
         return m.floor
@@ -96,7 +93,7 @@ def committed(m: Member) -> int:
     bound = m.capacity if m.capacity > 0 else UNBOUNDED
     desired = bound if m.desired is None else m.desired
     held = bound if m.held is None else m.held
-    return max(desired, held + m.overage, m.mapped, m.floor)
+    return max(desired, held, m.mapped, m.floor)
 
 
 def _lo(m: Member) -> int:

@@ -94,19 +94,6 @@ def test_a_grow_waits_for_the_shrink_to_be_applied() -> None:
     assert [(c.id, c.new) for c in plan(8 * G, [a, b], targets, PAGE)] == [("b", 6 * G)]
 
 
-def test_a_deferred_overage_is_held_until_applied() -> None:
-    """With the output reservation, a shrunk engine can map less than its new limit and
-    still be deferred: its running requests' remaining output ends above it (the
-    overage). Nothing grows into that before it is applied."""
-    a = _m("a", desired=2 * G, held=2 * G, mapped=G + PAGE, overage=G)
-    b = _m("b", desired=5 * G, held=5 * G, mapped=5 * G, waiting=4 * G, busy=True)
-    assert committed(a) == 3 * G  # its limit plus what the running requests add beyond it
-    targets = {"a": Target("a", 2 * G, "min"), "b": Target("b", 6 * G, "demand")}
-    assert plan(8 * G, [a, b], targets, hysteresis=PAGE) == []  # not 6G: a may reach 3G
-    a = replace(a, mapped=2 * G, overage=0)  # applied: the outputs fit under 2G
-    assert [(c.id, c.new) for c in plan(8 * G, [a, b], targets, PAGE)] == [("b", 6 * G)]
-
-
 def test_a_silent_instance_blocks_every_grow_until_it_reports() -> None:
     a = _m("a", reported=False, desired=2 * G)
     b = _m("b", desired=G, held=G)
