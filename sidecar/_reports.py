@@ -28,8 +28,16 @@ def report_problem(
             f"mapped_bytes {state.mapped_bytes} is below a rank's mapped bytes {top} "
             "(it is the largest rank's)"
         )
-    if state.overage_bytes > state.mapped_bytes:
-        return f"overage_bytes {state.overage_bytes} exceeds mapped_bytes {state.mapped_bytes}"
+    # With the output reservation the overage also counts what the running requests' output
+    # will add beyond the limit (reserved_bytes, rounded up to whole page bundles): a request
+    # holding one page with its output still to come may be over by more than it maps.
+    grows = state.reserved_bytes + state.page_bundle_bytes if state.reserved_bytes else 0
+    if state.overage_bytes > state.mapped_bytes + grows:
+        what = "mapped_bytes + reserved_bytes" if grows else "mapped_bytes"
+        return (
+            f"overage_bytes {state.overage_bytes} exceeds {what} "
+            f"{state.mapped_bytes + state.reserved_bytes}"
+        )
     if state.status is not Status.APPLIED:
         return None  # a deferred reply may carry the previous pass's effective limit
     if limit is not None and effective is not None and effective < limit:

@@ -603,6 +603,21 @@ BAD_INPUTS: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
         422,
         "overage_bytes 5 exceeds mapped_bytes 1",
     ),
+    (
+        "report-overage-above-mapped-and-reserved",
+        "POST",
+        "/instances/a/report",
+        {
+            "status": "deferred",
+            "mapped_bytes": 1,
+            "overage_bytes": 20,
+            "reserved_bytes": 4,
+            "page_bundle_bytes": 2,
+        },
+        {},
+        422,
+        "overage_bytes 20 exceeds mapped_bytes + reserved_bytes 5",
+    ),
 ]
 
 

@@ -182,3 +182,40 @@ def test_limits_from_a_foreign_thread_with_the_reservation_keep_tokens_and_the_e
         core.shutdown()
     assert stressed.races > 10 and stressed.publishes > 80 and stressed.applied_checks > 30
     assert_same_outcomes(baseline, stressed, min_compared=50)
+
+
+def test_every_state_under_a_zero_limit_passes_the_sidecars_report_checks(
+    plugin_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A limit of 0 while requests with their output still to come run: the overage counts
+    that output, so it exceeds what is mapped; the sidecar must still take the report
+    (it refused it with a 422 when it capped the overage at the mapped bytes)."""
+    from sidecar._reports import report_problem
+
+    core = _core(plugin_env, monkeypatch, reserve=True)
+    try:
+        runtime = _runtime.current_runtime()
+        assert runtime is not None and runtime.instance is not None
+        instance = runtime.instance
+        _decode_heavy(core, seed=5, count=2)
+        core.step()
+        revision = 0
+
+        def zero() -> None:
+            nonlocal revision
+            revision = instance.set_limit(0).revision
+
+        in_foreign_thread(zero)
+        beyond = 0
+        for _ in range(3000):
+            core.step()
+            state = instance.state()
+            assert report_problem(state, 0, revision) is None, state
+            beyond += state.overage_bytes > state.mapped_bytes
+            if not core.scheduler.has_requests():
+                break
+        assert beyond > 0  # the case the rule must allow did happen
+        assert not core.scheduler.has_requests()
+        assert report_problem(instance.state(), 0, revision) is None
+    finally:
+        core.shutdown()
