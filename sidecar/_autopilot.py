@@ -574,15 +574,12 @@ class Autopilot:
                 weight=p.weight,
                 pin=pin,
             )
-        held = (
-            obs.effective_limit_bytes if obs.effective_limit_bytes is not None else obs.limit_bytes
-        )
         return Member(
             rec.row.id,
             live,
             reported=True,
             desired=rec.row.limit_bytes,
-            held=held,
+            held=rec.may_hold,
             mapped=obs.mapped_bytes,
             waiting=obs.waiting_bytes,
             # pinned bytes are a periodic scan: without running requests nothing is pinned;
@@ -655,8 +652,12 @@ class Autopilot:
 
 
 def _may_hold(state: EngineState) -> int:
-    """What an engine reported it may hold: the larger of its limit (unlimited: unbounded)
-    and its mapped bytes. A drop is memory given back (a lower limit ``applied``)."""
+    """What an engine reported it may hold: once ``applied``, the larger of its limit
+    (unlimited: unbounded) and its mapped bytes; otherwise unbounded (a deferred engine's
+    running requests may still grow to the limit they were admitted under). A drop is
+    memory given back (a lower limit ``applied``)."""
+    if state.status is not Status.APPLIED:
+        return UNBOUNDED
     held = (
         state.effective_limit_bytes
         if state.effective_limit_bytes is not None

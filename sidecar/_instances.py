@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine_ext.protocol import EngineState, InstanceReason, Status
 
 from ._models import DesiredLimit, EngineInfo, InstanceView
+from ._policy import held_after_report, held_after_write
 from ._store import InstanceRow
 
 __all__ = ["InstanceRecord", "derive_status"]
@@ -27,6 +28,9 @@ class InstanceRecord:
     observed: EngineState | None = None  # the engine's last report/push answer
     last_seen: float | None = None  # loop time of the last sign of life
     reg_token: str | None = None  # the registration token of the engine process holding the id
+    # the most the engine may map until it next reports applied (None: unbounded), for the
+    # autopilot's budget (sidecar/_policy.py held_after_write / held_after_report)
+    may_hold: int | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def notify(self) -> None:
@@ -37,6 +41,25 @@ class InstanceRecord:
         """Take ``row`` unless a later write already arrived (writes finish in any order)."""
         if row.seq > self.row.seq:
             self.row = row
+            self.may_hold = held_after_write(self.may_hold, row.limit_bytes)
+
+    def take_report(self, state: EngineState, *, restarted: bool = False) -> None:
+        """Keep ``state`` as the engine's last report and update what it may hold.
+
+        ``restarted``: a new engine process (registration), whose memory starts afresh.
+        """
+        self.observed = state
+        effective = (
+            state.effective_limit_bytes
+            if state.effective_limit_bytes is not None
+            else state.limit_bytes
+        )
+        self.may_hold = held_after_report(
+            0 if restarted else self.may_hold,
+            applied=state.status is Status.APPLIED and state.revision >= self.row.revision,
+            effective=effective,
+            mapped=state.mapped_bytes,
+        )
 
     @property
     def stopped(self) -> bool:

@@ -19,7 +19,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-__all__ = ["Change", "Member", "Target", "committed", "compute_targets", "plan", "room_for"]
+__all__ = [
+    "Change",
+    "Member",
+    "Target",
+    "committed",
+    "compute_targets",
+    "held_after_report",
+    "held_after_write",
+    "plan",
+    "room_for",
+]
 
 #: Stands for "could map anything" (unlimited, or not heard from since the sidecar started).
 UNBOUNDED = 1 << 62
@@ -30,7 +40,8 @@ class Member:
     """One instance on a budgeted device, as the policy sees it.
 
     ``desired`` is the stored desired limit (None: unlimited); ``held`` the
-    limit the engine last reported holding (None: unlimited or no report);
+    most the engine may map until it next reports ``applied`` (None: unbounded),
+    kept by :func:`held_after_write` and :func:`held_after_report`;
     ``reported`` whether the engine has reported since the sidecar started.
     """
 
@@ -75,6 +86,38 @@ class Change:
         return self.old is None or self.new < self.old
 
 
+def _max_bound(*values: int | None) -> int | None:
+    """The largest of ``values``, where None (unbounded) is larger than any number."""
+    if any(v is None for v in values):
+        return None
+    return max(v for v in values if v is not None)
+
+
+def held_after_write(held: int | None, limit: int | None) -> int | None:
+    """A new desired limit was stored: the engine may take it at any moment and admit
+    requests under it, so what it may hold rises to it (a lower one changes nothing yet)."""
+    return _max_bound(held, limit)
+
+
+def held_after_report(
+    held: int | None, *, applied: bool, effective: int | None, mapped: int
+) -> int | None:
+    """What an engine may hold after a report (None: unbounded).
+
+    Only an ``applied`` report at the desired revision lowers it, to the limit
+    the engine then holds: mapped bytes are under it and (with the output
+    reservation) so is the running requests' remaining output. Any other
+    report -- ``deferred`` for a lower limit, ``applied`` for an older revision
+    -- lowers nothing. The engine reports a new limit as soon as it takes it,
+    also while its running requests, admitted under the higher one, still
+    grow: they may map up to that one, even while they map less than the new
+    limit now. A (re)started engine starts from ``held=0``.
+    """
+    if applied:
+        return effective
+    return _max_bound(held, effective, mapped)
+
+
 def committed(m: Member) -> int:
     """The most an instance may map before it next reports (what the budget must cover).
 
@@ -83,8 +126,8 @@ def committed(m: Member) -> int:
     restarts, before it registers and can be told any limit, so that much stays
     free for its return. One not heard from since the sidecar started counts
     as unbounded (nothing grows until it reports). Otherwise the largest of its
-    desired limit, the limit it holds (a lower limit counts only once applied)
-    and what it maps.
+    desired limit, what it may hold (a lower limit counts only once reported
+    ``applied``, see :func:`held_after_report`) and what it maps.
     """
     if not m.live:
         return m.floor

@@ -191,7 +191,7 @@ class InstanceService:
             row = await self._store.register(instance_id, reg)
         rec = self._take_row(row, wake=False)
         rec.reg_token = body.registration_token
-        rec.observed = body.state  # a (re)started engine: its state replaces the old one
+        rec.take_report(body.state, restarted=True)  # a (re)started engine: a new state
         rec.last_seen = self._now
         await self._adopt_if_newer(rec, body.state)
         if _other_limit_same_revision(rec, body.state):
@@ -355,7 +355,7 @@ class InstanceService:
         # made more passes meanwhile): order by (revision, passes), never by arrival.
         before = rec.observed
         if before is None or (state.revision, state.passes) >= (before.revision, before.passes):
-            rec.observed = state
+            rec.take_report(state)
         rec.last_seen = self._now
         rec.notify()
         self._metrics.observed(rec.view(self._now, self._settings.heartbeat_timeout_s))

@@ -37,6 +37,7 @@ class SimEngine:
         self.capacity = capacity
         self.pinned = 0
         self.waiting = 0
+        self.reserved = 0  # the running requests' remaining output (the output reservation)
         self.revision = 0
         self.limit: int | None = None
 
@@ -44,8 +45,10 @@ class SimEngine:
         limit = self.limit
         if apply and limit is not None:
             self.mapped = min(self.mapped, limit)
-        over = 0 if limit is None else max(0, self.mapped - limit)
-        busy = self.pinned or self.waiting
+        # the output reservation: the running requests end at mapped + reserved; a limit
+        # below that is deferred (also while what is mapped is under it)
+        over = 0 if limit is None else max(0, self.mapped + self.reserved - limit)
+        busy = self.pinned or self.waiting or self.reserved
         return EngineState(
             status=Status.DEFERRED if over else Status.APPLIED,
             revision=self.revision,
@@ -59,6 +62,7 @@ class SimEngine:
             num_running_requests=1 if busy else 0,
             num_waiting_requests=1 if self.waiting else 0,
             waiting_bytes=self.waiting,
+            reserved_bytes=self.reserved,
         )
 
     def register(self, device: str | None = None) -> httpx.Response:

@@ -123,6 +123,43 @@ def test_reports_run_the_pass_the_timer_is_only_a_fallback(tmp_path: Path) -> No
         assert _lim(c, "a") + _lim(c, "b") <= 8 * GiB
 
 
+def test_a_deferred_shrink_frees_nothing_while_its_requests_may_still_grow(
+    c: httpx.Client,
+) -> None:
+    """With the output reservation an engine takes a lower limit, maps less than it, and is
+    still ``deferred``: its running requests, admitted under the old limit, add their output
+    up to it. The engine reports the new limit from the moment it takes it; the sidecar
+    must not hand the old one's memory to another engine until ``applied``."""
+    a = SimEngine(c, "a", DEV)
+    b = SimEngine(c, "b", DEV)
+    assert a.register().status_code == 200 and b.register().status_code == 200
+    assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+    _settle(c, a, b)
+    assert _desired(c, "b") == 4 * GiB
+    # B runs a request admitted under 4G: 1G mapped, 3G of its output still to come
+    b.pinned, b.mapped, b.reserved = GiB, GiB, 3 * GiB
+    b.sync(apply=False)
+    # an operator caps B at 1G while A wants everything: B is asked to shrink
+    assert c.put("/instances/b/policy", json={"max": "1G"}).status_code == 200
+    a.pinned, a.waiting = GiB, 7 * GiB
+    a.sync()
+    wait_until(lambda: _lim(c, "b") <= GiB, what="B asked to shrink")
+    deferred = 0
+    for _ in range(10):
+        a.sync()
+        b.sync(apply=False)  # takes 1G, maps 1G, and its output is still to come
+        deferred += c.get("/instances/b").json()["status"] == "deferred"
+        time.sleep(0.05)
+        assert _lim(c, "a") + b.mapped + b.reserved <= 8 * GiB, "A grew into B's outputs"
+    assert deferred == 10
+    b.mapped, b.reserved, b.pinned = b.mapped + b.reserved, 0, 0  # the outputs came
+    b.sync(apply=False)
+    assert _lim(c, "a") + b.mapped <= 8 * GiB, "A grew into B's outputs"
+    b.mapped = 0  # the request finished and its pages were freed: applied, A grows
+    wait_until(lambda: (a.sync(), b.sync(), _lim(c, "a") >= 7 * GiB)[2], what="A grown")
+    assert _lim(c, "a") + _lim(c, "b") <= 8 * GiB
+
+
 def test_operator_pin_wins_until_delete(c: httpx.Client) -> None:
     a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
     a.register(), b.register()

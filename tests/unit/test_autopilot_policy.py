@@ -1,20 +1,30 @@
 """The autopilot's pure policy (sidecar/_policy.py): targets, bounds, shrink before grow.
 
-The fuzz plays engines that apply their limits late or never, grow under their
-held limit, die and return, against random demand, and checks at every step
-that what the instances may hold never exceeds the budget.
+The fuzz plays engines that apply their limits late or never, defer a lower
+one while their running requests still grow, map under what they hold, die
+and return, against random demand, and checks at every step that what they
+map, and what they may hold, never exceeds the budget.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar._policy import Member, Target, committed, compute_targets, plan, room_for
+from sidecar._policy import (
+    Member,
+    Target,
+    committed,
+    compute_targets,
+    held_after_report,
+    held_after_write,
+    plan,
+    room_for,
+)
 
 G = 1 << 30
 PAGE = 1 << 20
@@ -85,13 +95,28 @@ def test_a_grow_waits_for_the_shrink_to_be_applied() -> None:
     targets = {"a": Target("a", 2 * G, "min"), "b": Target("b", 6 * G, "demand")}
     changes = plan(8 * G, [a, b], targets, hysteresis=PAGE)
     assert [(c.id, c.new) for c in changes] == [("a", 2 * G)]  # shrink only
-    # A took the new limit but its requests still hold 5G: B gets what is free, no more
-    a = replace(a, desired=2 * G, held=2 * G, mapped=5 * G)
-    changes = plan(8 * G, [a, b], targets, hysteresis=PAGE)
-    assert [(c.id, c.new) for c in changes] == [("b", 3 * G)]
-    a = replace(a, mapped=2 * G)  # applied
-    b = replace(b, desired=3 * G, held=3 * G)
+    # A took the new limit (its report says 2G) but its requests, admitted under 6G, still
+    # hold 5G and may grow back to 6G: deferred, it frees nothing, whatever it maps
+    a = replace(a, desired=2 * G, held=held_after_write(a.held, 2 * G))
+    for mapped in (5 * G, G):
+        held = held_after_report(a.held, applied=False, effective=2 * G, mapped=mapped)
+        a = replace(a, held=held, mapped=mapped)
+        assert a.held == 6 * G and plan(8 * G, [a, b], targets, hysteresis=PAGE) == []
+    a = replace(a, held=held_after_report(a.held, applied=True, effective=2 * G, mapped=G))
     assert [(c.id, c.new) for c in plan(8 * G, [a, b], targets, PAGE)] == [("b", 6 * G)]
+
+
+def test_what_an_engine_may_hold_falls_only_with_an_applied_report() -> None:
+    assert held_after_write(4 * G, 2 * G) == 4 * G and held_after_write(4 * G, None) is None
+    assert held_after_write(2 * G, 4 * G) == 4 * G
+    # deferred (or applied for an older revision): the larger of before, the limit, mapped
+    assert held_after_report(4 * G, applied=False, effective=2 * G, mapped=3 * G) == 4 * G
+    assert held_after_report(4 * G, applied=False, effective=2 * G, mapped=5 * G) == 5 * G
+    assert held_after_report(4 * G, applied=False, effective=None, mapped=0) is None
+    assert held_after_report(None, applied=False, effective=2 * G, mapped=0) is None
+    # applied at the desired revision: what it holds now
+    assert held_after_report(None, applied=True, effective=2 * G, mapped=G) == 2 * G
+    assert held_after_report(0, applied=False, effective=G, mapped=0) == G  # a new process
 
 
 def test_a_silent_instance_blocks_every_grow_until_it_reports() -> None:
@@ -107,35 +132,62 @@ def test_hysteresis_skips_small_moves_unless_over_budget() -> None:
     assert [c.new for c in plan(8 * G, [over], {"a": Target("a", 8 * G, "max")}, 2 * G)] == [8 * G]
 
 
+@dataclass
+class _Engine:
+    """The fuzz's engine, as the sidecar cannot see it: the limit it holds, whether the
+    sidecar's latest limit reached it, and ``bound``, the most its admitted requests may
+    map (the higher limit they were admitted under while a lower one is deferred)."""
+
+    limit: int
+    taken: bool = True
+    applied: bool = True
+    bound: int = 0
+
+
+def _report(m: Member, e: _Engine) -> Member:
+    """The sidecar takes the engine's report (as InstanceRecord.take_report does)."""
+    held = held_after_report(
+        m.held, applied=e.applied and e.taken, effective=e.limit, mapped=m.mapped
+    )
+    return replace(m, held=held)
+
+
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5), budget_g=st.integers(1, 32))
 def test_fuzz_the_budget_holds_at_every_step(seed: int, n: int, budget_g: int) -> None:
+    """Engines take their limits late, defer a lower one while requests admitted under the
+    higher one still map up to it (also after mapping less than the new one, as the output
+    reservation allows), grow under what they hold, die and return; the sidecar knows only
+    their reports. What they map never exceeds the budget, nor do the granted limits."""
     rng = random.Random(seed)
     budget = budget_g * G
     mins = [rng.choice([0, 0, PAGE * rng.randint(0, 64)]) for _ in range(n)]
     while sum(mins) > budget:
         mins[rng.randrange(n)] = 0
     members = []
+    engines: dict[str, _Engine] = {}
     for i in range(n):
         lo = mins[i]
         hi = rng.choice([None, lo + PAGE * rng.randint(0, 20000)])
-        members.append(
-            _m(
-                f"e{i}",
-                min=lo,
-                max=hi,
-                weight=rng.choice([0.5, 1.0, 3.0]),
-                floor=rng.choice([0, PAGE]),
-                desired=0,
-                held=0,
-            )
+        floor = rng.choice([0, PAGE])
+        m = _m(
+            f"e{i}",
+            min=lo,
+            max=hi,
+            weight=rng.choice([0.5, 1.0, 3.0]),
+            floor=floor,
+            desired=0,
+            held=0,
         )
+        engines[m.id] = _Engine(limit=floor, bound=floor)
+        members.append(_report(m, engines[m.id]))
     hysteresis = rng.choice([0, PAGE, budget // 20])
     for _step in range(60):
-        # the world moves: demand changes, engines apply late, grow under what they hold,
-        # die and come back
+        # the world moves: demand changes, engines take limits late, defer them, map,
+        # die and come back; every live engine reports
         moved = []
         for m in members:
+            e = engines[m.id]
             if rng.random() < 0.2:
                 m = replace(
                     m,
@@ -143,14 +195,25 @@ def test_fuzz_the_budget_holds_at_every_step(seed: int, n: int, budget_g: int) -
                     waiting=rng.choice([0, rng.randint(0, budget)]),
                     busy=rng.random() < 0.6,
                 )
-            if m.live and rng.random() < 0.5:  # takes its desired limit
-                m = replace(m, held=m.desired)
-            if m.live and rng.random() < 0.5:  # evicts down to / maps up to what it holds
-                cap = m.held if m.held is not None else m.capacity
-                m = replace(m, mapped=min(max(m.mapped, m.pinned), cap, max(m.floor, cap)))
-                if m.held is not None and m.mapped > m.held:
-                    m = replace(m, mapped=max(m.held, m.floor))
-            moved.append(m)
+            if not m.live:
+                moved.append(m)
+                continue
+            if not e.taken and rng.random() < 0.5:  # takes the desired limit
+                new = max(m.desired or 0, m.floor)
+                e.limit, e.taken = new, True
+                if new < e.bound and rng.random() < 0.5:
+                    e.applied = False  # deferred: the running requests may still reach bound
+                else:
+                    e.applied, e.bound = True, new
+                    m = replace(m, mapped=min(m.mapped, new))
+            elif not e.applied and rng.random() < 0.3:  # those requests finished: applied
+                e.applied, e.bound = True, e.limit
+                m = replace(m, mapped=min(m.mapped, e.limit))
+            if rng.random() < 0.5:  # maps: demand, and a deferred engine's outputs
+                want = max(m.mapped, m.pinned, 0 if e.applied else rng.randint(0, e.bound))
+                cap = e.bound if not e.applied else e.limit
+                m = replace(m, mapped=min(want, cap) // PAGE * PAGE)
+            moved.append(_report(m, e))
         members = moved
         for i, m in enumerate(members):
             if rng.random() < 0.03:  # dies (its memory is gone) or returns, fitted to the room
@@ -159,8 +222,11 @@ def test_fuzz_the_budget_holds_at_every_step(seed: int, n: int, budget_g: int) -
                 else:
                     room = max(0, room_for(m.id, budget, members)) // PAGE * PAGE
                     kept = room if m.desired is None else min(m.desired, room)
-                    # it maps its floor at start, before it registers
-                    members[i] = replace(m, live=True, mapped=m.floor, desired=kept, held=kept)
+                    # it maps its floor at start, before it registers (a new process)
+                    e = engines[m.id] = _Engine(limit=max(kept, m.floor))
+                    e.bound = e.limit
+                    back = replace(m, live=True, mapped=m.floor, desired=kept, held=0)
+                    members[i] = _report(back, e)
         # what the engines map (measured) never exceeds the budget
         assert sum(m.mapped for m in members if m.live) <= budget, members
         before = sum(committed(m) for m in members)  # the dead ones' floors included
@@ -180,8 +246,10 @@ def test_fuzz_the_budget_holds_at_every_step(seed: int, n: int, budget_g: int) -
             else:
                 shrinks_done = True
         by_id = {m.id: m for m in members}
-        for c in changes:
-            by_id[c.id] = replace(by_id[c.id], desired=c.new)
+        for c in changes:  # stored: the sidecar counts the new limit at once
+            m = by_id[c.id]
+            by_id[c.id] = replace(m, desired=c.new, held=held_after_write(m.held, c.new))
+            engines[c.id].taken = False
         members = list(by_id.values())
         after = sum(committed(m) for m in members)
         if before <= budget:
