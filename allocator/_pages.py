@@ -248,17 +248,7 @@ class PageAllocator:
                 self.backend.map(page)
             except DeviceOutOfMemory as exc:
                 self.refused_by_device = True
-                self._device_full_at = time.monotonic()
-                self._device_cap = self.num_mapped
-                _log.warning(
-                    "no device memory for page %d (%d pages mapped): %s; holding at "
-                    "%d pages for %.1f s",
-                    page,
-                    self.num_mapped,
-                    exc,
-                    self.num_mapped,
-                    DEVICE_RETRY_S,
-                )
+                self._hold_at_mapped(f"for page {page}", exc)
                 return None
             self._unmapped.pop()
             self.num_mapped += 1
@@ -287,16 +277,7 @@ class PageAllocator:
         try:
             self._top_up()
         except DeviceOutOfMemory as exc:
-            self._device_full_at = time.monotonic()
-            self._device_cap = self.num_mapped
-            _log.warning(
-                "no device memory to refill the page reserve (%d pages mapped): %s; holding "
-                "at %d pages for %.1f s",
-                self.num_mapped,
-                exc,
-                self.num_mapped,
-                DEVICE_RETRY_S,
-            )
+            self._hold_at_mapped("to refill the page reserve", exc)
         except BackendError as exc:
             self._refill_held_until = time.monotonic() + DEVICE_RETRY_S
             _log.warning(
@@ -305,6 +286,20 @@ class PageAllocator:
                 DEVICE_RETRY_S,
             )
         return self.num_mapped - before
+
+    def _hold_at_mapped(self, what: str, exc: DeviceOutOfMemory) -> None:
+        """The device had no memory for one more page: hold the cap at what is mapped
+        for ``DEVICE_RETRY_S`` (:attr:`device_full`), and say so once."""
+        self._device_full_at = time.monotonic()
+        self._device_cap = self.num_mapped
+        _log.warning(
+            "no device memory %s (%d pages mapped): %s; holding at %d pages for %.1f s",
+            what,
+            self.num_mapped,
+            exc,
+            self.num_mapped,
+            DEVICE_RETRY_S,
+        )
 
     def release(self, page: int) -> None:
         """``page`` holds no blocks any more: unmap it, or keep it as free reserve.
