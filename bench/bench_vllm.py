@@ -138,25 +138,35 @@ def _manager(elastic: bool) -> tuple[KVCacheManager, HostBackend | None]:
     return manager, backend
 
 
+@dataclass(frozen=True)
+class PoolTrace:
+    """One pool trace: ops per CPU second, and the share of that time spent in page maps
+    (0 unless measured)."""
+
+    ops_per_s: float
+    map_share: float
+
+
 def run_pool_trace(
     elastic: bool,
     prompts: list[list[int]],
     *,
     premapped: bool = False,
-    map_seconds: list[float] | None = None,
-) -> float:
-    """Ops/s: one op = prefix lookup + allocate_slots, or free (window of 24 live requests).
+    time_maps: bool = False,
+) -> PoolTrace:
+    """One trace: one op = prefix lookup + allocate_slots, or free (window of 24 live
+    requests).
 
     ``premapped``: the elastic pool maps every page before the clock starts
     (``KVSIDECAR_RESERVE_PAGES`` at the capacity), as native vLLM allocates its whole
     KV tensor at start-up; otherwise it maps (commits) its 64 pages during the trace.
-    ``map_seconds``: gets this thread's CPU seconds inside the backend's page maps
-    during the trace (the kernel committing memory, plus the call), then the trace's.
+    ``time_maps``: also measure this thread's CPU seconds inside the backend's page
+    maps during the trace (the kernel committing memory, plus the call).
     """
     with pool_class(elastic, NUM_PAGES if premapped else 0):
         manager, backend = _manager(elastic)
         in_maps = 0.0
-        if backend is not None and map_seconds is not None:
+        if backend is not None and time_maps:
             real_map = backend.map
 
             def timed_map(page: int) -> None:
@@ -196,11 +206,9 @@ def run_pool_trace(
             ops += 1
         elapsed = time.thread_time() - start
         gc.enable()
-        if map_seconds is not None:
-            map_seconds += [in_maps, elapsed]
         if backend is not None:
             backend.release()
-        return ops / elapsed
+        return PoolTrace(ops / elapsed, in_maps / elapsed)
 
 
 @dataclass
@@ -229,14 +237,13 @@ def pool_rounds(prompts: list[list[int]], rounds: int) -> PoolRounds:
         shift = round_no % 3
         for kind in kinds[shift:] + kinds[:shift]:
             if kind == "native":
-                out.native.append(run_pool_trace(False, prompts))
+                out.native.append(run_pool_trace(False, prompts).ops_per_s)
             elif kind == "premapped":
-                out.premapped.append(run_pool_trace(True, prompts, premapped=True))
+                out.premapped.append(run_pool_trace(True, prompts, premapped=True).ops_per_s)
             else:
-                timing: list[float] = []
-                out.cold.append(run_pool_trace(True, prompts, map_seconds=timing))
-                in_maps, elapsed = timing
-                out.map_share.append(in_maps / elapsed)
+                trace = run_pool_trace(True, prompts, time_maps=True)
+                out.cold.append(trace.ops_per_s)
+                out.map_share.append(trace.map_share)
     return out
 
 
