@@ -63,7 +63,10 @@ class Cluster:
         self.engines: dict[str, ServerProcess] = {}
         self.kinds: dict[str, EngineKind] = {}  # instance -> "vllm" | "sglang"
         self._sidecar: subprocess.Popen[bytes] | None = None
-        self.http = httpx.Client(timeout=60.0)
+        # a pooled connection is dropped after 2 s idle, before any server here closes it
+        # (uvicorn's keep-alive: 5 s in vllm serve, and httpx's default expiry is also
+        # 5 s): reusing one the server is closing fails with "Server disconnected"
+        self.http = httpx.Client(timeout=60.0, limits=httpx.Limits(keepalive_expiry=2.0))
 
     # -- sidecar -----------------------------------------------------------
     def start_sidecar(self, timeout_s: float = 30.0) -> None:
