@@ -417,7 +417,10 @@ class Load:
             return self._seed + self._sent
 
     def _run(self) -> None:
-        with httpx.Client(timeout=120) as client:  # one per thread: no TLS set-up per request
+        # one per thread; a pooled connection is dropped after 2 s idle, before the engine's
+        # 5 s keep-alive closes it (reusing one it is closing: "Server disconnected")
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        with httpx.Client(timeout=120, limits=limits) as client:
             while (seed := self._take()) is not None:
                 prompt = f"{self.engine.name} {make_document(self.words, seed=seed)}"
                 try:
