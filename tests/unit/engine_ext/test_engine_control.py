@@ -254,7 +254,15 @@ def test_an_idle_control_server_never_wakes_up(tmp_path: Path) -> None:
         assert call(server.socket_path, "GET", "/healthz")[0] == 200
         thread = server._thread
         assert thread is not None and thread.native_id is not None
+        # the thread finishes the answer (close, back to select) after the client has it:
+        # on a loaded machine that can be later than this line; wait until it sleeps
         before = _switches(thread.native_id)
+        for _ in range(50):
+            time.sleep(0.02)
+            now = _switches(thread.native_id)
+            if now == before:
+                break
+            before = now
         time.sleep(0.5)  # a 100 ms poll would wake it ~5 times
         assert _switches(thread.native_id) == before
         assert call(server.socket_path, "GET", "/healthz")[0] == 200  # still serving
