@@ -171,11 +171,12 @@ def _run_with_aborts(engine: Engine, limit_change: bool) -> list[tuple[list[int]
     assert outcomes.count("aborted") == 6
     if limit_change:
         applied = engine.wait_state(revision, status="applied")
-        assert (
-            applied["mapped_bytes"]
-            == engine.server.kv_memfd_bytes()
-            <= warm["mapped_bytes"] - 4 * warm["page_bundle_bytes"]
-        )
+        limit = warm["mapped_bytes"] - 4 * warm["page_bundle_bytes"]
+        measured = engine.server.kv_memfd_bytes()
+        # the aborted requests' pages may still be freed after this report was read: the
+        # report is within one page bundle of the kernel's figure (DESIGN.md), not equal
+        assert applied["mapped_bytes"] <= limit and measured <= limit, (applied, measured)
+        assert abs(applied["mapped_bytes"] - measured) <= warm["page_bundle_bytes"]
     return [(ids, meta["cached_tokens"]) for ids, meta in results]
 
 
