@@ -27,6 +27,7 @@ import pytest
 
 from engine_ext.cpu_harness import CpuHarness, HarnessRequest
 from engine_ext.protocol import Status
+from sidecar._reports import report_problem
 
 pytestmark = pytest.mark.sglang
 
@@ -119,6 +120,8 @@ def _run(h: CpuHarness, *, with_limits: bool) -> Trace:
         trace.min_available = min(trace.min_available, available)
         assert available >= 0, f"available_size() = {available}"
         state = h.pool.state()
+        # every state passes the sidecar's report checks (a refused report goes stale there)
+        assert report_problem(state, state.limit_bytes, state.revision) is None, state
         if state.status is Status.APPLIED:
             trace.applied_samples += 1
             effective = state.effective_limit_bytes

@@ -20,6 +20,7 @@ from sglang_support import prompt
 
 from engine_ext.cpu_harness import CpuHarness
 from engine_ext.protocol import Status
+from sidecar._reports import report_problem
 
 Make = Callable[..., CpuHarness]
 
@@ -78,3 +79,25 @@ def test_applied_means_the_running_requests_growth_fits(
     assert all(r.done for r in reqs)
     h.idle_until(lambda: h.pool.state().status is Status.APPLIED)
     assert h.mapped_bytes() <= limit and h.pool.state().reserved_bytes == 0
+
+
+def test_every_state_under_a_zero_limit_passes_the_sidecars_report_checks(
+    make_harness: Make,
+) -> None:
+    """A limit of 0 while requests with long outputs run: the overage counts their output
+    still to come, beyond what is mapped; the sidecar must take every such report."""
+    h = make_harness(reserve_output=True)
+    page = h.config.page_size
+    reqs = [h.submit(prompt(80 + i, length=page), max_new_tokens=12 * page) for i in range(2)]
+    h.iterate()
+    assert all(r in h.running for r in reqs)
+    revision = h.pool.set_limit(0).revision
+    beyond = 0
+    for _ in range(5000):
+        h.iterate()
+        state = h.pool.state()
+        assert report_problem(state, 0, revision) is None, state
+        beyond += state.overage_bytes > state.mapped_bytes
+        if all(r.done for r in reqs):
+            break
+    assert all(r.done for r in reqs) and beyond > 0

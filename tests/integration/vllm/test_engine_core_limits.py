@@ -36,6 +36,7 @@ from engine_ext.cpu_harness import StubExecutor, make_tiny_model_dir
 from engine_ext.protocol import Status
 from engine_ext.vllm import _patches, _runtime, plugin
 from engine_ext.vllm._kv_memory import clear_kv_memory
+from sidecar._reports import report_problem
 
 pytestmark = pytest.mark.vllm
 
@@ -221,6 +222,9 @@ def drive(
             assert backend.mapped_bytes() <= state.effective_limit_bytes, state
             run.applied_checks += 1
         assert abs(state.mapped_bytes - backend.mapped_bytes()) <= bundle, state
+        # every state the engine reports passes the sidecar's checks (a refused report
+        # leaves the sidecar, and the autopilot, with a stale state)
+        assert report_problem(state, state.limit_bytes, state.revision) is None, state
         step += 1
         assert step < num_steps * 20, f"requests never finished: {sorted(live)} {state}"
     monkeypatch.setattr(KVCacheManager, "get_computed_blocks", lookup)

@@ -31,6 +31,7 @@ from engine_ext import load_engine_settings
 from engine_ext.protocol import Status
 from engine_ext.vllm import _runtime
 from engine_ext.vllm._settings import load_vllm_settings
+from sidecar._reports import report_problem
 
 pytestmark = pytest.mark.vllm
 __all__ = ["plugin_env"]
@@ -190,8 +191,6 @@ def test_every_state_under_a_zero_limit_passes_the_sidecars_report_checks(
     """A limit of 0 while requests with their output still to come run: the overage counts
     that output, so it exceeds what is mapped; the sidecar must still take the report
     (it refused it with a 422 when it capped the overage at the mapped bytes)."""
-    from sidecar._reports import report_problem
-
     core = _core(plugin_env, monkeypatch, reserve=True)
     try:
         runtime = _runtime.current_runtime()
