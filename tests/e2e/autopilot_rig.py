@@ -151,6 +151,14 @@ class Rig:
         self.http.close()
         for name, log in logs.items():
             assert "ForeignThreadError" not in log, f"{name}: the pool was mutated off its thread"
+        # an engine's report the sidecar refused leaves it (and the policy) a stale state
+        sidecar_log = self.log_path.read_text(errors="replace")
+        refused = [
+            line
+            for line in sidecar_log.splitlines()
+            if "rejected an inconsistent report" in line or "ignored an inconsistent push" in line
+        ]
+        assert not refused, f"the sidecar refused engine reports: {refused[:3]}"
 
     # -- reads ------------------------------------------------------------------------
     def device(self) -> dict[str, Any]:
