@@ -217,6 +217,7 @@ class PoolRounds:
     time spent in page maps."""
 
     native: list[float] = field(default_factory=list)
+    control: list[float] = field(default_factory=list)  # native again: the A/A noise floor
     cold: list[float] = field(default_factory=list)
     premapped: list[float] = field(default_factory=list)
     map_share: list[float] = field(default_factory=list)
@@ -229,15 +230,19 @@ class PoolRounds:
 
 
 def pool_rounds(prompts: list[list[int]], rounds: int) -> PoolRounds:
-    """``rounds`` rounds of three traces (native, cold elastic, pre-mapped elastic), the
-    order turned by one each round so that no side always runs first or last."""
+    """``rounds`` rounds of four traces (native, native again as an A/A control, cold
+    elastic, pre-mapped elastic), the order turned by one each round so that no side
+    always runs first or last. The control's ratio to native is what identical code
+    measures on this machine: the noise floor of the other ratios."""
     out = PoolRounds()
     for round_no in range(rounds):
-        kinds = ["native", "cold", "premapped"]
-        shift = round_no % 3
+        kinds = ["native", "control", "cold", "premapped"]
+        shift = round_no % len(kinds)
         for kind in kinds[shift:] + kinds[:shift]:
             if kind == "native":
                 out.native.append(run_pool_trace(False, prompts).ops_per_s)
+            elif kind == "control":
+                out.control.append(run_pool_trace(False, prompts).ops_per_s)
             elif kind == "premapped":
                 out.premapped.append(run_pool_trace(True, prompts, premapped=True).ops_per_s)
             else:
@@ -720,6 +725,11 @@ def main() -> None:
             pool.premapped, pool.native
         )
         result["pool_map_share_median"] = statistics.median(pool.map_share)
+        result["pool_control_ratio"], result["pool_control_ratio_median"] = pool.ratio(
+            pool.control, pool.native
+        )
+        per_round = sorted(c / n for c, n in zip(pool.control, pool.native))
+        result["pool_control_ratio_range"] = [per_round[0], per_round[-1]]
     result |= {
         "step_s": {"native": min(native_step), "elastic": min(elastic_step)},
         "step_ratio": min(elastic_step) / min(native_step),
@@ -741,6 +751,12 @@ def main() -> None:
             f"  pages pre-mapped                elastic {ops['elastic_premapped']:10.0f}   "
             f"ratio {result['pool_premapped_ratio']:.3f} (median of rounds "
             f"{result['pool_premapped_ratio_median']:.3f})"
+        )
+        low, high = result["pool_control_ratio_range"]
+        print(
+            f"  A/A control (native again)      ratio {result['pool_control_ratio']:.3f} "
+            f"(median of rounds {result['pool_control_ratio_median']:.3f}, "
+            f"rounds {low:.3f} .. {high:.3f}): the noise floor"
         )
     print(
         f"scheduler step ms  native {1e3 * result['step_s']['native']:10.3f}   "
