@@ -33,10 +33,11 @@ def report_problem(
     # holding one page with its output still to come may be over by more than it maps.
     grows = state.reserved_bytes + state.page_bundle_bytes if state.reserved_bytes else 0
     if state.overage_bytes > state.mapped_bytes + grows:
-        what = "mapped_bytes + reserved_bytes" if grows else "mapped_bytes"
+        if not grows:
+            return f"overage_bytes {state.overage_bytes} exceeds mapped_bytes {state.mapped_bytes}"
         return (
-            f"overage_bytes {state.overage_bytes} exceeds {what} "
-            f"{state.mapped_bytes + state.reserved_bytes}"
+            f"overage_bytes {state.overage_bytes} exceeds mapped_bytes + reserved_bytes + "
+            f"one page bundle ({state.mapped_bytes + grows})"
         )
     if state.status is not Status.APPLIED:
         return None  # a deferred reply may carry the previous pass's effective limit

@@ -616,7 +616,7 @@ BAD_INPUTS: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
         },
         {},
         422,
-        "overage_bytes 20 exceeds mapped_bytes + reserved_bytes 5",
+        "overage_bytes 20 exceeds mapped_bytes + reserved_bytes + one page bundle (7)",
     ),
 ]
 

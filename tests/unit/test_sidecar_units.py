@@ -241,8 +241,18 @@ def _consistent(rng: random.Random) -> EngineState:
     floor = rng.randrange(0, 64 << 20)
     effective = None if limit is None else max(limit, floor)
     over = 0 if effective is None else max(0, mapped - effective)
+    bundle = rng.choice([2 << 20, 64 << 20])
+    # the output reservation: the running requests' remaining output counts in the
+    # overage, in whole bundles, when it does not fit under the limit (it may exceed mapped)
+    reserved = rng.randrange(0, 8 * GiB) if rng.random() < 0.3 else 0
+    if reserved and effective is not None:
+        in_use = rng.randint(0, mapped)
+        shortfall = max(0, in_use + reserved - effective)
+        over = max(over, -(-shortfall // bundle) * bundle)
     applied = over == 0 and rng.random() < 0.7
     return EngineState(
+        page_bundle_bytes=bundle,
+        reserved_bytes=reserved,
         status=Status.APPLIED if applied else Status.DEFERRED,
         revision=rng.randint(1, 50),
         limit_bytes=limit,
