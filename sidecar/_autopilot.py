@@ -27,7 +27,7 @@ from ._errors import (
     UnknownDeviceError,
     UnknownInstanceError,
 )
-from ._instances import InstanceRecord
+from ._instances import InstanceRecord, limit_held
 from ._metrics import Metrics
 from ._models import DeviceMember, DeviceView, InstanceView, PlannedChange, PolicyView
 from ._policy import UNBOUNDED, Change, Member, Target, committed, compute_targets, plan
@@ -658,11 +658,7 @@ def _may_hold(state: EngineState) -> int:
     memory given back (a lower limit ``applied``)."""
     if state.status is not Status.APPLIED:
         return UNBOUNDED
-    held = (
-        state.effective_limit_bytes
-        if state.effective_limit_bytes is not None
-        else state.limit_bytes
-    )
+    held = limit_held(state)
     return max(UNBOUNDED if held is None else held, state.mapped_bytes)
 
 

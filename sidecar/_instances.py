@@ -11,7 +11,15 @@ from ._models import DesiredLimit, EngineInfo, InstanceView
 from ._policy import held_after_report, held_after_write
 from ._store import InstanceRow
 
-__all__ = ["InstanceRecord", "derive_status"]
+__all__ = ["InstanceRecord", "derive_status", "limit_held"]
+
+
+def limit_held(state: EngineState) -> int | None:
+    """The limit an engine works towards: its effective limit (max of limit and floor),
+    or the limit when the report has none (None: unlimited)."""
+    if state.effective_limit_bytes is not None:
+        return state.effective_limit_bytes
+    return state.limit_bytes
 
 
 @dataclass(slots=True)
@@ -49,15 +57,10 @@ class InstanceRecord:
         ``restarted``: a new engine process (registration), whose memory starts afresh.
         """
         self.observed = state
-        effective = (
-            state.effective_limit_bytes
-            if state.effective_limit_bytes is not None
-            else state.limit_bytes
-        )
         self.may_hold = held_after_report(
             0 if restarted else self.may_hold,
             applied=state.status is Status.APPLIED and state.revision >= self.row.revision,
-            effective=effective,
+            effective=limit_held(state),
             mapped=state.mapped_bytes,
         )
 
@@ -102,13 +105,7 @@ class InstanceRecord:
             desired=DesiredLimit(
                 limit_bytes=row.limit_bytes, revision=row.revision, updated_at=row.updated_at
             ),
-            effective_limit_bytes=None
-            if obs is None
-            else (
-                obs.effective_limit_bytes
-                if obs.effective_limit_bytes is not None
-                else obs.limit_bytes
-            ),
+            effective_limit_bytes=None if obs is None else limit_held(obs),
             mapped_bytes=0 if obs is None else obs.mapped_bytes,
             overage_bytes=0 if obs is None or status is not Status.DEFERRED else obs.overage_bytes,
             last_seen_s_ago=None if self.last_seen is None else round(now - self.last_seen, 3),
