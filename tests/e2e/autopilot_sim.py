@@ -18,6 +18,34 @@ GiB = 1 << 30
 PAGE = 64 << 20  # one page bundle
 
 
+def post_register(
+    client: httpx.Client, iid: str, state: EngineState, capacity: int, device: str | None
+) -> httpx.Response:
+    """A stand-in engine's registration over the real API."""
+    body = RegisterBody(
+        engine="sim",
+        engine_version="0",
+        socket_path=None,
+        device_total_bytes=capacity,
+        state=state,
+        device_id=device,
+    )
+    return client.post(
+        f"/instances/{iid}/register",
+        content=body.model_dump_json(),
+        headers={"content-type": "application/json"},
+    )
+
+
+def post_report(client: httpx.Client, iid: str, state: EngineState) -> httpx.Response:
+    """A stand-in engine's status report over the real API."""
+    return client.post(
+        f"/instances/{iid}/report",
+        content=state.model_dump_json(),
+        headers={"content-type": "application/json"},
+    )
+
+
 class SimEngine:
     """One stand-in engine on one device (test thread only)."""
 
@@ -66,19 +94,8 @@ class SimEngine:
         )
 
     def register(self, device: str | None = None) -> httpx.Response:
-        body = RegisterBody(
-            engine="sim",
-            engine_version="0",
-            socket_path=None,
-            device_total_bytes=self.capacity,
-            state=self.state(apply=False),
-            device_id=device or self.device,
-        )
-        r = self.client.post(
-            f"/instances/{self.iid}/register",
-            content=body.model_dump_json(),
-            headers={"content-type": "application/json"},
-        )
+        state = self.state(apply=False)
+        r = post_register(self.client, self.iid, state, self.capacity, device or self.device)
         if r.status_code == 200:
             self._take(r.json())
         return r
@@ -95,11 +112,7 @@ class SimEngine:
             self.mapped = max(self.mapped, min(want, cap))
             if self.mapped >= self.pinned + self.waiting:
                 self.pinned, self.waiting = self.pinned + self.waiting, 0
-        r = self.client.post(
-            f"/instances/{self.iid}/report",
-            content=self.state(apply=apply).model_dump_json(),
-            headers={"content-type": "application/json"},
-        )
+        r = post_report(self.client, self.iid, self.state(apply=apply))
         assert r.status_code == 200, r.text
         return view
 

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from autopilot_sim import post_register, post_report
 from support import ThreadedSidecar, wait_until
 
-from engine_ext.protocol import EngineState, RegisterBody, Status
+from engine_ext.protocol import EngineState, Status
 from sidecar import SidecarSettings
 
 DEV = "gpu-0"
@@ -127,19 +128,7 @@ class _Engine:
         )
 
     def register(self) -> None:
-        body = RegisterBody(
-            engine="sim",
-            engine_version="0",
-            socket_path=None,
-            device_total_bytes=CAPACITY,
-            state=self.state(),
-            device_id=DEV,
-        )
-        r = self.client.post(
-            f"/instances/{self.iid}/register",
-            content=body.model_dump_json(),
-            headers={"content-type": "application/json"},
-        )
+        r = post_register(self.client, self.iid, self.state(), CAPACITY, DEV)
         assert r.status_code == 200, r.text
 
     def sync(self) -> None:
@@ -149,11 +138,7 @@ class _Engine:
             self.revision, self.limit = desired["revision"], desired["limit_bytes"]
         self._evict()
         self._admit()
-        r = self.client.post(
-            f"/instances/{self.iid}/report",
-            content=self.state().model_dump_json(),
-            headers={"content-type": "application/json"},
-        )
+        r = post_report(self.client, self.iid, self.state())
         assert r.status_code == 200, r.text
 
 
