@@ -201,6 +201,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         num_over = num_blocks - num_fresh - num_reused  # above the target: running requests only
         if num_over and not self.overdraft:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        fields = self._fields
         if num_fresh:
             self._fresh_free = -1  # stale if alloc raises (a failed map is rolled back)
             ids = self._blocks.alloc(num_fresh)
@@ -215,7 +216,6 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
                         "limit)"
                     )
                 return self.get_new_blocks(num_blocks)  # the headroom is what is mapped now
-            fields = self._fields
             if fields is not None and not self._reuse_watchers:  # (watchers see ref_cnt 0)
                 ret = fields.take(self.blocks, ids)  # checked free, ref_cnt 1: the loop in C
                 done = len(ret)
@@ -238,11 +238,19 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
                     self._blocks.free([block.block_id for block in ret])
                 raise
         if num_reused:  # evictable blocks, least recently used first (vLLM's order)
-            reused = self.free_block_queue.popleft_n(num_reused)
-            self._blocks.unmark_evictable(map(_block_id, reused))
+            if fields is not None:
+                reused, reused_ids = fields.popleft_n(self.free_block_queue, num_reused)
+            else:
+                reused = self.free_block_queue.popleft_n(num_reused)
+                reused_ids = list(map(_block_id, reused))
+            self._blocks.unmark_evictable(reused_ids)
             for block in reused:
                 self._maybe_evict_cached_block(block)  # drops the hash, emits BlockRemoved
-            ret.extend(reused)
+            if done == len(ret) and fields is not None and not self._reuse_watchers:
+                ret.extend(fields.take(self.blocks, reused_ids))  # checked free, ref_cnt 1
+                done = len(ret)
+            else:
+                ret.extend(reused)
         if self._reuse_watchers:
             self._notify_reuse(ret)
         if done < len(ret):  # (done: the fresh blocks take() set up in C)
@@ -282,6 +290,13 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         """A prefix hit takes a reference; an evictable block leaves the LRU queue."""
         queue = self.free_block_queue
         collector = self.metrics_collector
+        fields = self._fields
+        if fields is not None and not collector:
+            hit_ids = fields.touch(queue, blocks)  # the loop in C (None: another class)
+            if hit_ids is not None:
+                if hit_ids:
+                    self._blocks.unmark_evictable(hit_ids)
+                return
         hit: list[int] = []
         for block in blocks:
             if block.is_null:
@@ -315,7 +330,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             split = self._split_freed(split, evict_now, retired)
         to_free, to_cache, cache_ids, foreign = split
         if to_cache:
-            self.free_block_queue.append_n(to_cache)
+            if fields is None or not fields.append_n(self.free_block_queue, to_cache):
+                self.free_block_queue.append_n(to_cache)  # (C: False for another class)
             self._blocks.mark_evictable(cache_ids)
         if to_free:
             self._fresh_free = -1

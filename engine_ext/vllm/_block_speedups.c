@@ -1,11 +1,12 @@
 /* engine_ext.vllm._block_speedups: ElasticBlockPool's two per-block loops, in C.
  *
  * vLLM's KVCacheBlock is a dataclass with __slots__; BlockFields(cls) finds the
- * slot offsets of the five fields the loops read (block_id, ref_cnt, pool,
- * _block_hash, is_null), as CPython's own LOAD_ATTR specialisation does, and
- * refuses a class whose fields are not plain object slots. Its two methods do
- * what the pure-Python loops of engine_ext/vllm/_block_pool.py do, for blocks
- * of exactly that class:
+ * slot offsets of the seven fields the loops read (block_id, ref_cnt, pool,
+ * _block_hash, is_null, prev_free_block, next_free_block), as CPython's own
+ * LOAD_ATTR specialisation does, and refuses a class whose fields are not plain
+ * object slots. Its methods do what the pure-Python loops of
+ * engine_ext/vllm/_block_pool.py (and vLLM's FreeKVCacheBlockQueue) do, for
+ * blocks of exactly that class:
  *
  *   take(all_blocks, ids)      the fresh blocks of get_new_blocks: all_blocks[i]
  *                              for i in ids, each checked free (ref_cnt 0, no
@@ -15,7 +16,19 @@
  *                              block, set aside blocks of another pool, take one
  *                              reference off, and sort the blocks that reach 0
  *                              into (ids to free, blocks to cache, their ids).
+ *   append_n(queue, blocks)    FreeKVCacheBlockQueue.append_n: link the blocks in
+ *                              at the tail; False (nothing changed) if a block is
+ *                              of another class;
+ *   popleft_n(queue, n)        FreeKVCacheBlockQueue.popleft_n, and the blocks' ids:
+ *                              (blocks, ids);
+ *   touch(queue, blocks)       BlockPool.touch without a metrics collector: a
+ *                              reference more on each block, a block held by the
+ *                              cache alone (ref_cnt 0) unlinked from the queue;
+ *                              returns the unlinked blocks' ids, or None (nothing
+ *                              changed) if a block is of another class.
  *
+ * The queue's own fields (num_free_blocks, fake_free_list_head/_tail) are read and
+ * written as attributes; its links are the blocks' slots, as vLLM's Python does.
  * A block of another class makes split_freed change nothing and return the
  * blocks as a list (the caller runs its Python loop over it); take raises.
  * The pool's tests run the same random traffic through both and compare.
@@ -28,13 +41,17 @@
 typedef struct {
     PyObject_HEAD
     PyTypeObject *cls;
-    Py_ssize_t off_block_id, off_ref_cnt, off_pool, off_block_hash, off_is_null;
+    Py_ssize_t off_block_id, off_ref_cnt, off_pool, off_block_hash, off_is_null, off_prev,
+        off_next;
 } BlockFields;
 
-static PyObject *s_fields[5]; /* the five field names, interned */
+#define NUM_FIELDS 7
+static PyObject *s_fields[NUM_FIELDS]; /* the field names, interned */
+static PyObject *s_num_free, *s_head, *s_tail; /* FreeKVCacheBlockQueue's attributes */
 static PyObject *one, *zero; /* the ints 1 and 0 */
-static const char *const field_names[5] = {"block_id", "ref_cnt", "pool", "_block_hash",
-                                           "is_null"};
+static const char *const field_names[NUM_FIELDS] = {
+    "block_id", "ref_cnt", "pool", "_block_hash", "is_null", "prev_free_block",
+    "next_free_block"};
 
 static Py_ssize_t
 slot_offset(PyTypeObject *cls, PyObject *name)
@@ -67,8 +84,8 @@ BlockFields_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     if (!PyArg_ParseTuple(args, "O!:BlockFields", &PyType_Type, &cls))
         return NULL;
-    Py_ssize_t offs[5];
-    for (int i = 0; i < 5; i++) {
+    Py_ssize_t offs[NUM_FIELDS];
+    for (int i = 0; i < NUM_FIELDS; i++) {
         offs[i] = slot_offset((PyTypeObject *)cls, s_fields[i]);
         if (offs[i] < 0)
             return NULL;
@@ -82,6 +99,8 @@ BlockFields_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->off_pool = offs[2];
     self->off_block_hash = offs[3];
     self->off_is_null = offs[4];
+    self->off_prev = offs[5];
+    self->off_next = offs[6];
     return (PyObject *)self;
 }
 
@@ -263,12 +282,257 @@ done:
     return result;
 }
 
+
+/* ------------------------------------------------------------ the free block queue */
+/* Store v (a new reference is taken) in a link slot. */
+static inline void
+set_link(PyObject *block, Py_ssize_t off, PyObject *v)
+{
+    Py_XSETREF(SLOT(block, off), Py_NewRef(v));
+}
+
+/* The queue's fake head or tail (a new reference), checked to be a block of cls. */
+static PyObject *
+queue_end(BlockFields *self, PyObject *queue, PyObject *name)
+{
+    PyObject *end = PyObject_GetAttr(queue, name);
+    if (end != NULL && !Py_IS_TYPE(end, self->cls)) {
+        PyErr_Format(PyExc_TypeError, "the queue's %U is a %s, not a %s", name,
+                     Py_TYPE(end)->tp_name, self->cls->tp_name);
+        Py_CLEAR(end);
+    }
+    return end;
+}
+
+/* The queue's num_free_blocks; -1 with an exception set on failure. */
+static Py_ssize_t
+queue_count(PyObject *queue)
+{
+    PyObject *v = PyObject_GetAttr(queue, s_num_free);
+    if (v == NULL)
+        return -1;
+    Py_ssize_t n = PyLong_Check(v) ? PyLong_AsSsize_t(v) : -1;
+    Py_DECREF(v);
+    if (n < 0 && !PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "the queue's num_free_blocks is not an int >= 0");
+    return n;
+}
+
+static int
+queue_set_count(PyObject *queue, Py_ssize_t n)
+{
+    PyObject *v = PyLong_FromSsize_t(n);
+    if (v == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(queue, s_num_free, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+static int
+all_of_class(BlockFields *self, PyObject **items, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!Py_IS_TYPE(items[i], self->cls))
+            return 0;
+    return 1;
+}
+
+static PyObject *
+BlockFields_append_n(BlockFields *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "append_n(queue, blocks: list)");
+        return NULL;
+    }
+    PyObject *queue = args[0], *blocks = args[1];
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    if (n == 0)
+        Py_RETURN_TRUE;
+    if (!all_of_class(self, PySequence_Fast_ITEMS(blocks), n))
+        Py_RETURN_FALSE; /* the caller runs vLLM's Python */
+    Py_ssize_t count = queue_count(queue);
+    if (count < 0)
+        return NULL;
+    PyObject *tail = queue_end(self, queue, s_tail);
+    if (tail == NULL)
+        return NULL;
+    PyObject *last = SLOT(tail, self->off_prev); /* borrowed: linked until replaced below */
+    if (last == NULL || last == Py_None || !Py_IS_TYPE(last, self->cls)) {
+        Py_DECREF(tail);
+        PyErr_SetString(PyExc_AssertionError,
+                        "prev_free_block of fake_free_list_tail should always exist");
+        return NULL;
+    }
+    Py_INCREF(last);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block = PyList_GET_ITEM(blocks, i);
+        set_link(block, self->off_prev, last);
+        set_link(last, self->off_next, block);
+        Py_SETREF(last, Py_NewRef(block));
+    }
+    set_link(last, self->off_next, tail);
+    set_link(tail, self->off_prev, last);
+    Py_DECREF(last);
+    Py_DECREF(tail);
+    if (queue_set_count(queue, count + n) < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+BlockFields_popleft_n(BlockFields *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyLong_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "popleft_n(queue, n: int)");
+        return NULL;
+    }
+    PyObject *queue = args[0];
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t count = queue_count(queue);
+    if (count < 0)
+        return NULL;
+    if (n < 0 || n > count) {
+        PyErr_Format(PyExc_AssertionError, "popleft_n(%zd) from a queue of %zd blocks", n,
+                     count);
+        return NULL;
+    }
+    PyObject *head = queue_end(self, queue, s_head);
+    if (head == NULL)
+        return NULL;
+    PyObject *out = PyList_New(n), *ids = PyList_New(n), *result = NULL;
+    if (out == NULL || ids == NULL)
+        goto done;
+    /* check the n blocks first (each linked, of cls, with an id): nothing changes on a
+     * broken queue */
+    PyObject *curr = SLOT(head, self->off_next);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (curr == NULL || !Py_IS_TYPE(curr, self->cls) || SLOT(curr, self->off_next) == NULL ||
+            SLOT(curr, self->off_next) == Py_None || SLOT(curr, self->off_block_id) == NULL) {
+            PyErr_Format(PyExc_AssertionError,
+                         "popleft_n(%zd): the free block queue breaks after %zd blocks", n, i);
+            goto done;
+        }
+        curr = SLOT(curr, self->off_next);
+    }
+    curr = Py_NewRef(SLOT(head, self->off_next));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *next = Py_NewRef(SLOT(curr, self->off_next));
+        PyList_SET_ITEM(ids, i, Py_NewRef(SLOT(curr, self->off_block_id)));
+        set_link(curr, self->off_prev, Py_None);
+        set_link(curr, self->off_next, Py_None);
+        PyList_SET_ITEM(out, i, curr); /* takes our reference */
+        curr = next;
+    }
+    set_link(head, self->off_next, curr);
+    set_link(curr, self->off_prev, head);
+    Py_DECREF(curr);
+    if (queue_set_count(queue, count - n) < 0)
+        goto done;
+    result = PyTuple_Pack(2, out, ids);
+done:
+    Py_DECREF(head);
+    Py_XDECREF(out);
+    Py_XDECREF(ids);
+    return result;
+}
+
+static PyObject *
+BlockFields_touch(BlockFields *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "touch(queue, blocks)");
+        return NULL;
+    }
+    PyObject *queue = args[0];
+    PyObject *seq = PySequence_Fast(args[1], "touch(): blocks must be iterable");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (!all_of_class(self, items, n)) {
+        Py_DECREF(seq);
+        Py_RETURN_NONE; /* the caller runs the Python loop */
+    }
+    PyObject *hit = PyList_New(0), *result = NULL;
+    Py_ssize_t removed = 0;
+    if (hit == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block = items[i];
+        PyObject *v = read_slot(block, self->off_is_null, 4);
+        if (v == NULL)
+            goto done;
+        int is_null = v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v);
+        if (is_null < 0)
+            goto done;
+        if (is_null)
+            continue;
+        PyObject *ref = read_slot(block, self->off_ref_cnt, 1);
+        if (ref == NULL)
+            goto done;
+        Py_ssize_t count = PyLong_CheckExact(ref) ? PyLong_AsSsize_t(ref) : -1;
+        if (count < 0) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "touch(): block ref_cnt %R", ref);
+            goto done;
+        }
+        if (count == 0) { /* held by the cache alone: out of the queue (vLLM's remove) */
+            PyObject *prev = SLOT(block, self->off_prev), *next = SLOT(block, self->off_next);
+            if (prev == NULL || prev == Py_None || next == NULL || next == Py_None ||
+                !Py_IS_TYPE(prev, self->cls) || !Py_IS_TYPE(next, self->cls)) {
+                PyErr_Format(PyExc_RuntimeError, "remove() called on an invalid block: %R",
+                             block);
+                goto done;
+            }
+            Py_INCREF(prev);
+            Py_INCREF(next);
+            set_link(prev, self->off_next, next);
+            set_link(next, self->off_prev, prev);
+            Py_DECREF(prev);
+            Py_DECREF(next);
+            set_link(block, self->off_prev, Py_None);
+            set_link(block, self->off_next, Py_None);
+            removed += 1;
+            PyObject *id = read_slot(block, self->off_block_id, 0);
+            if (id == NULL || PyList_Append(hit, id) < 0) {
+                Py_XSETREF(SLOT(block, self->off_ref_cnt), Py_NewRef(one));
+                goto done;
+            }
+        }
+        PyObject *more = PyLong_FromSsize_t(count + 1);
+        if (more == NULL)
+            goto done;
+        Py_XSETREF(SLOT(block, self->off_ref_cnt), more);
+    }
+    result = Py_NewRef(hit);
+done:
+    if (removed) { /* the count follows the links, also when a later block failed */
+        Py_ssize_t count = queue_count(queue);
+        if (count < 0 || queue_set_count(queue, count - removed) < 0)
+            Py_CLEAR(result);
+    }
+    Py_DECREF(seq);
+    Py_XDECREF(hit);
+    return result;
+}
+
 static PyMethodDef BlockFields_methods[] = {
     {"take", (PyCFunction)(void (*)(void))BlockFields_take, METH_FASTCALL,
      "take(all_blocks, ids) -> [all_blocks[i] for i in ids], each checked free, ref_cnt 1."},
     {"split_freed", (PyCFunction)(void (*)(void))BlockFields_split_freed, METH_FASTCALL,
      "split_freed(blocks, pool) -> (ids to free, blocks to cache, their ids, other pools' "
      "blocks), one reference taken off each; or the blocks as a list (another class)."},
+    {"append_n", (PyCFunction)(void (*)(void))BlockFields_append_n, METH_FASTCALL,
+     "append_n(queue, blocks) -> True: FreeKVCacheBlockQueue.append_n; False (nothing "
+     "changed) if a block is of another class."},
+    {"popleft_n", (PyCFunction)(void (*)(void))BlockFields_popleft_n, METH_FASTCALL,
+     "popleft_n(queue, n) -> (blocks, ids): FreeKVCacheBlockQueue.popleft_n and the ids."},
+    {"touch", (PyCFunction)(void (*)(void))BlockFields_touch, METH_FASTCALL,
+     "touch(queue, blocks) -> ids unlinked from the queue: BlockPool.touch without "
+     "metrics; None (nothing changed) if a block is of another class."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -305,11 +569,16 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__block_speedups(void)
 {
-    for (int i = 0; i < 5; i++) {
+    for (int i = 0; i < NUM_FIELDS; i++) {
         s_fields[i] = PyUnicode_InternFromString(field_names[i]);
         if (s_fields[i] == NULL)
             return NULL;
     }
+    s_num_free = PyUnicode_InternFromString("num_free_blocks");
+    s_head = PyUnicode_InternFromString("fake_free_list_head");
+    s_tail = PyUnicode_InternFromString("fake_free_list_tail");
+    if (s_num_free == NULL || s_head == NULL || s_tail == NULL)
+        return NULL;
     one = PyLong_FromLong(1);
     zero = PyLong_FromLong(0);
     if (one == NULL || zero == NULL)

@@ -14,3 +14,11 @@ class BlockFields:
     ) -> tuple[list[int], list[Any], list[int], list[Any]] | list[Any]:
         """One reference off each block: (ids to free, blocks to cache, their ids, other
         pools' blocks); or, with a block of another class, the blocks as a list, unchanged."""
+    def append_n(self, queue: Any, blocks: list[Any]) -> bool:
+        """``FreeKVCacheBlockQueue.append_n(blocks)``; False (nothing changed) if a block is
+        of another class."""
+    def popleft_n(self, queue: Any, n: int) -> tuple[list[Any], list[int]]:
+        """``FreeKVCacheBlockQueue.popleft_n(n)`` and the popped blocks' ids."""
+    def touch(self, queue: Any, blocks: Any) -> list[int] | None:
+        """``BlockPool.touch(blocks)`` without a metrics collector: the ids of the blocks it
+        unlinked from the queue; None (nothing changed) if a block is of another class."""

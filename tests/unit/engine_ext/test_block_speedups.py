@@ -1,6 +1,6 @@
 """ElasticBlockPool's per-block loops in C (engine_ext/vllm/_block_speedups.c), alone.
 
-``BlockFields`` works on any class whose five fields are plain slots, so these
+``BlockFields`` works on any class whose seven fields are plain slots, so these
 tests use a slotted dataclass shaped like vLLM's ``KVCacheBlock`` (no vLLM
 import). The pool-level comparison with the Python loops, under vLLM's real
 KVCacheManager, is ``test_c_block_loops_do_what_the_python_loops_do`` in
@@ -33,6 +33,8 @@ class Blk:
     ref_cnt: int = 0
     pool: object = field(default=None, kw_only=True)
     _block_hash: object = None
+    prev_free_block: Any = None
+    next_free_block: Any = None
     is_null: bool = False
 
 
@@ -42,6 +44,8 @@ class Other:  # same fields, another class
     ref_cnt: int = 0
     pool: object = field(default=None, kw_only=True)
     _block_hash: object = None
+    prev_free_block: Any = None
+    next_free_block: Any = None
     is_null: bool = False
 
 
@@ -55,6 +59,7 @@ def test_block_loops_are_built() -> None:
 def test_block_fields_refuse_a_class_without_plain_slots() -> None:
     class Plain:
         block_id = ref_cnt = pool = _block_hash = is_null = 0
+        prev_free_block = next_free_block = None
 
     @dataclass(slots=True)
     class Missing:
@@ -203,3 +208,44 @@ def test_block_loops_leak_no_references() -> None:
         tracemalloc.stop()
     assert second - first < 4096
     assert [sys.getrefcount(b) for b in blocks] == refs
+
+
+class _Queue:  # FreeKVCacheBlockQueue's three fields, over Blk (the links are the blocks')
+    def __init__(self) -> None:
+        self.num_free_blocks = 0
+        self.fake_free_list_head, self.fake_free_list_tail = Blk(-1), Blk(-1)
+        self.fake_free_list_head.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = self.fake_free_list_head
+
+
+def test_queue_loops_leak_no_references() -> None:
+    fields = BlockFields(Blk)
+    queue = _Queue()
+    blocks = [Blk(i) for i in range(64)]
+    ends = (queue.fake_free_list_head, queue.fake_free_list_tail)
+    refs = [sys.getrefcount(b) for b in (*blocks, *ends)]
+
+    def one_round(n: int) -> None:
+        assert fields.append_n(queue, blocks[:n])
+        assert fields.touch(queue, blocks[: n // 2]) == list(range(n // 2))
+        got, ids = fields.popleft_n(queue, n - n // 2)
+        assert ids == list(range(n // 2, n)) and got == blocks[n // 2 : n]
+        for block in blocks[: n // 2]:
+            block.ref_cnt = 0
+        assert queue.num_free_blocks == 0
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for round_no in range(1000):
+            one_round(round_no % 64)
+        gc.collect()
+        first, _ = tracemalloc.get_traced_memory()
+        for _ in range(1000):
+            one_round(40)
+        gc.collect()
+        second, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert second - first < 4096
+    assert [sys.getrefcount(b) for b in (*blocks, *ends)] == refs
