@@ -201,6 +201,27 @@ undo:
     return NULL;
 }
 
+static int
+all_of_class(BlockFields *self, PyObject **items, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!Py_IS_TYPE(items[i], self->cls))
+            return 0;
+    return 1;
+}
+
+/* A new list of the n items of items[] (new references). */
+static PyObject *
+list_of(PyObject **items, Py_ssize_t n)
+{
+    PyObject *list = PyList_New(n);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyList_SET_ITEM(list, i, Py_NewRef(items[i]));
+    return list;
+}
+
 static PyObject *
 BlockFields_split_freed(BlockFields *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -214,17 +235,23 @@ BlockFields_split_freed(BlockFields *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!Py_IS_TYPE(items[i], self->cls)) { /* the Python loop handles it: no change */
-            PyObject *list = PySequence_List(seq);
-            Py_DECREF(seq);
-            return list;
-        }
+    if (!all_of_class(self, items, n)) { /* the Python loop handles it: no change */
+        PyObject *list = PySequence_List(seq);
+        Py_DECREF(seq);
+        return list;
     }
-    PyObject *to_free = PyList_New(0), *to_cache = PyList_New(0), *cache_ids = PyList_New(0),
-             *others = PyList_New(0), *result = NULL;
-    if (to_free == NULL || to_cache == NULL || cache_ids == NULL || others == NULL)
+    /* the three partitions as borrowed pointers first (each at most n long), then lists
+     * of their exact sizes: no append per block */
+    PyObject **buf = PyMem_Malloc((size_t)(3 * (n ? n : 1)) * sizeof(PyObject *));
+    PyObject *others = PyList_New(0), *result = NULL;
+    PyObject *to_free = NULL, *to_cache = NULL, *cache_ids = NULL;
+    if (buf == NULL || others == NULL) {
+        if (buf == NULL)
+            PyErr_NoMemory();
         goto done;
+    }
+    PyObject **free_ids = buf, **cached = buf + n, **cached_ids = buf + 2 * n;
+    Py_ssize_t num_free = 0, num_cached = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *block = items[i];
         PyObject *v = read_slot(block, self->off_is_null, 4);
@@ -247,16 +274,19 @@ BlockFields_split_freed(BlockFields *self, PyObject *const *args, Py_ssize_t nar
         if (ref == NULL)
             goto done;
         PyObject *less;
+        int held;
         if (PyLong_CheckExact(ref)) {
             Py_ssize_t count = PyLong_AsSsize_t(ref);
             less = count == -1 && PyErr_Occurred() ? NULL : PyLong_FromSsize_t(count - 1);
+            held = count != 1;
         }
-        else
+        else {
             less = PyNumber_Subtract(ref, one);
+            held = less == NULL ? 0 : PyObject_IsTrue(less);
+        }
         if (less == NULL)
             goto done;
         Py_XSETREF(SLOT(block, self->off_ref_cnt), less);
-        int held = PyObject_IsTrue(less);
         if (held < 0)
             goto done;
         if (held)
@@ -265,15 +295,22 @@ BlockFields_split_freed(BlockFields *self, PyObject *const *args, Py_ssize_t nar
         PyObject *hash = id == NULL ? NULL : read_slot(block, self->off_block_hash, 3);
         if (hash == NULL)
             goto done;
-        if (hash == Py_None) {
-            if (PyList_Append(to_free, id) < 0)
-                goto done;
+        if (hash == Py_None)
+            free_ids[num_free++] = id;
+        else {
+            cached[num_cached] = block;
+            cached_ids[num_cached++] = id;
         }
-        else if (PyList_Append(to_cache, block) < 0 || PyList_Append(cache_ids, id) < 0)
-            goto done;
     }
-    result = PyTuple_Pack(4, to_free, to_cache, cache_ids, others);
+    /* the borrowed pointers are still alive: the blocks are held by seq, their ids by
+     * the blocks (nothing above replaced a block_id) */
+    to_free = list_of(free_ids, num_free);
+    to_cache = to_free == NULL ? NULL : list_of(cached, num_cached);
+    cache_ids = to_cache == NULL ? NULL : list_of(cached_ids, num_cached);
+    if (cache_ids != NULL)
+        result = PyTuple_Pack(4, to_free, to_cache, cache_ids, others);
 done:
+    PyMem_Free(buf);
     Py_DECREF(seq);
     Py_XDECREF(to_free);
     Py_XDECREF(to_cache);
@@ -281,7 +318,6 @@ done:
     Py_XDECREF(others);
     return result;
 }
-
 
 /* ------------------------------------------------------------ the free block queue */
 /* Store v (a new reference is taken) in a link slot. */
@@ -329,14 +365,6 @@ queue_set_count(PyObject *queue, Py_ssize_t n)
     return rc;
 }
 
-static int
-all_of_class(BlockFields *self, PyObject **items, Py_ssize_t n)
-{
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!Py_IS_TYPE(items[i], self->cls))
-            return 0;
-    return 1;
-}
 
 static PyObject *
 BlockFields_append_n(BlockFields *self, PyObject *const *args, Py_ssize_t nargs)
