@@ -131,7 +131,11 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         if self.overdraft:  # a running request: every unallocated block, above the target
             num_evictable: int = self.free_block_queue.num_free_blocks
             return self._num_blocks - self._blocks.num_allocated_blocks + num_evictable
-        return self._free_under_target()
+        fresh = self._fresh_free  # _free_under_target(), inline (called at every allocation)
+        if fresh < 0:
+            fresh = self._fresh_free = self._blocks.num_free_blocks
+        queued: int = self.free_block_queue.num_free_blocks
+        return fresh + queued
 
     def _free_under_target(self) -> int:
         """Blocks the allocator can hand out under the target + evictable blocks."""
@@ -238,19 +242,21 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
                     self._blocks.free([block.block_id for block in ret])
                 raise
         if num_reused:  # evictable blocks, least recently used first (vLLM's order)
+            # in C: checked free and given ref_cnt 1 as they leave the queue (the hash is
+            # dropped below: it does not read ref_cnt), unless blocks before them still
+            # wait for the Python loop or reuse watchers must see them free
+            hold = done == len(ret) and fields is not None and not self._reuse_watchers
             if fields is not None:
-                reused, reused_ids = fields.popleft_n(self.free_block_queue, num_reused)
+                reused, reused_ids = fields.popleft_n(self.free_block_queue, num_reused, hold)
             else:
                 reused = self.free_block_queue.popleft_n(num_reused)
                 reused_ids = list(map(_block_id, reused))
             self._blocks.unmark_evictable(reused_ids)
             for block in reused:
                 self._maybe_evict_cached_block(block)  # drops the hash, emits BlockRemoved
-            if done == len(ret) and fields is not None and not self._reuse_watchers:
-                ret.extend(fields.take(self.blocks, reused_ids))  # checked free, ref_cnt 1
+            ret.extend(reused)
+            if hold:
                 done = len(ret)
-            else:
-                ret.extend(reused)
         if self._reuse_watchers:
             self._notify_reuse(ret)
         if done < len(ret):  # (done: the fresh blocks take() set up in C)

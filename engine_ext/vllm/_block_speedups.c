@@ -19,8 +19,9 @@
  *   append_n(queue, blocks)    FreeKVCacheBlockQueue.append_n: link the blocks in
  *                              at the tail; False (nothing changed) if a block is
  *                              of another class;
- *   popleft_n(queue, n)        FreeKVCacheBlockQueue.popleft_n, and the blocks' ids:
- *                              (blocks, ids);
+ *   popleft_n(queue, n, hold)  FreeKVCacheBlockQueue.popleft_n, and the blocks' ids:
+ *                              (blocks, ids); with hold, each block is checked free
+ *                              (ref_cnt 0) and given ref_cnt 1, as get_new_blocks does;
  *   touch(queue, blocks)       BlockPool.touch without a metrics collector: a
  *                              reference more on each block, a block held by the
  *                              cache alone (ref_cnt 0) unlinked from the queue;
@@ -411,11 +412,14 @@ BlockFields_append_n(BlockFields *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 BlockFields_popleft_n(BlockFields *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !PyLong_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "popleft_n(queue, n: int)");
+    if (nargs < 2 || nargs > 3 || !PyLong_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "popleft_n(queue, n: int, hold: bool = False)");
         return NULL;
     }
     PyObject *queue = args[0];
+    int hold = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
+    if (hold < 0)
+        return NULL;
     Py_ssize_t n = PyLong_AsSsize_t(args[1]);
     if (n == -1 && PyErr_Occurred())
         return NULL;
@@ -433,8 +437,8 @@ BlockFields_popleft_n(BlockFields *self, PyObject *const *args, Py_ssize_t nargs
     PyObject *out = PyList_New(n), *ids = PyList_New(n), *result = NULL;
     if (out == NULL || ids == NULL)
         goto done;
-    /* check the n blocks first (each linked, of cls, with an id): nothing changes on a
-     * broken queue */
+    /* check the n blocks first (each linked, of cls, with an id; free with hold): nothing
+     * changes on a broken queue */
     PyObject *curr = SLOT(head, self->off_next);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (curr == NULL || !Py_IS_TYPE(curr, self->cls) || SLOT(curr, self->off_next) == NULL ||
@@ -442,6 +446,15 @@ BlockFields_popleft_n(BlockFields *self, PyObject *const *args, Py_ssize_t nargs
             PyErr_Format(PyExc_AssertionError,
                          "popleft_n(%zd): the free block queue breaks after %zd blocks", n, i);
             goto done;
+        }
+        if (hold) {
+            PyObject *ref = SLOT(curr, self->off_ref_cnt);
+            if (ref == NULL || !PyLong_CheckExact(ref) || PyLong_AsSsize_t(ref) != 0) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_AssertionError,
+                             "popleft_n(%zd): a queued block is in use (ref_cnt %R)", n, ref);
+                goto done;
+            }
         }
         curr = SLOT(curr, self->off_next);
     }
@@ -451,6 +464,8 @@ BlockFields_popleft_n(BlockFields *self, PyObject *const *args, Py_ssize_t nargs
         PyList_SET_ITEM(ids, i, Py_NewRef(SLOT(curr, self->off_block_id)));
         set_link(curr, self->off_prev, Py_None);
         set_link(curr, self->off_next, Py_None);
+        if (hold)
+            Py_XSETREF(SLOT(curr, self->off_ref_cnt), Py_NewRef(one));
         PyList_SET_ITEM(out, i, curr); /* takes our reference */
         curr = next;
     }
@@ -557,7 +572,8 @@ static PyMethodDef BlockFields_methods[] = {
      "append_n(queue, blocks) -> True: FreeKVCacheBlockQueue.append_n; False (nothing "
      "changed) if a block is of another class."},
     {"popleft_n", (PyCFunction)(void (*)(void))BlockFields_popleft_n, METH_FASTCALL,
-     "popleft_n(queue, n) -> (blocks, ids): FreeKVCacheBlockQueue.popleft_n and the ids."},
+     "popleft_n(queue, n, hold=False) -> (blocks, ids): FreeKVCacheBlockQueue.popleft_n and "
+     "the ids; with hold each block is checked free and given ref_cnt 1."},
     {"touch", (PyCFunction)(void (*)(void))BlockFields_touch, METH_FASTCALL,
      "touch(queue, blocks) -> ids unlinked from the queue: BlockPool.touch without "
      "metrics; None (nothing changed) if a block is of another class."},

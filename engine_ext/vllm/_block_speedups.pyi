@@ -17,8 +17,9 @@ class BlockFields:
     def append_n(self, queue: Any, blocks: list[Any]) -> bool:
         """``FreeKVCacheBlockQueue.append_n(blocks)``; False (nothing changed) if a block is
         of another class."""
-    def popleft_n(self, queue: Any, n: int) -> tuple[list[Any], list[int]]:
-        """``FreeKVCacheBlockQueue.popleft_n(n)`` and the popped blocks' ids."""
+    def popleft_n(self, queue: Any, n: int, hold: bool = False) -> tuple[list[Any], list[int]]:
+        """``FreeKVCacheBlockQueue.popleft_n(n)`` and the popped blocks' ids; ``hold``: each
+        block checked free (ref_cnt 0, else AssertionError, nothing changed), ref_cnt 1."""
     def touch(self, queue: Any, blocks: Any) -> list[int] | None:
         """``BlockPool.touch(blocks)`` without a metrics collector: the ids of the blocks it
         unlinked from the queue; None (nothing changed) if a block is of another class."""

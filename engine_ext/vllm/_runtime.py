@@ -379,7 +379,8 @@ class VllmRuntime:
                         request, args, kwargs, pool.hash_block_size
                     )
             else:  # an admission: its prefix lookup feeds prefix_hit_rate
-                self._hits.record(_hit_tokens(args, kwargs), request.num_tokens)
+                hit = args[1] if kwargs is _ALL_POSITIONAL_033 else _hit_tokens(args, kwargs)
+                self._hits.record(hit, request.num_tokens)
                 if reservation is not None:
                     held_now = manager.coordinator.single_type_managers[0].req_to_blocks
                     reservation.admitted(request, len(held_now.get(request.request_id, ())))

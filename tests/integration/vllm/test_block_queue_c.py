@@ -80,11 +80,13 @@ def test_c_queue_loops_do_what_vllms_python_does(seed: int) -> None:
         queued = [b.block_id for b in py_queue.get_all_free_blocks()]
         if roll < 0.35 and queued:  # an allocation reuses the least recently used
             n = rng.randint(0, min(len(queued), 9))
+            hold = rng.random() < 0.5  # ref_cnt 1 in C, or by the caller as vLLM does
             expected = py_queue.popleft_n(n)
-            got, ids = fields.popleft_n(c_queue, n)
+            got, ids = fields.popleft_n(c_queue, n, hold) if hold else fields.popleft_n(c_queue, n)
             assert [b.block_id for b in got] == [b.block_id for b in expected] == ids
             assert all(g is c_blocks[i] for g, i in zip(got, ids))
-            for block in (*expected, *got):
+            for block in expected if hold else (*expected, *got):
+                assert block.ref_cnt == 0
                 block.ref_cnt += 1
             held.extend(ids)
         elif roll < 0.7 and held:  # a request frees: its blocks go back (to the tail)
@@ -120,6 +122,10 @@ def test_c_queue_loops_fail_as_vllm_does_and_change_what_it_changes() -> None:
         fields.popleft_n(c_queue, NUM_BLOCKS)
     with pytest.raises(AssertionError):
         fields.popleft_n(c_queue, -1)
+    c_blocks[3].ref_cnt = 1  # queued yet in use: popping it with hold is refused whole
+    with pytest.raises(AssertionError, match="in use"):
+        fields.popleft_n(c_queue, 4, True)
+    c_blocks[3].ref_cnt = 0
     assert _state(c_blocks, c_queue) == _state(py_blocks, py_queue)
     # a prefix hit on a block evicted meanwhile (ref_cnt 0, not queued: the race of issue
     # 11): the blocks before it are touched, then remove() raises, in both
