@@ -335,16 +335,25 @@ class PoolRounds:
         default_factory=lambda: {"control": [], "cold": [], "premapped": []}
     )
     map_share: list[float] = field(default_factory=list)
+    paired: bool = False  # lockstep rounds, built in turned order: two make a measurement
 
     def ratio(self, kind: str) -> tuple[float, float]:
-        """(best round over best round, median of the per-round ratios) of ``kind``
+        """(best round over best round, median of the per-pair ratios) of ``kind``
         against its native side."""
         elastic, native = getattr(self, kind), self.native[kind]
-        per_round = statistics.median(e / n for e, n in zip(elastic, native))
-        return max(elastic) / max(native), per_round
+        return max(elastic) / max(native), statistics.median(self.per_pair(kind))
 
     def per_round(self, kind: str) -> list[float]:
         return [e / n for e, n in zip(getattr(self, kind), self.native[kind])]
+
+    def per_pair(self, kind: str) -> list[float]:
+        """The mean ratio of each two consecutive rounds (a lockstep pair is built in
+        one order, then in the other: the order moves a ratio by up to 4 points on this
+        machine, so one round of each makes a measurement); per round if only one."""
+        rounds = self.per_round(kind)
+        if not self.paired or len(rounds) < 2:
+            return rounds
+        return [(rounds[i] + rounds[i + 1]) / 2 for i in range(0, len(rounds) - 1, 2)]
 
 
 def pool_rounds(prompts: list[list[int]], rounds: int, chunk: int = 0) -> PoolRounds:
@@ -359,7 +368,7 @@ def pool_rounds(prompts: list[list[int]], rounds: int, chunk: int = 0) -> PoolRo
     order would favour some. 0: one whole trace after the other, one native trace per
     round, the order turned by one each round so that no side always runs first.
     """
-    out = PoolRounds()
+    out = PoolRounds(paired=chunk > 0)
     kinds = ["control", "cold", "premapped"]
     for round_no in range(rounds):
         if chunk > 0:
@@ -533,9 +542,15 @@ WARM_KV_BYTES = 8 << 20  # --warm: 512 blocks, full after the warm-up round
 
 
 def scheduler_rounds(
-    model_dir: Path, rounds: int, num_requests: int, warm: bool = False
+    model_dir: Path,
+    rounds: int,
+    num_requests: int,
+    warm: bool = False,
+    kinds: tuple[str, str] = ("native", "elastic"),
 ) -> tuple[list[float], list[float]]:
-    """Per-round median seconds of scheduler work per step, native and elastic.
+    """Per-round median seconds of scheduler work per step of the two ``kinds``
+    ("native" or "elastic"; built in that order; ("native", "native") is an A/A
+    control).
 
     Both engines are built once and stay up and step in lockstep, one step each in
     turn (the plugin's per-step patches are installed only around the elastic
@@ -554,10 +569,6 @@ def scheduler_rounds(
         _update_from_output,
     )
 
-    with pool_class(False):
-        native = _engine(False, model_dir, WARM_KV_BYTES if warm else 64 << 20)
-    with pool_class(True):
-        elastic = _engine(True, model_dir, WARM_KV_BYTES if warm else 64 << 20)
     rows = [
         (Scheduler, "schedule", _schedule),
         (Scheduler, "update_from_output", _update_from_output),
@@ -569,28 +580,37 @@ def scheduler_rounds(
         (owner, name, factory(method, None))
         for (owner, name, factory), (_, _, method) in zip(rows, plain)
     ]
-    timings: dict[bool, list[float]] = {False: [], True: []}
-    _timed(native.scheduler, timings[False])
-    _timed(elastic.scheduler, timings[True])
-    sides = ((False, native, plain), (True, elastic, patched))
-    medians: dict[bool, list[float]] = {False: [], True: []}
+    engines = []
+    for kind in kinds:
+        with pool_class(kind == "elastic"):
+            engines.append(
+                _engine(kind == "elastic", model_dir, WARM_KV_BYTES if warm else 64 << 20)
+            )
+    sides = [
+        (i, engine, patched if kind == "elastic" else plain)
+        for i, (kind, engine) in enumerate(zip(kinds, engines))
+    ]
+    timings: list[list[float]] = [[], []]
+    for i, engine, _methods in sides:
+        _timed(engine.scheduler, timings[i])
+    medians: list[list[float]] = [[], []]
     try:
         for round_no in range(rounds + 1):  # round 0 warms both up and is not kept
-            for side, engine, methods in sides:
+            for i, engine, methods in sides:
                 for owner, name, method in methods:
                     setattr(owner, name, method)
                 if not warm:
                     engine.reset_prefix_cache()
                 for request in _step_requests(round_no, num_requests):
                     engine.add_request(*engine.preprocess_add_request(request))
-                timings[side].clear()
+                timings[i].clear()
             gc.collect()
             gc.disable()
             try:  # lockstep: one step of each in turn, so both see the same moments
                 busy = True
                 while busy:
                     busy = False
-                    for _side, engine, methods in sides:
+                    for _i, engine, methods in sides:
                         if engine.scheduler.has_requests():
                             for owner, name, method in methods:
                                 setattr(owner, name, method)
@@ -599,20 +619,21 @@ def scheduler_rounds(
             finally:
                 gc.enable()
             if round_no:
-                for side, _engine_core, _methods in sides:
-                    times = timings[side]
-                    steps = [times[i] + times[i + 1] for i in range(0, len(times) - 1, 2)]
-                    medians[side].append(statistics.median(steps))
-        for owner, name, method in patched:
-            setattr(owner, name, method)
-        _idle_safe_point.append(idle_safe_point_s())
+                for i, _engine_core, _methods in sides:
+                    times = timings[i]
+                    steps = [times[j] + times[j + 1] for j in range(0, len(times) - 1, 2)]
+                    medians[i].append(statistics.median(steps))
+        if "elastic" in kinds:
+            for owner, name, method in patched:
+                setattr(owner, name, method)
+            _idle_safe_point.append(idle_safe_point_s())
     finally:
         for owner, name, method in plain:
             setattr(owner, name, method)
-        native.shutdown()
-        elastic.shutdown()
+        for engine in engines:
+            engine.shutdown()
         clear_kv_memory()
-    return medians[False], medians[True]
+    return medians[0], medians[1]
 
 
 # -- 3. bytecodes executed (load-independent) ------------------------------------------
@@ -765,9 +786,10 @@ def main() -> None:
     parser.add_argument(
         "--pool-rounds",
         type=int,
-        default=9,
+        default=10,
         help="rounds of the block pool trace (each: native with an A/A control, with the cold "
-        "elastic pool and with the pre-mapped one)",
+        "elastic pool and with the pre-mapped one; in lockstep, two rounds make one "
+        "measurement, one built in each order)",
     )
     parser.add_argument(
         "--pool-chunk",
@@ -775,6 +797,12 @@ def main() -> None:
         default=16,
         help="the pool trace's sides run in lockstep, this many ops at a time (0: one whole "
         "trace after the other)",
+    )
+    parser.add_argument(
+        "--no-step-control",
+        dest="step_control",
+        action="store_false",
+        help="skip the scheduler step's A/A control (two native engines in lockstep)",
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument(
@@ -861,6 +889,9 @@ def main() -> None:
 
     model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
     native_step, elastic_step = scheduler_rounds(model_dir, args.rounds, 64, args.warm)
+    control_step: tuple[list[float], list[float]] | None = None
+    if args.step_control:  # two native engines: what identical code measures here
+        control_step = scheduler_rounds(model_dir, args.rounds, 64, args.warm, ("native",) * 2)
     # Best of the rounds (the least disturbed run, as timeit advises) is the headline;
     # the median of per-round ratios is kept to show the spread on a busy machine.
     result: dict[str, Any] = {}
@@ -885,6 +916,9 @@ def main() -> None:
         "step_ratio": min(elastic_step) / min(native_step),
         "step_ratio_median": statistics.median(e / n for e, n in zip(elastic_step, native_step)),
         "idle_safe_point_s": min(_idle_safe_point),
+        "step_control_ratio_median": None
+        if control_step is None
+        else statistics.median(b / a for a, b in zip(*control_step)),
         # two safe points per step (top and end of schedule()) against native step time
         "state_refresh_ratio": 1 + 2 * min(_idle_safe_point) / min(native_step),
     }
@@ -895,7 +929,10 @@ def main() -> None:
             if args.pool_chunk > 0
             else "one trace after the other"
         )
-        print(f"block pool ops/s, {args.pool_rounds} rounds ({how}); median of per-round ratios:")
+        pairs = (
+            "per-pair (two rounds, built in turned order)" if args.pool_chunk > 0 else "per-round"
+        )
+        print(f"block pool ops/s, {args.pool_rounds} rounds ({how}); median of {pairs} ratios:")
         print(
             f"  cold elastic (maps during the trace)  ratio {result['pool_ratio_median']:.3f} "
             f"(goal >= 0.95; best round over best round {result['pool_ratio']:.3f}); "
@@ -924,6 +961,11 @@ def main() -> None:
         f"ratio {result['step_ratio']:.3f} (goal <= 1.05 issue 11, <= 1.03 issue 17; median of rounds "
         f"{result['step_ratio_median']:.3f})"
     )
+    if result["step_control_ratio_median"] is not None:
+        print(
+            f"  A/A control (two native engines)  median of rounds "
+            f"{result['step_control_ratio_median']:.3f}: the noise floor"
+        )
     print(
         f"idle safe point us {1e6 * result['idle_safe_point_s']:10.2f}   "
         f"2 per step / native step: {result['state_refresh_ratio']:.4f}x"
