@@ -211,6 +211,27 @@ all_of_class(BlockFields *self, PyObject **items, Py_ssize_t n)
     return 1;
 }
 
+/* arg as a fast sequence (a new reference in *seq): 1 if every item is a block of cls,
+ * 0 if one is not (the caller's Python loop then runs), -1 with an exception set. */
+static int
+fast_blocks(BlockFields *self, PyObject *arg, const char *what, PyObject **seq)
+{
+    *seq = PySequence_Fast(arg, what);
+    if (*seq == NULL)
+        return -1;
+    return all_of_class(self, PySequence_Fast_ITEMS(*seq), PySequence_Fast_GET_SIZE(*seq));
+}
+
+/* Whether a block is vLLM's null block: 1, 0, or -1 with an exception set. */
+static int
+null_block(BlockFields *self, PyObject *block)
+{
+    PyObject *v = read_slot(block, self->off_is_null, 4);
+    if (v == NULL)
+        return -1;
+    return v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v);
+}
+
 /* A new list of the n items of items[] (new references). */
 static PyObject *
 list_of(PyObject **items, Py_ssize_t n)
@@ -230,17 +251,17 @@ BlockFields_split_freed(BlockFields *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_TypeError, "split_freed(blocks, pool)");
         return NULL;
     }
-    PyObject *pool = args[1];
-    PyObject *seq = PySequence_Fast(args[0], "free_blocks(): blocks must be iterable");
-    if (seq == NULL)
+    PyObject *pool = args[1], *seq;
+    int ours = fast_blocks(self, args[0], "free_blocks(): blocks must be iterable", &seq);
+    if (ours < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    if (!all_of_class(self, items, n)) { /* the Python loop handles it: no change */
+    if (!ours) { /* the Python loop handles it: no change */
         PyObject *list = PySequence_List(seq);
         Py_DECREF(seq);
         return list;
     }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
     /* the three partitions as borrowed pointers first (each at most n long), then lists
      * of their exact sizes: no append per block */
     PyObject **buf = PyMem_Malloc((size_t)(3 * (n ? n : 1)) * sizeof(PyObject *));
@@ -255,15 +276,12 @@ BlockFields_split_freed(BlockFields *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t num_free = 0, num_cached = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *block = items[i];
-        PyObject *v = read_slot(block, self->off_is_null, 4);
-        if (v == NULL)
-            goto done;
-        int is_null = v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v);
+        int is_null = null_block(self, block);
         if (is_null < 0)
             goto done;
         if (is_null)
             continue;
-        v = read_slot(block, self->off_pool, 2);
+        PyObject *v = read_slot(block, self->off_pool, 2);
         if (v == NULL)
             goto done;
         if (v != Py_None && v != pool) {
@@ -489,26 +507,23 @@ BlockFields_touch(BlockFields *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "touch(queue, blocks)");
         return NULL;
     }
-    PyObject *queue = args[0];
-    PyObject *seq = PySequence_Fast(args[1], "touch(): blocks must be iterable");
-    if (seq == NULL)
+    PyObject *queue = args[0], *seq;
+    int ours = fast_blocks(self, args[1], "touch(): blocks must be iterable", &seq);
+    if (ours < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    if (!all_of_class(self, items, n)) {
+    if (!ours) {
         Py_DECREF(seq);
         Py_RETURN_NONE; /* the caller runs the Python loop */
     }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *hit = PyList_New(0), *result = NULL;
     Py_ssize_t removed = 0;
     if (hit == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *block = items[i];
-        PyObject *v = read_slot(block, self->off_is_null, 4);
-        if (v == NULL)
-            goto done;
-        int is_null = v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v);
+        int is_null = null_block(self, block);
         if (is_null < 0)
             goto done;
         if (is_null)
