@@ -66,10 +66,10 @@ NUM_PAGES = 64  # 1024 blocks
 _leave_off: set[str] = set()
 
 
-@contextmanager
-def pool_class(elastic: bool, reserve_pages: int = 0) -> Iterator[None]:
-    """Rebind the name KVCacheCoordinator builds its pool by (what the plugin does)."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as Manager
+def _patch_rows() -> list[tuple[Any, str, Callable[[Any, Any], Any]]]:
+    """The plugin's per-step patches (docs/vllm.md) as (class, name, factory): safe
+    points around schedule() and update_from_output(), the running/admission split,
+    the preemption count."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from engine_ext.vllm._patches import (
@@ -79,16 +79,25 @@ def pool_class(elastic: bool, reserve_pages: int = 0) -> Iterator[None]:
         _update_from_output,
     )
 
-    # the plugin's per-step patches (docs/vllm.md): safe points around schedule() and
-    # update_from_output(), the running/admission split, the preemption count
-    rows = (
+    return [
         (Scheduler, "schedule", _schedule),
         (Scheduler, "update_from_output", _update_from_output),
         (Scheduler, "_preempt_request", _preempt_request),
-        (Manager, "allocate_slots", _allocate_slots),
-    )
+        (KVCacheManager, "allocate_slots", _allocate_slots),
+    ]
+
+
+def _installed() -> list[tuple[Any, str, Any]]:
+    """The patched attributes as the classes have them now (patched or not)."""
+    return [(owner, name, owner.__dict__[name]) for owner, name, _ in _patch_rows()]
+
+
+@contextmanager
+def pool_class(elastic: bool, reserve_pages: int = 0) -> Iterator[None]:
+    """Rebind the name KVCacheCoordinator builds its pool by (what the plugin does)."""
+    rows = _patch_rows()
     original = kv_cache_coordinator.BlockPool
-    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in rows]
+    saved = _installed()
     kv_cache_coordinator.BlockPool = ElasticBlockPool if elastic else BlockPool
     if elastic:
         for owner, name, factory in rows:
@@ -246,21 +255,11 @@ class _PoolSide:
     done: bool = False
 
 
-_PATCHED = ("schedule", "update_from_output", "_preempt_request", "allocate_slots")
-
-
 def _pool_side(kind: str, prompts: list[list[int]], chunk: int) -> _PoolSide:
     elastic = kind in ("cold", "premapped")
     with pool_class(elastic, NUM_PAGES if kind == "premapped" else 0):
-        from vllm.v1.core.sched.scheduler import Scheduler
-
         manager, backend = _manager(elastic)
-        methods = [
-            (owner, name, owner.__dict__[name])
-            for owner in (Scheduler, KVCacheManager)
-            for name in _PATCHED
-            if name in owner.__dict__
-        ]
+        methods = _installed()
         in_maps = _timed_maps(backend) if backend is not None and kind == "cold" else [0.0]
         return _PoolSide(
             kind,
@@ -559,23 +558,8 @@ def scheduler_rounds(
     (``warm``: 8 MiB of KV cache each and no reset, so after the warm-up round
     the cache is full and the elastic side maps no page).
     """
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as Manager
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from engine_ext.vllm._patches import (
-        _allocate_slots,
-        _preempt_request,
-        _schedule,
-        _update_from_output,
-    )
-
-    rows = [
-        (Scheduler, "schedule", _schedule),
-        (Scheduler, "update_from_output", _update_from_output),
-        (Scheduler, "_preempt_request", _preempt_request),
-        (Manager, "allocate_slots", _allocate_slots),
-    ]
-    plain = [(owner, name, owner.__dict__[name]) for owner, name, _ in rows]
+    rows = _patch_rows()
+    plain = _installed()
     patched = [
         (owner, name, factory(method, None))
         for (owner, name, factory), (_, _, method) in zip(rows, plain)

@@ -1,4 +1,4 @@
-/* engine_ext.vllm._block_speedups: ElasticBlockPool's two per-block loops, in C.
+/* engine_ext.vllm._block_speedups: ElasticBlockPool's per-block loops, in C.
  *
  * vLLM's KVCacheBlock is a dataclass with __slots__; BlockFields(cls) finds the
  * slot offsets of the seven fields the loops read (block_id, ref_cnt, pool,
@@ -383,7 +383,6 @@ queue_set_count(PyObject *queue, Py_ssize_t n)
     Py_DECREF(v);
     return rc;
 }
-
 
 static PyObject *
 BlockFields_append_n(BlockFields *self, PyObject *const *args, Py_ssize_t nargs)
