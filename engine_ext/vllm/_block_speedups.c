@@ -33,6 +33,16 @@
  * A block of another class makes split_freed change nothing and return the
  * blocks as a list (the caller runs its Python loop over it); take raises.
  * The pool's tests run the same random traffic through both and compare.
+ *
+ * RunningAllocate(original, pool_class, running, otherwise, refusal) is the
+ * replacement of KVCacheManager.allocate_slots (engine_ext/vllm/_runtime.py,
+ * allocate_slots_patch): a method whose common call, a RUNNING request extending
+ * while the pool's overdraft flag is up, goes straight to vLLM's original with
+ * the caller's arguments as they are, a refusal (DeviceFullError) becoming None;
+ * every other call goes to ``otherwise`` (the Python replacement) unchanged. It
+ * binds as a function does (a method descriptor), so vLLM's
+ * ``self.kv_cache_manager.allocate_slots(...)`` costs no Python frame of ours.
+ *
  * Only CPython's public API (3.11: the member descriptor's offset).
  */
 #define PY_SSIZE_T_CLEAN
@@ -617,10 +627,194 @@ static PyType_Spec BlockFields_spec = {
     .slots = BlockFields_slots,
 };
 
+/* -- RunningAllocate: allocate_slots' running-request path ------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *original;   /* vLLM's KVCacheManager.allocate_slots */
+    PyObject *pool_class; /* ElasticBlockPool */
+    PyObject *running;    /* RequestStatus.RUNNING */
+    PyObject *otherwise;  /* the Python replacement: admissions, other pools, no overdraft */
+    PyObject *refusal;    /* DeviceFullError: the device had no page for a running request */
+    PyObject *dict;       /* attributes set on it, as on a function (the patch table's mark) */
+} RunningAllocate;
+
+static PyObject *s_status, *s_block_pool, *s_overdraft;
+
+/* 1: a RUNNING request of an ElasticBlockPool's manager, overdraft up; 0: not; -1: error.
+ * The same reads, in the same order, as the Python replacement's check. */
+static int
+running_fast(RunningAllocate *self, PyObject *manager, PyObject *request)
+{
+    PyObject *status = PyObject_GetAttr(request, s_status);
+    if (status == NULL)
+        return -1;
+    int fast = status == self->running;
+    Py_DECREF(status);
+    if (!fast)
+        return 0;
+    PyObject *pool = PyObject_GetAttr(manager, s_block_pool);
+    if (pool == NULL)
+        return -1;
+    if ((PyObject *)Py_TYPE(pool) != self->pool_class) {
+        Py_DECREF(pool);
+        return 0;
+    }
+    PyObject *overdraft = PyObject_GetAttr(pool, s_overdraft);
+    Py_DECREF(pool);
+    if (overdraft == NULL)
+        return -1;
+    fast = PyObject_IsTrue(overdraft);
+    Py_DECREF(overdraft);
+    return fast;
+}
+
+static PyObject *
+RunningAllocate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf,
+                           PyObject *kwnames)
+{
+    RunningAllocate *self = (RunningAllocate *)op;
+    if (PyVectorcall_NARGS(nargsf) >= 2) {
+        int fast = running_fast(self, args[0], args[1]);
+        if (fast < 0)
+            return NULL;
+        if (fast) {
+            PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+            if (result == NULL && PyErr_ExceptionMatches(self->refusal)) {
+                PyErr_Clear(); /* as a full cache: vLLM preempts or waits */
+                Py_RETURN_NONE;
+            }
+            return result;
+        }
+    }
+    return PyObject_Vectorcall(self->otherwise, args, nargsf, kwnames);
+}
+
+static PyObject *
+RunningAllocate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *original, *pool_class, *running, *otherwise, *refusal;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
+        PyErr_SetString(PyExc_TypeError, "RunningAllocate() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OO!OOO:RunningAllocate", &original, &PyType_Type, &pool_class,
+                          &running, &otherwise, &refusal))
+        return NULL;
+    if (!PyCallable_Check(original) || !PyCallable_Check(otherwise)) {
+        PyErr_SetString(PyExc_TypeError, "RunningAllocate: original and otherwise must be callable");
+        return NULL;
+    }
+    if (!PyExceptionClass_Check(refusal)) {
+        PyErr_SetString(PyExc_TypeError, "RunningAllocate: refusal must be an exception class");
+        return NULL;
+    }
+    RunningAllocate *self = (RunningAllocate *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = RunningAllocate_vectorcall;
+    self->original = Py_NewRef(original);
+    self->pool_class = Py_NewRef(pool_class);
+    self->running = Py_NewRef(running);
+    self->otherwise = Py_NewRef(otherwise);
+    self->refusal = Py_NewRef(refusal);
+    return (PyObject *)self;
+}
+
+static int
+RunningAllocate_traverse(RunningAllocate *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->original);
+    Py_VISIT(self->pool_class);
+    Py_VISIT(self->running);
+    Py_VISIT(self->otherwise);
+    Py_VISIT(self->refusal);
+    Py_VISIT(self->dict);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+RunningAllocate_clear(RunningAllocate *self)
+{
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->pool_class);
+    Py_CLEAR(self->running);
+    Py_CLEAR(self->otherwise);
+    Py_CLEAR(self->refusal);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void
+RunningAllocate_dealloc(RunningAllocate *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    RunningAllocate_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* A function's binding: looked up on an instance, a bound method; on the class, itself. */
+static PyObject *
+RunningAllocate_get(PyObject *self, PyObject *obj, PyObject *Py_UNUSED(type))
+{
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *
+RunningAllocate_get_name(RunningAllocate *self, void *Py_UNUSED(closure))
+{
+    return PyObject_GetAttrString(self->original, "__name__");
+}
+
+static PyMemberDef RunningAllocate_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(RunningAllocate, vectorcall), READONLY},
+    {"__dictoffset__", T_PYSSIZET, offsetof(RunningAllocate, dict), READONLY},
+    {"__wrapped__", T_OBJECT, offsetof(RunningAllocate, original), READONLY,
+     "vLLM's allocate_slots"},
+    {"otherwise", T_OBJECT, offsetof(RunningAllocate, otherwise), READONLY,
+     "the Python replacement every other call goes to"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef RunningAllocate_getset[] = {
+    {"__name__", (getter)RunningAllocate_get_name, NULL, "the original's name", NULL},
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot RunningAllocate_slots[] = {
+    {Py_tp_doc, "RunningAllocate(original, pool_class, running, otherwise, refusal): "
+                "KVCacheManager.allocate_slots with its running-request path in C."},
+    {Py_tp_new, RunningAllocate_new},
+    {Py_tp_call, PyVectorcall_Call},
+    {Py_tp_descr_get, RunningAllocate_get},
+    {Py_tp_members, RunningAllocate_members},
+    {Py_tp_getset, RunningAllocate_getset},
+    {Py_tp_traverse, RunningAllocate_traverse},
+    {Py_tp_clear, RunningAllocate_clear},
+    {Py_tp_dealloc, RunningAllocate_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec RunningAllocate_spec = {
+    .name = "engine_ext.vllm._block_speedups.RunningAllocate",
+    .basicsize = sizeof(RunningAllocate),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+             Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .slots = RunningAllocate_slots,
+};
+
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "engine_ext.vllm._block_speedups",
-    .m_doc = "ElasticBlockPool's per-block loops over vLLM's KVCacheBlock slots, in C.",
+    .m_doc = "ElasticBlockPool's per-block loops over vLLM's KVCacheBlock slots, and the "
+             "running-request path of the allocate_slots patch, in C.",
     .m_size = -1,
 };
 
@@ -635,7 +829,11 @@ PyInit__block_speedups(void)
     s_num_free = PyUnicode_InternFromString("num_free_blocks");
     s_head = PyUnicode_InternFromString("fake_free_list_head");
     s_tail = PyUnicode_InternFromString("fake_free_list_tail");
-    if (s_num_free == NULL || s_head == NULL || s_tail == NULL)
+    s_status = PyUnicode_InternFromString("status");
+    s_block_pool = PyUnicode_InternFromString("block_pool");
+    s_overdraft = PyUnicode_InternFromString("overdraft");
+    if (s_num_free == NULL || s_head == NULL || s_tail == NULL || s_status == NULL ||
+        s_block_pool == NULL || s_overdraft == NULL)
         return NULL;
     one = PyLong_FromLong(1);
     zero = PyLong_FromLong(0);
@@ -646,6 +844,12 @@ PyInit__block_speedups(void)
         return NULL;
     PyObject *type = PyType_FromSpec(&BlockFields_spec);
     if (type == NULL || PyModule_AddObject(module, "BlockFields", type) < 0) {
+        Py_XDECREF(type);
+        Py_DECREF(module);
+        return NULL;
+    }
+    type = PyType_FromSpec(&RunningAllocate_spec);
+    if (type == NULL || PyModule_AddObject(module, "RunningAllocate", type) < 0) {
         Py_XDECREF(type);
         Py_DECREF(module);
         return NULL;

@@ -1,5 +1,6 @@
 """Interface of the C module built from ``engine_ext/vllm/_block_speedups.c``."""
 
+from collections.abc import Callable
 from typing import Any
 
 class BlockFields:
@@ -23,3 +24,22 @@ class BlockFields:
     def touch(self, queue: Any, blocks: Any) -> list[int] | None:
         """``BlockPool.touch(blocks)`` without a metrics collector: the ids of the blocks it
         unlinked from the queue; None (nothing changed) if a block is of another class."""
+
+class RunningAllocate:
+    """``KVCacheManager.allocate_slots`` with its running-request path in C: a RUNNING
+    request of a ``pool_class`` pool whose ``overdraft`` is up calls ``original`` with the
+    arguments as given (``refusal`` raised becomes None); every other call goes to
+    ``otherwise``. Binds to instances as a function does."""
+
+    __wrapped__: Callable[..., Any]
+    otherwise: Callable[..., Any]
+    def __init__(
+        self,
+        original: Callable[..., Any],
+        pool_class: type,
+        running: object,
+        otherwise: Callable[..., Any],
+        refusal: type[BaseException],
+    ) -> None: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def __get__(self, obj: object, owner: type | None = None) -> Any: ...

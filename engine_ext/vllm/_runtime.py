@@ -45,6 +45,11 @@ from engine_ext.vllm._kv_memory import claim_kv_memory
 from engine_ext.vllm._pool_backing import DeviceFullError, PoolBacking
 from engine_ext.vllm._reserve import OutputReservation
 
+try:  # allocate_slots' running-request path in C (engine_ext/vllm/_block_speedups.c; optional)
+    from engine_ext.vllm._block_speedups import RunningAllocate
+except ImportError:  # no compiler at install: the Python replacement does it all
+    RunningAllocate = None  # type: ignore[assignment,misc]
+
 if TYPE_CHECKING:
     from engine_ext import ElasticInstance, EngineSettings
     from engine_ext.vllm._block_pool import ElasticBlockPool
@@ -87,7 +92,6 @@ class VllmRuntime:
         # a rank barrier (its liveness is checked at every pass) or the output reservation
         # (its figures move with every token): every safe point refreshes, none is skipped
         self._always_refresh = False
-        self._seen_changes = -1  # BlockAllocator.changes
         self._seen_mapped = -1  # PageAllocator.num_mapped
         self._seen_reclaimable = -1  # BlockAllocator.num_reclaimable_pages
         self._seen_device_full = False  # PageAllocator.device_full
@@ -222,7 +226,6 @@ class VllmRuntime:
         # what the next safe point compares to skip all of the above when nothing moved
         self._steady = state.status is not Status.DEFERRED and not self._always_refresh
         blocks = self._blocks
-        self._seen_changes = blocks.changes
         self._seen_mapped = blocks.pages.num_mapped
         self._seen_reclaimable = blocks.num_reclaimable_pages
         self._seen_device_full = blocks.pages.device_full
@@ -246,7 +249,7 @@ class VllmRuntime:
         self._scheduler = scheduler
         if self._woken or not self._steady:
             self.safe_point()  # a target waits or the status is deferred: a pass may run
-        elif self._blocks.changes != self._seen_changes or self._demand_events != self._seen_events:
+        elif pool.cleanup_due:
             pool.cleanup()  # evictions the pool deferred since the last safe point
         if self._refused_blocks or self._device_refused:  # measured again by this step
             self._refused_blocks = 0
@@ -273,29 +276,22 @@ class VllmRuntime:
             return
         pool.in_schedule = False
         pool.overdraft = False
-        if (
-            self._memory_unmoved()
+        blocks = self._blocks
+        pages = blocks.pages
+        if (  # (one frame: this runs at every step)
+            self._steady
+            and not self._woken
             and not pool.cleanup_due
             and self._demand_events == self._seen_events
+            and pages.num_mapped == self._seen_mapped
+            and blocks.num_reclaimable_pages == self._seen_reclaimable
+            and pages.device_full == self._seen_device_full
+            and not (pages.reserve_pages and pages.reserve_wanted())  # the pass refills it
             and len(self._scheduler.requests) == self._seen_requests
             and _monotonic() < self._refresh_due
         ):
             return
         self.safe_point()
-
-    def _memory_unmoved(self) -> bool:
-        """Since the last safe point: no publish, status settled, and the same mapped
-        pages, all-evictable pages and device-full flag (the block figures the state
-        is made of). O(1)."""
-        pages = self._blocks.pages
-        return (
-            self._steady
-            and not self._woken
-            and pages.num_mapped == self._seen_mapped
-            and self._blocks.num_reclaimable_pages == self._seen_reclaimable
-            and pages.device_full == self._seen_device_full
-            and not (pages.reserve_pages and pages.reserve_wanted())  # the pass refills it
-        )
 
     def begin_update(self) -> None:
         """``Scheduler.update_from_output`` (patched), before it frees anything: the
@@ -547,7 +543,7 @@ class VllmRuntime:
         # point per free cost ~8% of the pool's instructions on bench_vllm's trace
         # (bench/README.md, issue 17), and an abort of many requests one per request.
         pages = self._blocks.pages
-        if (  # mapped memory unmoved (_memory_unmoved less the all-evictable pages)
+        if (  # mapped memory unmoved (end_schedule's check less the all-evictable pages)
             self._steady
             and not self._woken
             and pages.num_mapped == self._seen_mapped
@@ -723,6 +719,14 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
 
     running = RequestStatus.RUNNING
 
+    def _in_c(replacement: Callable[..., Any]) -> Callable[..., Any]:
+        # The fast path in C (_block_speedups.RunningAllocate): the same check, then the
+        # original with the caller's arguments as they are, no frame of ours; every other
+        # call goes to ``replacement``. Without the C module, ``replacement`` itself.
+        if RunningAllocate is None:
+            return replacement
+        return RunningAllocate(original, pool_class, running, replacement, DeviceFullError)
+
     def general(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         runtime = _runtime
         if runtime is None or runtime.pool is not self.block_pool:
@@ -741,7 +745,7 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
             return general(self, request, *args, **kwargs)
 
         allocate_slots_any.__wrapped__ = original  # type: ignore[attr-defined]
-        return allocate_slots_any
+        return _in_c(allocate_slots_any)
 
     def allocate_slots(
         self: Any,
@@ -799,7 +803,7 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
         return runtime.allocating(original, self, request, args, _ALL_POSITIONAL_033)
 
     allocate_slots.__wrapped__ = original  # type: ignore[attr-defined]
-    return allocate_slots
+    return _in_c(allocate_slots)
 
 
 def _holds_blocks(manager: Any, request_id: str) -> bool:
