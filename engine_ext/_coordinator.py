@@ -331,14 +331,10 @@ class ShrinkCoordinator:
         """Only evictable/pinned moved (no page): the same state with fresh figures."""
         reclaimable = self._scan_reclaimable(force=True)
         bundle = self._bundle_bytes
-        state = self._state.model_copy(
-            update={
-                "evictable_bytes": reclaimable * bundle,
-                "pinned_bytes": max(0, self._pages.num_in_use - reclaimable) * bundle,
-                **self._demand_fields(),
-            }
-        )
-        return self._publish(state)
+        update = self._demand_fields()
+        update["evictable_bytes"] = reclaimable * bundle
+        update["pinned_bytes"] = max(0, self._pages.num_in_use - reclaimable) * bundle
+        return self._publish(derive_state(self._state, update))
 
     def _probe_demand(self) -> bool:
         """Read the adapter's demand; whether it changed since the last state."""
@@ -353,8 +349,7 @@ class ShrinkCoordinator:
 
     def _refresh_demand(self) -> EngineState:
         """Only the demand moved: the same state with fresh demand fields (no syscall)."""
-        state = self._state.model_copy(update=self._demand_fields())
-        return self._publish(state)
+        return self._publish(derive_state(self._state, self._demand_fields()))
 
     def _demand_fields(self) -> dict[str, object]:
         demand = self._demand
@@ -494,8 +489,9 @@ class ShrinkCoordinator:
         # A copy of a blank state with every field set: every value is computed here
         # from the allocator and the backend (no outside input to validate). A
         # validated model costs tens of microseconds and model_construct (a Python
-        # loop over the fields) 2.6x a copy, paid at every step that maps or unmaps.
-        # The fields that never change (capacity, bundle, floor) are set in the blank.
+        # loop over the fields) 2.6x a model_copy, paid at every step that maps or
+        # unmaps; derive_state is half a model_copy. The fields that never change
+        # (capacity, bundle, floor) are set in the blank.
         update = self._demand_fields()
         update["status"] = Status.APPLIED if reason is None else Status.DEFERRED
         update["revision"] = self._target.revision
@@ -509,7 +505,7 @@ class ShrinkCoordinator:
         update["num_ranks"] = len(ranks)
         update["ranks"] = ranks
         update["passes"] = self.passes
-        return self._blank.model_copy(update=update)
+        return derive_state(self._blank, update)
 
     def _reason(
         self, over: int, reclaimable: int, barrier: BarrierResult | None, *, limited: bool
@@ -532,6 +528,30 @@ class ShrinkCoordinator:
         if reclaimable > 0:
             return DeferReason.EVICTING
         return DeferReason.RUNNING_REQUESTS
+
+
+_new_object = object.__new__
+_set_slot = object.__setattr__
+_ALL_FIELDS = frozenset(EngineState.model_fields)
+
+
+def derive_state(state: EngineState, update: dict[str, object]) -> EngineState:
+    """``state.model_copy(update=update)`` in one frame: the values are the coordinator's
+    own figures (nothing to validate), and this runs at every safe point where a figure
+    moved, where pydantic's copy (several Python frames) is most of the cost.
+
+    The same object pydantic builds: its values, every field marked set (each value
+    is computed), no extra or private values (EngineState has none).
+    ``tests/unit/engine_ext/test_engine_coordinator.py`` compares the two.
+    """
+    values = state.__dict__.copy()
+    values.update(update)
+    new = _new_object(EngineState)
+    _set_slot(new, "__dict__", values)
+    _set_slot(new, "__pydantic_fields_set__", set(_ALL_FIELDS))
+    _set_slot(new, "__pydantic_extra__", None)
+    _set_slot(new, "__pydantic_private__", None)
+    return new
 
 
 def _group_by_owner(

@@ -435,3 +435,53 @@ def test_waiting_for_memory_is_shown_and_reported_under_an_applied_limit(pool: P
     state = coord.step()
     assert state.waiting_reason is None and state.num_waiting_requests == 0
     assert [r.waiting_reason for r in reports] == ["waiting_for_memory", None]
+
+
+def test_derive_state_builds_what_pydantics_copy_builds() -> None:
+    """The coordinator's one-frame copy against ``model_copy``: equal, the same JSON,
+    independent of its source, and a model pydantic still handles (validate, copy)."""
+    import copy
+    import random
+
+    from engine_ext._coordinator import derive_state
+
+    rng = random.Random(7)
+    source = EngineState(
+        status=Status.DEFERRED,
+        revision=3,
+        limit_bytes=4 * BUNDLE,
+        mapped_bytes=6 * BUNDLE,
+        reason="running_requests",
+        ranks=[RankState(rank=0, mapped_bytes=6 * BUNDLE)],
+        prefix_hit_rate=0.25,
+    )
+    before = source.model_dump_json()
+    choices: dict[str, Callable[[], object]] = {
+        "status": lambda: rng.choice(list(Status)),
+        "revision": lambda: rng.randrange(100),
+        "limit_bytes": lambda: rng.choice([None, rng.randrange(1 << 30)]),
+        "mapped_bytes": lambda: rng.randrange(1 << 30),
+        "overage_bytes": lambda: rng.randrange(1 << 20),
+        "reason": lambda: rng.choice([None, "evicting", "running_requests"]),
+        "evictable_bytes": lambda: rng.randrange(1 << 20),
+        "pinned_bytes": lambda: rng.randrange(1 << 20),
+        "ranks": lambda: [RankState(rank=0, mapped_bytes=rng.randrange(1 << 20))],
+        "num_running_requests": lambda: rng.randrange(50),
+        "waiting_reason": lambda: rng.choice([None, "waiting_for_memory"]),
+        "prefix_hit_rate": lambda: rng.choice([None, rng.random()]),
+    }
+    for _ in range(200):
+        keys = rng.sample(sorted(choices), rng.randrange(len(choices) + 1))
+        update = {key: choices[key]() for key in keys}
+        derived = derive_state(source, update)
+        expected = source.model_copy(update=update)
+        assert derived == expected
+        assert derived.model_dump_json() == expected.model_dump_json()
+        assert derived.model_fields_set >= expected.model_fields_set
+        assert EngineState.model_validate_json(derived.model_dump_json()) == derived
+        assert copy.copy(derived) == derived and derived.model_copy() == derived
+    assert source.model_dump_json() == before  # the source is never changed
+    derived = derive_state(source, {"mapped_bytes": 1})
+    derived.revision = 99  # its own values and fields-set, not the source's
+    derived.model_fields_set.discard("status")
+    assert source.revision == 3 and "status" in source.model_fields_set
