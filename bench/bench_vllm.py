@@ -22,6 +22,7 @@ round with the median next to it. Run:
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -540,14 +541,50 @@ def _timed(scheduler: Any, timings: list[float]) -> None:
 WARM_KV_BYTES = 8 << 20  # --warm: 512 blocks, full after the warm-up round
 
 
+@dataclass
+class StepRounds:
+    """Per-round figures of the scheduler step, side A against side B (B over A).
+
+    Three estimates of the same ratio per round: the per-side median step over
+    each other (the headline of earlier runs), the total over the total (every
+    step counts, safe points included), and the median of the per-step ratios
+    (step j of B over step j of A: both run the same trace, so their steps pair
+    up, and each pair ran at nearly the same moment; the steadiest of the three
+    on a shared machine). ``None`` where the sides took different step counts.
+    """
+
+    a: list[float] = field(default_factory=list)  # per-round median step, side A
+    b: list[float] = field(default_factory=list)
+    sums: list[float] = field(default_factory=list)
+    paired: list[float | None] = field(default_factory=list)
+
+    def add(self, steps_a: list[float], steps_b: list[float]) -> None:
+        self.a.append(statistics.median(steps_a))
+        self.b.append(statistics.median(steps_b))
+        self.sums.append(sum(steps_b) / sum(steps_a))
+        same = len(steps_a) == len(steps_b)
+        self.paired.append(
+            statistics.median(y / x for x, y in zip(steps_a, steps_b)) if same else None
+        )
+
+    def medians(self) -> dict[str, float | None]:
+        """The median over rounds of each per-round ratio."""
+        paired = [p for p in self.paired if p is not None]
+        return {
+            "of_medians": statistics.median(y / x for x, y in zip(self.a, self.b)),
+            "of_sums": statistics.median(self.sums),
+            "paired": statistics.median(paired) if len(paired) == len(self.paired) else None,
+        }
+
+
 def scheduler_rounds(
     model_dir: Path,
     rounds: int,
     num_requests: int,
     warm: bool = False,
     kinds: tuple[str, str] = ("native", "elastic"),
-) -> tuple[list[float], list[float]]:
-    """Per-round median seconds of scheduler work per step of the two ``kinds``
+) -> StepRounds:
+    """Per-round seconds of scheduler work per step of the two ``kinds``
     ("native" or "elastic"; built in that order; ("native", "native") is an A/A
     control).
 
@@ -577,7 +614,7 @@ def scheduler_rounds(
     timings: list[list[float]] = [[], []]
     for i, engine, _methods in sides:
         _timed(engine.scheduler, timings[i])
-    medians: list[list[float]] = [[], []]
+    result = StepRounds()
     try:
         for round_no in range(rounds + 1):  # round 0 warms both up and is not kept
             for i, engine, methods in sides:
@@ -603,10 +640,7 @@ def scheduler_rounds(
             finally:
                 gc.enable()
             if round_no:
-                for i, _engine_core, _methods in sides:
-                    times = timings[i]
-                    steps = [times[j] + times[j + 1] for j in range(0, len(times) - 1, 2)]
-                    medians[i].append(statistics.median(steps))
+                result.add(*(_per_step(times) for times in timings))
         if "elastic" in kinds:
             for owner, name, method in patched:
                 setattr(owner, name, method)
@@ -617,7 +651,117 @@ def scheduler_rounds(
         for engine in engines:
             engine.shutdown()
         clear_kv_memory()
-    return medians[0], medians[1]
+    return result
+
+
+def _per_step(timings: list[float]) -> list[float]:
+    """schedule() + update_from_output() of each engine step (timed in that order)."""
+    return [timings[j] + timings[j + 1] for j in range(0, len(timings) - 1, 2)]
+
+
+def _step_worker(
+    kind: str,
+    model_dir: Path,
+    warm: bool,
+    num_requests: int,
+    conn: Any,
+    leave_off: frozenset[str] = frozenset(),
+    cpu: int | None = None,
+) -> None:
+    """One side of :func:`process_step_rounds`, in its own process: builds its engine
+    (with the plugin's patches installed once, as in a served engine) and runs one
+    command at a time from the parent: a round's requests, one engine step, the
+    round's median step time."""
+    _leave_off.update(leave_off)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    with pool_class(kind == "elastic"):
+        engine = _engine(kind == "elastic", model_dir, WARM_KV_BYTES if warm else 64 << 20)
+        timings: list[float] = []
+        _timed(engine.scheduler, timings)
+        try:
+            while True:
+                command, arg = conn.recv()
+                if command == "round":
+                    if not warm:
+                        engine.reset_prefix_cache()
+                    for request in _step_requests(arg, num_requests):
+                        engine.add_request(*engine.preprocess_add_request(request))
+                    timings.clear()
+                    gc.collect()
+                    gc.disable()
+                    conn.send(None)
+                elif command == "step":
+                    busy = engine.scheduler.has_requests()
+                    if busy:
+                        engine.step()
+                    conn.send(busy)
+                elif command == "steps":
+                    gc.enable()
+                    conn.send(_per_step(timings))
+                elif command == "idle":
+                    conn.send(idle_safe_point_s() if kind == "elastic" else None)
+                else:
+                    break
+        finally:
+            engine.shutdown()
+
+
+def process_step_rounds(
+    model_dir: Path,
+    rounds: int,
+    num_requests: int,
+    warm: bool = False,
+    kinds: tuple[str, str] = ("native", "elastic"),
+    cpus: tuple[int | None, int | None] = (None, None),
+) -> StepRounds:
+    """:func:`scheduler_rounds` with each engine in its own process, as served engines
+    are: the patches are installed once and no call site of the other engine's
+    classes shares this one's specialisations. The parent still steps them in
+    lockstep (one engine step of each in turn, the other waiting), so both see the
+    same moments of a shared machine."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    sides = []
+    for kind, cpu in zip(kinds, cpus):
+        parent, child = context.Pipe()
+        process = context.Process(
+            target=_step_worker,
+            args=(kind, model_dir, warm, num_requests, child, frozenset(_leave_off), cpu),
+            daemon=True,
+        )
+        process.start()
+        sides.append((parent, process))
+    result = StepRounds()
+    try:
+        for round_no in range(rounds + 1):  # round 0 warms both up and is not kept
+            for conn, _ in sides:
+                conn.send(("round", round_no))
+            for conn, _ in sides:
+                conn.recv()
+            busy = True
+            while busy:
+                busy = False
+                for conn, _ in sides:
+                    conn.send(("step", None))
+                    busy = conn.recv() or busy
+            steps = []
+            for conn, _ in sides:
+                conn.send(("steps", None))
+                steps.append(conn.recv())
+            if round_no:
+                result.add(*steps)
+        for conn, _ in sides:
+            conn.send(("idle", None))
+            idle = conn.recv()
+            if idle is not None:
+                _idle_safe_point.append(idle)
+    finally:
+        for conn, process in sides:
+            conn.send(("stop", None))
+            process.join(timeout=30)
+    return result
 
 
 # -- 3. bytecodes executed (load-independent) ------------------------------------------
@@ -734,6 +878,108 @@ def callgrind_steps(elastic: bool, model_dir: Path, num_requests: int = 64) -> N
     lib.kvs_cg_dump()
 
 
+def callgrind_lockstep(side: str, model_dir: Path, num_requests: int = 64) -> None:
+    """Both engines step in lockstep (as :func:`scheduler_rounds`, ``--warm``) under
+    callgrind with its cache and branch simulation; only ``side``'s ``schedule()`` +
+    ``update_from_output()`` are collected, so its figures include the misses that
+    the other engine's step causes in between (the machine's shared caches, modelled).
+
+    Run under ``valgrind --tool=callgrind --instr-atstart=no --collect-atstart=no
+    --cache-sim=yes --branch-sim=yes``, once per side: two warm-up rounds, then one
+    round instrumented; the ``scheduler-steps`` dump holds the figures.
+    """
+    lib = _client_requests(_CALLGRIND_STEP_C)
+    max_age = _runtime.DEMAND_MAX_AGE_S
+    _runtime.DEMAND_MAX_AGE_S = float("inf")  # the simulation's slow clock: no age refreshes
+    rows = _patch_rows()
+    plain = _installed()
+    patched = [
+        (owner, name, factory(method, None))
+        for (owner, name, factory), (_, _, method) in zip(rows, plain)
+    ]
+    kinds = ("native", "elastic")
+    engines = []
+    for kind in kinds:
+        with pool_class(kind == "elastic"):
+            engines.append(_engine(kind == "elastic", model_dir, WARM_KV_BYTES))
+    sides = [
+        (engine, patched if kind == "elastic" else plain) for kind, engine in zip(kinds, engines)
+    ]
+    collecting = [False, False]
+    for i, (engine, _methods) in enumerate(sides):
+        scheduler = engine.scheduler
+        for name in ("schedule", "update_from_output"):
+
+            def wrapper(
+                *a: Any, _name: str = name, _i: int = i, _s: Any = scheduler, **k: Any
+            ) -> Any:
+                real = getattr(type(_s), _name)
+                if not collecting[_i]:
+                    return real(_s, *a, **k)
+                lib.kvs_cg_toggle()
+                try:
+                    return real(_s, *a, **k)
+                finally:
+                    lib.kvs_cg_toggle()
+
+            setattr(scheduler, name, wrapper)
+    try:
+        for round_no in range(3):
+            if round_no == 2:
+                lib.kvs_cg_instr()
+                collecting[kinds.index(side)] = True
+            for engine, methods in sides:
+                for owner, name, method in methods:
+                    setattr(owner, name, method)
+                for request in _step_requests(round_no, num_requests):
+                    engine.add_request(*engine.preprocess_add_request(request))
+            gc.collect()
+            gc.disable()
+            try:
+                busy = True
+                while busy:
+                    busy = False
+                    for engine, methods in sides:
+                        if engine.scheduler.has_requests():
+                            for owner, name, method in methods:
+                                setattr(owner, name, method)
+                            engine.step()
+                            busy = True
+            finally:
+                gc.enable()
+        lib.kvs_cg_dump()
+    finally:
+        _runtime.DEMAND_MAX_AGE_S = max_age
+        for owner, name, method in plain:
+            setattr(owner, name, method)
+        for engine in engines:
+            engine.shutdown()
+        clear_kv_memory()
+
+
+# The model behind --callgrind-cost: an instruction costs 1, a first-level cache miss
+# (instruction or data) 10, a mispredicted branch (conditional or indirect) 15; callgrind
+# reports no misses beyond the last level here. A relative figure, for comparing two
+# builds or two sides of the same trace, not a cycle count of any machine.
+_COST_WEIGHTS = {"Ir": 1, "I1mr": 10, "D1mr": 10, "D1mw": 10, "Bcm": 15, "Bim": 15}
+
+
+def callgrind_cost(path: Path) -> dict[str, int]:
+    """The event totals of a callgrind output file, and their modelled cost ("cost")."""
+    events: list[str] = []
+    totals: list[int] = []
+    for line in path.read_text().splitlines():
+        if line.startswith("events:"):
+            events = line.split()[1:]
+        elif line.startswith(("summary:", "totals:")):
+            totals = [int(x) for x in line.split()[1:]]
+    figures = dict(zip(events, totals))
+    if not all(name in figures for name in _COST_WEIGHTS):
+        raise SystemExit(f"{path}: run callgrind with --cache-sim=yes --branch-sim=yes")
+    figures["cost"] = sum(weight * figures[name] for name, weight in _COST_WEIGHTS.items())
+    return figures
+
+
 def count_step_bytecodes(elastic: bool, model_dir: Path, num_requests: int = 64) -> Counter[str]:
     """Python bytecodes per function of the engine steps (schedule, model stub,
     update_from_output) for ``num_requests`` requests (``sys.settrace``, load-independent)."""
@@ -788,6 +1034,16 @@ def main() -> None:
         action="store_false",
         help="skip the scheduler step's A/A control (two native engines in lockstep)",
     )
+    parser.add_argument(
+        "--step-procs",
+        action="store_true",
+        help="each engine of the scheduler step in its own process (still in lockstep)",
+    )
+    parser.add_argument(
+        "--step-cpus",
+        default=",",
+        help="with --step-procs: the CPU each engine process is pinned to, 'A,B' (empty: not pinned)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--bytecodes",
@@ -818,6 +1074,21 @@ def main() -> None:
         "--instr-atstart=no --collect-atstart=no",
     )
     parser.add_argument(
+        "--callgrind-lockstep",
+        choices=("native", "elastic"),
+        help="both engines in lockstep (--warm trace), this side's scheduler calls collected; "
+        "run under valgrind --tool=callgrind --instr-atstart=no --collect-atstart=no "
+        "--cache-sim=yes --branch-sim=yes (bench/README.md: a modelled cycle count)",
+    )
+    parser.add_argument(
+        "--callgrind-cost",
+        nargs=2,
+        type=Path,
+        metavar=("NATIVE_OUT", "ELASTIC_OUT"),
+        help="the ratios (elastic over native) of two --callgrind-lockstep outputs: "
+        "instructions, cache misses, mispredictions and their modelled cost",
+    )
+    parser.add_argument(
         "--warm",
         action="store_true",
         help="scheduler step in the steady state: 8 MiB of KV cache on both sides, the prefix "
@@ -834,6 +1105,20 @@ def main() -> None:
     )
     args = parser.parse_args()
     _leave_off.update(name for name in args.leave_off.split(",") if name)
+    if args.callgrind_cost:
+        native_cg, elastic_cg = (callgrind_cost(path) for path in args.callgrind_cost)
+        for name in (*_COST_WEIGHTS, "cost"):
+            print(
+                f"{name:5s} native {native_cg[name]:>13,}  elastic {elastic_cg[name]:>13,}  "
+                f"ratio {elastic_cg[name] / max(1, native_cg[name]):.4f}"
+            )
+        return
+    if args.callgrind_lockstep:
+        from engine_ext.cpu_harness import make_tiny_model_dir
+
+        model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
+        callgrind_lockstep(args.callgrind_lockstep, model_dir)
+        return
     if args.callgrind_step:
         from engine_ext.cpu_harness import make_tiny_model_dir
 
@@ -872,10 +1157,15 @@ def main() -> None:
     from engine_ext.cpu_harness import make_tiny_model_dir
 
     model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
-    native_step, elastic_step = scheduler_rounds(model_dir, args.rounds, 64, args.warm)
-    control_step: tuple[list[float], list[float]] | None = None
+    cpus = tuple(int(c) if c else None for c in args.step_cpus.split(","))
+    step_rounds = (
+        functools.partial(process_step_rounds, cpus=cpus) if args.step_procs else scheduler_rounds
+    )
+    step = step_rounds(model_dir, args.rounds, 64, args.warm)
+    native_step, elastic_step = step.a, step.b
+    control_step: StepRounds | None = None
     if args.step_control:  # two native engines: what identical code measures here
-        control_step = scheduler_rounds(model_dir, args.rounds, 64, args.warm, ("native",) * 2)
+        control_step = step_rounds(model_dir, args.rounds, 64, args.warm, ("native",) * 2)
     # Best of the rounds (the least disturbed run, as timeit advises) is the headline;
     # the median of per-round ratios is kept to show the spread on a busy machine.
     result: dict[str, Any] = {}
@@ -899,10 +1189,12 @@ def main() -> None:
         "step_s": {"native": min(native_step), "elastic": min(elastic_step)},
         "step_ratio": min(elastic_step) / min(native_step),
         "step_ratio_median": statistics.median(e / n for e, n in zip(elastic_step, native_step)),
+        "step_ratios": step.medians(),
+        "step_control_ratios": None if control_step is None else control_step.medians(),
         "idle_safe_point_s": min(_idle_safe_point),
         "step_control_ratio_median": None
         if control_step is None
-        else statistics.median(b / a for a, b in zip(*control_step)),
+        else statistics.median(b / a for a, b in zip(control_step.a, control_step.b)),
         # two safe points per step (top and end of schedule()) against native step time
         "state_refresh_ratio": 1 + 2 * min(_idle_safe_point) / min(native_step),
     }
@@ -945,10 +1237,16 @@ def main() -> None:
         f"ratio {result['step_ratio']:.3f} (goal <= 1.05 issue 11, <= 1.03 issue 17; median of rounds "
         f"{result['step_ratio_median']:.3f})"
     )
-    if result["step_control_ratio_median"] is not None:
+    where = "engines in their own processes" if args.step_procs else "engines in one process"
+    print(f"  medians over rounds ({where}):")
+    rows = [("elastic / native", result["step_ratios"])]
+    if result["step_control_ratios"] is not None:
+        rows.append(("A/A control (native twice)", result["step_control_ratios"]))
+    for label, ratios in rows:
+        paired = "n/a" if ratios["paired"] is None else f"{ratios['paired']:.3f}"
         print(
-            f"  A/A control (two native engines)  median of rounds "
-            f"{result['step_control_ratio_median']:.3f}: the noise floor"
+            f"    {label:28s} of medians {ratios['of_medians']:.3f}  of totals "
+            f"{ratios['of_sums']:.3f}  paired steps {paired}"
         )
     print(
         f"idle safe point us {1e6 * result['idle_safe_point_s']:10.2f}   "
