@@ -595,12 +595,8 @@ def scheduler_rounds(
     (``warm``: 8 MiB of KV cache each and no reset, so after the warm-up round
     the cache is full and the elastic side maps no page).
     """
-    rows = _patch_rows()
     plain = _installed()
-    patched = [
-        (owner, name, factory(method, None))
-        for (owner, name, factory), (_, _, method) in zip(rows, plain)
-    ]
+    patched = _patched(plain)
     engines = []
     for kind in kinds:
         with pool_class(kind == "elastic"):
@@ -625,20 +621,8 @@ def scheduler_rounds(
                 for request in _step_requests(round_no, num_requests):
                     engine.add_request(*engine.preprocess_add_request(request))
                 timings[i].clear()
-            gc.collect()
-            gc.disable()
-            try:  # lockstep: one step of each in turn, so both see the same moments
-                busy = True
-                while busy:
-                    busy = False
-                    for _i, engine, methods in sides:
-                        if engine.scheduler.has_requests():
-                            for owner, name, method in methods:
-                                setattr(owner, name, method)
-                            engine.step()
-                            busy = True
-            finally:
-                gc.enable()
+            # lockstep: one step of each in turn, so both see the same moments
+            _lockstep([(engine, methods) for _i, engine, methods in sides])
             if round_no:
                 result.add(*(_per_step(times) for times in timings))
         if "elastic" in kinds:
@@ -657,6 +641,33 @@ def scheduler_rounds(
 def _per_step(timings: list[float]) -> list[float]:
     """schedule() + update_from_output() of each engine step (timed in that order)."""
     return [timings[j] + timings[j + 1] for j in range(0, len(timings) - 1, 2)]
+
+
+def _patched(plain: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
+    """The plugin's per-step patches built over ``plain`` (what :func:`_installed` read)."""
+    return [
+        (owner, name, factory(method, None))
+        for (owner, name, factory), (_, _, method) in zip(_patch_rows(), plain)
+    ]
+
+
+def _lockstep(sides: list[tuple[Any, list[tuple[Any, str, Any]]]]) -> None:
+    """Step the engines one step each in turn until none has requests, each with its
+    methods installed for its step, the garbage collector paused."""
+    gc.collect()
+    gc.disable()
+    try:
+        busy = True
+        while busy:
+            busy = False
+            for engine, methods in sides:
+                if engine.scheduler.has_requests():
+                    for owner, name, method in methods:
+                        setattr(owner, name, method)
+                    engine.step()
+                    busy = True
+    finally:
+        gc.enable()
 
 
 def _step_worker(
@@ -891,12 +902,8 @@ def callgrind_lockstep(side: str, model_dir: Path, num_requests: int = 64) -> No
     lib = _client_requests(_CALLGRIND_STEP_C)
     max_age = _runtime.DEMAND_MAX_AGE_S
     _runtime.DEMAND_MAX_AGE_S = float("inf")  # the simulation's slow clock: no age refreshes
-    rows = _patch_rows()
     plain = _installed()
-    patched = [
-        (owner, name, factory(method, None))
-        for (owner, name, factory), (_, _, method) in zip(rows, plain)
-    ]
+    patched = _patched(plain)
     kinds = ("native", "elastic")
     engines = []
     for kind in kinds:
@@ -933,20 +940,7 @@ def callgrind_lockstep(side: str, model_dir: Path, num_requests: int = 64) -> No
                     setattr(owner, name, method)
                 for request in _step_requests(round_no, num_requests):
                     engine.add_request(*engine.preprocess_add_request(request))
-            gc.collect()
-            gc.disable()
-            try:
-                busy = True
-                while busy:
-                    busy = False
-                    for engine, methods in sides:
-                        if engine.scheduler.has_requests():
-                            for owner, name, method in methods:
-                                setattr(owner, name, method)
-                            engine.step()
-                            busy = True
-            finally:
-                gc.enable()
+            _lockstep(sides)
         lib.kvs_cg_dump()
     finally:
         _runtime.DEMAND_MAX_AGE_S = max_age
