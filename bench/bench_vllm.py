@@ -1182,13 +1182,13 @@ def main() -> None:
     result |= {
         "step_s": {"native": min(native_step), "elastic": min(elastic_step)},
         "step_ratio": min(elastic_step) / min(native_step),
-        "step_ratio_median": statistics.median(e / n for e, n in zip(elastic_step, native_step)),
+        "step_ratio_median": step.medians()["of_medians"],
         "step_ratios": step.medians(),
         "step_control_ratios": None if control_step is None else control_step.medians(),
         "idle_safe_point_s": min(_idle_safe_point),
         "step_control_ratio_median": None
         if control_step is None
-        else statistics.median(b / a for a, b in zip(control_step.a, control_step.b)),
+        else control_step.medians()["of_medians"],
         # two safe points per step (top and end of schedule()) against native step time
         "state_refresh_ratio": 1 + 2 * min(_idle_safe_point) / min(native_step),
     }
