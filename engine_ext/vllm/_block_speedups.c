@@ -577,9 +577,19 @@ BlockFields_touch(BlockFields *self, PyObject *const *args, Py_ssize_t nargs)
     result = Py_NewRef(hit);
 done:
     if (removed) { /* the count follows the links, also when a later block failed */
+        /* a failed block's error waits aside while the count is read and written (the
+         * attribute calls must not run with an exception set, nor swallow it) */
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
         Py_ssize_t count = queue_count(queue);
-        if (count < 0 || queue_set_count(queue, count - removed) < 0)
+        if (count < 0 || queue_set_count(queue, count - removed) < 0) {
             Py_CLEAR(result);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+        }
+        else
+            PyErr_Restore(type, value, traceback);
     }
     Py_DECREF(seq);
     Py_XDECREF(hit);
