@@ -43,11 +43,23 @@
  * binds as a function does (a method descriptor), so vLLM's
  * ``self.kv_cache_manager.allocate_slots(...)`` costs no Python frame of ours.
  *
+ * StepHook(original, globals, kind) replaces Scheduler.schedule ("schedule") and
+ * Scheduler.update_from_output ("update_from_output") (schedule_patch and
+ * update_from_output_patch in engine_ext/vllm/_runtime.py): vLLM's method between the
+ * runtime's two hooks (begin_schedule/end_schedule, begin_update/end_update), the
+ * runtime read from ``globals["_runtime"]`` at each call, as the Python replacements
+ * do. When a hook has nothing to do but set a flag (its gate holds), the flag is set
+ * here and the Python method is not called; otherwise it is, with the same arguments.
+ * The gate's fields are slots of StepState, VllmRuntime's base class, so reading them
+ * costs no attribute lookup. The end hook runs as a ``finally`` block does.
+ *
  * Only CPython's public API (3.11: the member descriptor's offset).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <string.h>
+#include <time.h>
 
 typedef struct {
     PyObject_HEAD
@@ -820,11 +832,478 @@ static PyType_Spec RunningAllocate_spec = {
     .slots = RunningAllocate_slots,
 };
 
+/* -- StepState and StepHook: schedule()'s and update_from_output()'s brackets ------ */
+
+/* The runtime's fields the brackets read at every step, as object slots of a base class
+ * (VllmRuntime extends it; Python reads and writes them as plain attributes). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *pool;             /* ElasticBlockPool, or None before build_backing */
+    PyObject *blocks;           /* its BlockAllocator */
+    PyObject *pages;            /* ... and that one's PageAllocator */
+    PyObject *scheduler;        /* vLLM's Scheduler, seen at the first schedule() */
+    PyObject *fence;            /* allocator.UnmapFence, None on CPU */
+    PyObject *reservation;      /* OutputReservation, or None */
+    PyObject *woken;            /* the safe points' gate (VllmRuntime.end_schedule) */
+    PyObject *steady;
+    PyObject *seen_mapped;
+    PyObject *seen_reclaimable;
+    PyObject *seen_device_full;
+    PyObject *seen_events;
+    PyObject *seen_requests;
+    PyObject *refresh_due;
+    PyObject *demand_events;
+    PyObject *refused_blocks;
+    PyObject *device_refused;
+    PyObject *in_update;
+    PyObject *freed_in_update;
+} StepState;
+
+#define STATE_FIELD(name, field, doc) \
+    {name, T_OBJECT_EX, offsetof(StepState, field), 0, doc}
+
+static PyMemberDef StepState_members[] = {
+    STATE_FIELD("pool", pool, "the ElasticBlockPool"),
+    STATE_FIELD("_blocks", blocks, "the pool's BlockAllocator"),
+    STATE_FIELD("_pages", pages, "the BlockAllocator's PageAllocator"),
+    STATE_FIELD("_scheduler", scheduler, "vLLM's Scheduler"),
+    STATE_FIELD("_fence", fence, "the unmap fence (None on CPU)"),
+    STATE_FIELD("_reservation", reservation, "the output reservation, or None"),
+    STATE_FIELD("_woken", woken, "wake() since the last safe point"),
+    STATE_FIELD("_steady", steady, "status settled: a safe point may be skipped"),
+    STATE_FIELD("_seen_mapped", seen_mapped, "num_mapped at the last safe point"),
+    STATE_FIELD("_seen_reclaimable", seen_reclaimable, "num_reclaimable_pages, the same"),
+    STATE_FIELD("_seen_device_full", seen_device_full, "device_full, the same"),
+    STATE_FIELD("_seen_events", seen_events, "_demand_events, the same"),
+    STATE_FIELD("_seen_requests", seen_requests, "len(Scheduler.requests), the same"),
+    STATE_FIELD("_refresh_due", refresh_due, "monotonic time of the next forced refresh"),
+    STATE_FIELD("_demand_events", demand_events, "hooked events that moved the demand"),
+    STATE_FIELD("_refused_blocks", refused_blocks, "blocks the refused admissions need"),
+    STATE_FIELD("_device_refused", device_refused, "refused because the device is full"),
+    STATE_FIELD("_in_update", in_update, "inside update_from_output"),
+    STATE_FIELD("_freed_in_update", freed_in_update, "the pool freed blocks there"),
+    {NULL, 0, 0, 0, NULL},
+};
+
+#define STATE_EACH(X)                                                                  \
+    X(pool) X(blocks) X(pages) X(scheduler) X(fence) X(reservation) X(woken) X(steady) \
+    X(seen_mapped) X(seen_reclaimable) X(seen_device_full) X(seen_events)               \
+    X(seen_requests) X(refresh_due) X(demand_events) X(refused_blocks)                  \
+    X(device_refused) X(in_update) X(freed_in_update)
+
+static int
+StepState_traverse(StepState *self, visitproc visit, void *arg)
+{
+#define VISIT(f) Py_VISIT(self->f);
+    STATE_EACH(VISIT)
+#undef VISIT
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+StepState_clear(StepState *self)
+{
+#define CLEAR(f) Py_CLEAR(self->f);
+    STATE_EACH(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void
+StepState_dealloc(StepState *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    StepState_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot StepState_slots[] = {
+    {Py_tp_doc, "StepState: the fields StepHook reads at every scheduler step, as slots."},
+    {Py_tp_members, StepState_members},
+    {Py_tp_traverse, StepState_traverse},
+    {Py_tp_clear, StepState_clear},
+    {Py_tp_dealloc, StepState_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec StepState_spec = {
+    .name = "engine_ext.vllm._block_speedups.StepState",
+    .basicsize = sizeof(StepState),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
+    .slots = StepState_slots,
+};
+
+static PyTypeObject *StepState_type;
+static PyObject *s_runtime, *s_begin_schedule, *s_end_schedule, *s_begin_update, *s_end_update;
+static PyObject *s_in_schedule, *s_cleanup_due, *s_num_mapped, *s_num_reclaimable_pages;
+static PyObject *s_device_full_at, *s_reserve_pages, *s_requests;
+
+enum { HOOK_SCHEDULE = 0, HOOK_UPDATE = 1 };
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *original; /* vLLM's Scheduler.schedule or Scheduler.update_from_output */
+    PyObject *globals;  /* the runtime module's namespace: its "_runtime", read at each call */
+    int kind;           /* HOOK_SCHEDULE or HOOK_UPDATE */
+    PyObject *dict;     /* attributes set on it, as on a function (the patch table's mark) */
+} StepHook;
+
+/* 1: the attribute is true; 0: false; -1: error. */
+static int
+attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+/* 1: obj.name == value; 0: not; -1: error. */
+static int
+attr_equals(PyObject *obj, PyObject *name, PyObject *value)
+{
+    PyObject *got = PyObject_GetAttr(obj, name);
+    if (got == NULL)
+        return -1;
+    int equal = PyObject_RichCompareBool(got, value, Py_EQ);
+    Py_DECREF(got);
+    return equal;
+}
+
+/* A slot is unset (NULL) only while VllmRuntime.__init__ runs: the Python path then. */
+#define SET(f) (self->f != NULL)
+
+/* begin_schedule with nothing to do but raise the pool's two flags: 1 (done), 0 (the
+ * Python method must run), -1 (error). The same tests as begin_schedule's branches. */
+static int
+begin_schedule_fast(StepState *self, PyObject *scheduler)
+{
+    if (!(SET(pool) && SET(scheduler) && SET(woken) && SET(steady) && SET(refused_blocks) &&
+          SET(device_refused) && SET(reservation)))
+        return 0;
+    if (self->pool == Py_None || self->scheduler != scheduler || self->woken != Py_False ||
+        self->steady != Py_True || self->reservation != Py_None ||
+        self->device_refused != Py_False)
+        return 0;
+    int truth = PyObject_IsTrue(self->refused_blocks);
+    if (truth != 0)
+        return truth < 0 ? -1 : 0;
+    truth = attr_true(self->pool, s_cleanup_due);
+    if (truth != 0)
+        return truth < 0 ? -1 : 0;
+    if (PyObject_SetAttr(self->pool, s_in_schedule, Py_True) < 0 ||
+        PyObject_SetAttr(self->pool, s_overdraft, Py_True) < 0)
+        return -1;
+    return 1;
+}
+
+/* end_schedule when its gate holds (nothing the state shows can have moved): lower the
+ * pool's flags and return 1; 0: the Python method must run; -1: error. */
+static int
+end_schedule_fast(StepState *self)
+{
+    if (!(SET(pool) && SET(pages) && SET(blocks) && SET(scheduler) && SET(woken) &&
+          SET(steady) && SET(demand_events) && SET(seen_events) && SET(seen_mapped) &&
+          SET(seen_reclaimable) && SET(seen_device_full) && SET(seen_requests) &&
+          SET(refresh_due)))
+        return 0;
+    if (self->pool == Py_None)
+        return 0;
+    if (PyObject_SetAttr(self->pool, s_in_schedule, Py_False) < 0 ||
+        PyObject_SetAttr(self->pool, s_overdraft, Py_False) < 0)
+        return -1;
+    if (self->steady != Py_True || self->woken != Py_False ||
+        self->seen_device_full != Py_False || !PyFloat_CheckExact(self->refresh_due))
+        return 0;
+    int ok = attr_true(self->pool, s_cleanup_due);
+    if (ok != 0)
+        return ok < 0 ? -1 : 0;
+    ok = PyObject_RichCompareBool(self->demand_events, self->seen_events, Py_EQ);
+    if (ok <= 0)
+        return ok;
+    ok = attr_equals(self->pages, s_num_mapped, self->seen_mapped);
+    if (ok <= 0)
+        return ok;
+    ok = attr_equals(self->blocks, s_num_reclaimable_pages, self->seen_reclaimable);
+    if (ok <= 0)
+        return ok;
+    /* device_full is False while no device OOM is on record; otherwise Python decides */
+    PyObject *full_at = PyObject_GetAttr(self->pages, s_device_full_at);
+    if (full_at == NULL)
+        return -1;
+    ok = full_at == Py_None;
+    Py_DECREF(full_at);
+    if (!ok)
+        return 0;
+    ok = attr_true(self->pages, s_reserve_pages); /* a reserve: the pass may refill it */
+    if (ok != 0)
+        return ok < 0 ? -1 : 0;
+    PyObject *requests = PyObject_GetAttr(self->scheduler, s_requests);
+    if (requests == NULL)
+        return -1;
+    Py_ssize_t num_requests = PyObject_Size(requests);
+    Py_DECREF(requests);
+    if (num_requests < 0)
+        return -1;
+    Py_ssize_t seen = PyLong_AsSsize_t(self->seen_requests);
+    if (seen == -1 && PyErr_Occurred())
+        return -1;
+    if (num_requests != seen)
+        return 0;
+    struct timespec now; /* time.monotonic()'s clock */
+    if (clock_gettime(CLOCK_MONOTONIC, &now) != 0)
+        return 0;
+    double t = (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+    return t < PyFloat_AS_DOUBLE(self->refresh_due);
+}
+
+#undef SET
+
+/* The runtime's method ``name`` called as a ``finally`` block runs: with the pending
+ * exception set aside, then raised again; an exception of the method's own replaces it,
+ * with the first as its __context__. Returns NULL (an exception is always set). */
+static PyObject *
+call_finally(PyObject *runtime, PyObject *name)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *result = PyObject_CallMethodNoArgs(runtime, name);
+    if (result != NULL) {
+        Py_DECREF(result);
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *type2, *value2, *tb2;
+    PyErr_Fetch(&type2, &value2, &tb2);
+    PyErr_NormalizeException(&type2, &value2, &tb2);
+    if (value2 != NULL && value != NULL && value2 != value)
+        PyException_SetContext(value2, value); /* steals the reference */
+    else
+        Py_XDECREF(value);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    PyErr_Restore(type2, value2, tb2);
+    return NULL;
+}
+
+/* A fast check that failed (an attribute missing or of another kind) decides nothing:
+ * the Python method runs and meets the same error, or not, as it reads in its own
+ * order. Only an Exception is set aside (KeyboardInterrupt and the like propagate). */
+static int
+or_python(int fast)
+{
+    if (fast >= 0)
+        return fast;
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+static PyObject *
+call_method(PyObject *runtime, PyObject *name, PyObject *arg)
+{
+    return arg == NULL ? PyObject_CallMethodNoArgs(runtime, name)
+                       : PyObject_CallMethodOneArg(runtime, name, arg);
+}
+
+static PyObject *
+schedule_bracket(StepHook *hook, PyObject *runtime, PyObject *const *args, size_t nargsf,
+                 PyObject *kwnames)
+{
+    StepState *state = PyObject_TypeCheck(runtime, StepState_type) ? (StepState *)runtime : NULL;
+    int fast = state != NULL ? or_python(begin_schedule_fast(state, args[0])) : 0;
+    if (fast < 0)
+        return NULL;
+    if (!fast) {
+        PyObject *done = call_method(runtime, s_begin_schedule, args[0]);
+        if (done == NULL)
+            return NULL;
+        Py_DECREF(done);
+    }
+    PyObject *result = PyObject_Vectorcall(hook->original, args, nargsf, kwnames);
+    if (result == NULL)
+        return call_finally(runtime, s_end_schedule);
+    fast = state != NULL ? or_python(end_schedule_fast(state)) : 0;
+    if (!fast) {
+        PyObject *done = fast < 0 ? NULL : call_method(runtime, s_end_schedule, NULL);
+        if (done == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        Py_DECREF(done);
+    }
+    return result;
+}
+
+static PyObject *
+update_bracket(StepHook *hook, PyObject *runtime, PyObject *const *args, size_t nargsf,
+               PyObject *kwnames)
+{
+    StepState *state = PyObject_TypeCheck(runtime, StepState_type) ? (StepState *)runtime : NULL;
+    if (state != NULL && state->fence == Py_None && state->in_update != NULL) {
+        Py_SETREF(state->in_update, Py_NewRef(Py_True)); /* begin_update without a fence */
+    }
+    else {
+        PyObject *done = call_method(runtime, s_begin_update, NULL);
+        if (done == NULL)
+            return NULL;
+        Py_DECREF(done);
+    }
+    PyObject *result = PyObject_Vectorcall(hook->original, args, nargsf, kwnames);
+    if (result == NULL)
+        return call_finally(runtime, s_end_update);
+    if (state != NULL && state->freed_in_update == Py_False && state->in_update != NULL) {
+        Py_SETREF(state->in_update, Py_NewRef(Py_False)); /* end_update: nothing freed */
+        return result;
+    }
+    PyObject *done = call_method(runtime, s_end_update, NULL);
+    if (done == NULL) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    Py_DECREF(done);
+    return result;
+}
+
+static PyObject *
+StepHook_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    StepHook *self = (StepHook *)op;
+    PyObject *runtime = PyDict_GetItemWithError(self->globals, s_runtime); /* borrowed */
+    if (runtime == NULL && PyErr_Occurred())
+        return NULL;
+    if (runtime == NULL || runtime == Py_None || PyVectorcall_NARGS(nargsf) < 1)
+        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    Py_INCREF(runtime); /* the global may be rebound during the call */
+    PyObject *result = self->kind == HOOK_SCHEDULE
+                           ? schedule_bracket(self, runtime, args, nargsf, kwnames)
+                           : update_bracket(self, runtime, args, nargsf, kwnames);
+    Py_DECREF(runtime);
+    return result;
+}
+
+static PyObject *
+StepHook_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *original, *globals;
+    const char *kind;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
+        PyErr_SetString(PyExc_TypeError, "StepHook() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OO!s:StepHook", &original, &PyDict_Type, &globals, &kind))
+        return NULL;
+    if (!PyCallable_Check(original)) {
+        PyErr_SetString(PyExc_TypeError, "StepHook: original must be callable");
+        return NULL;
+    }
+    int which;
+    if (strcmp(kind, "schedule") == 0)
+        which = HOOK_SCHEDULE;
+    else if (strcmp(kind, "update_from_output") == 0)
+        which = HOOK_UPDATE;
+    else {
+        PyErr_Format(PyExc_ValueError,
+                     "StepHook: kind must be 'schedule' or 'update_from_output', not %R",
+                     PyTuple_GET_ITEM(args, 2));
+        return NULL;
+    }
+    StepHook *self = (StepHook *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = StepHook_vectorcall;
+    self->original = Py_NewRef(original);
+    self->globals = Py_NewRef(globals);
+    self->kind = which;
+    return (PyObject *)self;
+}
+
+static int
+StepHook_traverse(StepHook *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->original);
+    Py_VISIT(self->globals);
+    Py_VISIT(self->dict);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+StepHook_clear(StepHook *self)
+{
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->globals);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void
+StepHook_dealloc(StepHook *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    StepHook_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+StepHook_get_name(StepHook *self, void *Py_UNUSED(closure))
+{
+    return PyObject_GetAttrString(self->original, "__name__");
+}
+
+static PyMemberDef StepHook_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(StepHook, vectorcall), READONLY},
+    {"__dictoffset__", T_PYSSIZET, offsetof(StepHook, dict), READONLY},
+    {"__wrapped__", T_OBJECT, offsetof(StepHook, original), READONLY, "vLLM's method"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef StepHook_getset[] = {
+    {"__name__", (getter)StepHook_get_name, NULL, "the original's name", NULL},
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot StepHook_slots[] = {
+    {Py_tp_doc, "StepHook(original, globals, kind): Scheduler.schedule or "
+                "update_from_output bracketed by the runtime's hooks, their no-op case in C."},
+    {Py_tp_new, StepHook_new},
+    {Py_tp_call, PyVectorcall_Call},
+    {Py_tp_descr_get, RunningAllocate_get},
+    {Py_tp_members, StepHook_members},
+    {Py_tp_getset, StepHook_getset},
+    {Py_tp_traverse, StepHook_traverse},
+    {Py_tp_clear, StepHook_clear},
+    {Py_tp_dealloc, StepHook_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec StepHook_spec = {
+    .name = "engine_ext.vllm._block_speedups.StepHook",
+    .basicsize = sizeof(StepHook),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+             Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .slots = StepHook_slots,
+};
+
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "engine_ext.vllm._block_speedups",
-    .m_doc = "ElasticBlockPool's per-block loops over vLLM's KVCacheBlock slots, and the "
-             "running-request path of the allocate_slots patch, in C.",
+    .m_doc = "ElasticBlockPool's per-block loops over vLLM's KVCacheBlock slots, the "
+             "running-request path of the allocate_slots patch, and the scheduler step's "
+             "brackets, in C.",
     .m_size = -1,
 };
 
@@ -845,6 +1324,19 @@ PyInit__block_speedups(void)
     if (s_num_free == NULL || s_head == NULL || s_tail == NULL || s_status == NULL ||
         s_block_pool == NULL || s_overdraft == NULL)
         return NULL;
+    PyObject **names[] = {&s_runtime, &s_begin_schedule, &s_end_schedule, &s_begin_update,
+                          &s_end_update, &s_in_schedule, &s_cleanup_due, &s_num_mapped,
+                          &s_num_reclaimable_pages, &s_device_full_at, &s_reserve_pages,
+                          &s_requests};
+    const char *const texts[] = {"_runtime", "begin_schedule", "end_schedule", "begin_update",
+                                 "end_update", "in_schedule", "cleanup_due", "num_mapped",
+                                 "num_reclaimable_pages", "_device_full_at", "reserve_pages",
+                                 "requests"};
+    for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
+        *names[i] = PyUnicode_InternFromString(texts[i]);
+        if (*names[i] == NULL)
+            return NULL;
+    }
     one = PyLong_FromLong(1);
     zero = PyLong_FromLong(0);
     if (one == NULL || zero == NULL)
@@ -860,6 +1352,20 @@ PyInit__block_speedups(void)
     }
     type = PyType_FromSpec(&RunningAllocate_spec);
     if (type == NULL || PyModule_AddObject(module, "RunningAllocate", type) < 0) {
+        Py_XDECREF(type);
+        Py_DECREF(module);
+        return NULL;
+    }
+    type = PyType_FromSpec(&StepState_spec);
+    if (type == NULL || PyModule_AddObject(module, "StepState", Py_NewRef(type)) < 0) {
+        Py_XDECREF(type);
+        Py_XDECREF(type);
+        Py_DECREF(module);
+        return NULL;
+    }
+    StepState_type = (PyTypeObject *)type; /* the module's reference went to the module */
+    type = PyType_FromSpec(&StepHook_spec);
+    if (type == NULL || PyModule_AddObject(module, "StepHook", type) < 0) {
         Py_XDECREF(type);
         Py_DECREF(module);
         return NULL;

@@ -43,3 +43,25 @@ class RunningAllocate:
     ) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
     def __get__(self, obj: object, owner: type | None = None) -> Any: ...
+
+class StepState:
+    """``VllmRuntime``'s base: the fields the step's brackets read, as object slots
+    (``pool``, ``_blocks``, ``_pages``, ``_scheduler``, ``_fence``, ``_reservation``, the
+    safe points' gate ``_woken``, ``_steady``, ``_seen_*``, ``_refresh_due``, the demand's
+    ``_demand_events``, ``_refused_blocks``, ``_device_refused``, and ``_in_update``,
+    ``_freed_in_update``). Unset until assigned."""
+
+class StepHook:
+    """``Scheduler.schedule`` (``kind`` "schedule") or ``Scheduler.update_from_output``
+    ("update_from_output") between the hooks of ``globals["_runtime"]`` (read at each
+    call): ``begin_schedule``/``end_schedule`` or ``begin_update``/``end_update``, the
+    end hook as a ``finally`` block. For a ``StepState`` runtime whose gate holds, the
+    flags the hook would set are set in C and the Python method is not called. Binds to
+    instances as a function does."""
+
+    __wrapped__: Callable[..., Any]
+    def __init__(
+        self, original: Callable[..., Any], globals: dict[str, Any], kind: str
+    ) -> None: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def __get__(self, obj: object, owner: type | None = None) -> Any: ...

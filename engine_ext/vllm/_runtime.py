@@ -45,10 +45,15 @@ from engine_ext.vllm._kv_memory import claim_kv_memory
 from engine_ext.vllm._pool_backing import DeviceFullError, PoolBacking
 from engine_ext.vllm._reserve import OutputReservation
 
-try:  # allocate_slots' running-request path in C (engine_ext/vllm/_block_speedups.c; optional)
-    from engine_ext.vllm._block_speedups import RunningAllocate
-except ImportError:  # no compiler at install: the Python replacement does it all
+try:  # the per-step paths in C (engine_ext/vllm/_block_speedups.c; optional)
+    from engine_ext.vllm._block_speedups import RunningAllocate, StepHook, StepState
+except ImportError:  # no compiler at install: the Python replacements do it all
     RunningAllocate = None  # type: ignore[assignment,misc]
+    StepHook = None  # type: ignore[assignment,misc]
+
+    class StepState:  # type: ignore[no-redef]
+        """Without the C module, the gate's fields are plain attributes."""
+
 
 if TYPE_CHECKING:
     from engine_ext import ElasticInstance, EngineSettings
@@ -74,8 +79,13 @@ DEMAND_MAX_AGE_S = 0.1
 _running_status: Any = None  # vLLM's RequestStatus.RUNNING, read at the first admission
 
 
-class VllmRuntime:
-    """Owns the ``ElasticInstance`` of this EngineCore process and the idle hook."""
+class VllmRuntime(StepState):
+    """Owns the ``ElasticInstance`` of this EngineCore process and the idle hook.
+
+    The fields the step's brackets read at every step (the pool and its allocators,
+    the safe points' gate, the update flags) are slots of ``StepState``, so the C
+    brackets (``StepHook``) read them without an attribute lookup.
+    """
 
     def __init__(self, engine: EngineSettings, vllm: VllmSettings) -> None:
         self.engine_settings = engine
@@ -100,6 +110,7 @@ class VllmRuntime:
         self._refresh_due = float("-inf")  # monotonic time of the next forced refresh
         self._freed_in_update = False  # ... and the pool freed blocks there
         self._blocks: Any = None  # the pool's BlockAllocator, set by build_backing
+        self._pages: Any = None  # ... and its PageAllocator
         self._scheduler: Any = None  # vLLM's Scheduler, seen at the first schedule()
         self._refused_blocks = 0  # blocks the waiting requests need (set when one is refused)
         self._device_refused = False  # ... refused because the device (not the limit) is full
@@ -158,6 +169,7 @@ class VllmRuntime:
             self._reservation = OutputReservation(pool.hash_block_size, max_model_len=1 << 62)
             self._always_refresh = True
         self._blocks = blocks
+        self._pages = pages
         binding = EngineBinding(
             engine="vllm",
             engine_version=vllm.__version__,
@@ -643,8 +655,15 @@ def _allocate_slots_033(
 ) -> Any: ...
 
 
-def schedule_patch(original: Callable[..., Any]) -> Callable[..., Any]:
-    """The replacement of ``Scheduler.schedule``: a safe point before and after it."""
+def schedule_patch(original: Callable[..., Any], *, in_c: bool = True) -> Callable[..., Any]:
+    """The replacement of ``Scheduler.schedule``: a safe point before and after it.
+
+    With the C module (and ``in_c``), a ``StepHook``: the same brackets, their no-op
+    case (the gate of :meth:`VllmRuntime.begin_schedule` and
+    :meth:`VllmRuntime.end_schedule` holds) in C, the arguments passed as given.
+    """
+    if in_c and StepHook is not None:
+        return StepHook(original, globals(), "schedule")
 
     def schedule(self: Any, throttle_prefills: bool = False) -> Any:
         runtime = _runtime
@@ -672,9 +691,17 @@ def schedule_patch(original: Callable[..., Any]) -> Callable[..., Any]:
     return replacement
 
 
-def update_from_output_patch(original: Callable[..., Any]) -> Callable[..., Any]:
+def update_from_output_patch(
+    original: Callable[..., Any], *, in_c: bool = True
+) -> Callable[..., Any]:
     """The replacement of ``Scheduler.update_from_output``: the unmap fence before it
-    (the original frees blocks, unmaps may follow), a safe point after it when it freed."""
+    (the original frees blocks, unmaps may follow), a safe point after it when it freed.
+
+    With the C module (and ``in_c``), a ``StepHook``: without a fence, and when
+    nothing was freed, the two flags are set in C (as :func:`schedule_patch`).
+    """
+    if in_c and StepHook is not None:
+        return StepHook(original, globals(), "update_from_output")
 
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         runtime = _runtime
