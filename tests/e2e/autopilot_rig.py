@@ -284,6 +284,10 @@ class Watch:
         base = self._rounds(device)
         wait_until(lambda: self._rounds(device) >= base + n, timeout_s=60, what=f"{n} samples")
 
+    def wait_total(self, n: int) -> None:
+        """Wait until at least ``n`` rounds in all are in (however slow this machine is)."""
+        wait_until(lambda: len(self.samples) >= n, timeout_s=120, what=f"{n} samples in all")
+
     def _rounds(self, device: bool) -> int:
         return sum(1 for s in list(self.samples) if s.device is not None or not device)
 

@@ -106,8 +106,11 @@ def _committed_within_budget(samples: list[Sample]) -> None:
         )
 
 
+MIN_SAMPLES = 21  # /proc rounds a test wants before it judges (Watch.wait_total)
+
+
 def _proc_within_budget(watch: Watch) -> None:
-    assert len(watch.samples) > 20
+    assert len(watch.samples) >= MIN_SAMPLES
     over = watch.over_budget()
     assert not over, [(s.t, s.proc) for s in over[:5]]
 
@@ -202,6 +205,7 @@ def test_b_grows_only_after_a_reports_its_shrink_applied(rig: Rig) -> None:
         load = _shift_to_b_with_a_frozen(rig, watch, a_old)
         wait_until(lambda: _limit(rig.device(), "b") > BUDGET - a_old, timeout_s=30, what="b grown")
         watch.wait_samples(5)
+        watch.wait_total(MIN_SAMPLES)
         load.stop()
     assert not load.failures and load.ok, load.failures
     _check_shift(watch, a_old)
@@ -240,6 +244,7 @@ def test_an_operator_pin_holds_until_delete(rig: Rig) -> None:
         assert reply.json()["policy"]["pinned"] is False
         wait_until(lambda: _limit(rig.device(), "b") > BUDGET - pin, timeout_s=30, what="b grown")
         watch.wait_samples(5)
+        watch.wait_total(MIN_SAMPLES)
     assert not load.failures and load.ok, load.failures
     for _, m in iter_devices(pinned):
         assert m["a"]["limit_bytes"] == pin and m["a"]["pinned"], m
@@ -286,6 +291,7 @@ def test_min_and_max_bound_the_shares_under_load(rig: Rig) -> None:
                 lambda: _limit(rig.device(), "b") > b_max, timeout_s=30, what="b past the max"
             )
             watch.wait_samples(5)
+            watch.wait_total(MIN_SAMPLES)
     finally:
         for iid, body in (("a", {"min": None}), ("b", {"max": None})):
             rig.http.put(f"/instances/{iid}/policy", json=body)
@@ -320,6 +326,7 @@ def test_sidecar_killed_mid_change_keeps_the_budget_after_restart(rig: Rig) -> N
         load = _shift_to_b_with_a_frozen(rig, watch, a_old, on_decided=restart)
         wait_until(lambda: _limit(rig.device(), "b") > BUDGET - a_old, timeout_s=30, what="b grown")
         watch.wait_samples(5)
+        watch.wait_total(MIN_SAMPLES)
         load.stop()
     assert not load.failures and load.ok, load.failures
     assert any(s.device is None for s in watch.samples), "no round saw the sidecar down"
@@ -394,6 +401,7 @@ def test_engine_killed_mid_load_memory_reassigned_then_fitted_on_return(rig: Rig
         with Load(returned, seed=95_000, **both) as load_a2, Load(b, seed=85_000, **both):
             wait_until(lambda: rig.running("a") > 0, timeout_s=30, what="a serves again")
             watch.wait_samples(10)
+            watch.wait_total(MIN_SAMPLES)
     assert not load_a2.failures and load_a2.ok, load_a2.failures
     dead = [m for _, m in iter_devices(during(watch.samples, "dead"))]
     before = [m for m in dead if m["a"]["status"] != "unreachable"]
