@@ -590,7 +590,8 @@ def scheduler_rounds(
 
     Both engines are built once and stay up and step in lockstep, one step each in
     turn (the plugin's per-step patches are installed only around the elastic
-    side's steps), so both see the same moments of a shared machine; each round
+    side's steps; which side steps first alternates by round), so both see the
+    same moments of a shared machine; each round
     is the same fresh trace on both, with the prefix caches reset before it
     (``warm``: 8 MiB of KV cache each and no reset, so after the warm-up round
     the cache is full and the elastic side maps no page).
@@ -621,8 +622,11 @@ def scheduler_rounds(
                 for request in _step_requests(round_no, num_requests):
                     engine.add_request(*engine.preprocess_add_request(request))
                 timings[i].clear()
-            # lockstep: one step of each in turn, so both see the same moments
-            _lockstep([(engine, methods) for _i, engine, methods in sides])
+            # lockstep: one step of each in turn, so both see the same moments; the side
+            # that steps first alternates by round (the A/A control showed the second
+            # stepper 1-2 % faster in some runs: a position effect, cancelled this way)
+            order = sides if round_no % 2 else sides[::-1]
+            _lockstep([(engine, methods) for _i, engine, methods in order])
             if round_no:
                 result.add(*(_per_step(times) for times in timings))
         if "elastic" in kinds:
@@ -752,9 +756,10 @@ def process_step_rounds(
             for conn, _ in sides:
                 conn.recv()
             busy = True
+            order = sides if round_no % 2 else sides[::-1]  # first stepper alternates by round
             while busy:
                 busy = False
-                for conn, _ in sides:
+                for conn, _ in order:
                     conn.send(("step", None))
                     busy = conn.recv() or busy
             steps = []
