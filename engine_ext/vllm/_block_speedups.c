@@ -142,14 +142,29 @@ BlockFields_clear(BlockFields *self)
     return 0;
 }
 
+/* The dealloc of every type here (heap types with GC): untrack, clear the references
+ * with the type's own clear, free, and drop the instance's reference to its type. */
 static void
-BlockFields_dealloc(BlockFields *self)
+gc_dealloc(PyObject *self, inquiry clear)
 {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
-    BlockFields_clear(self);
-    tp->tp_free((PyObject *)self);
+    clear(self);
+    tp->tp_free(self);
     Py_DECREF(tp);
+}
+
+/* __name__ of a replacement: its original's. */
+static PyObject *
+name_of(PyObject *original)
+{
+    return PyObject_GetAttrString(original, "__name__");
+}
+
+static void
+BlockFields_dealloc(BlockFields *self)
+{
+    gc_dealloc((PyObject *)self, (inquiry)BlockFields_clear);
 }
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
@@ -772,11 +787,7 @@ RunningAllocate_clear(RunningAllocate *self)
 static void
 RunningAllocate_dealloc(RunningAllocate *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    RunningAllocate_clear(self);
-    tp->tp_free((PyObject *)self);
-    Py_DECREF(tp);
+    gc_dealloc((PyObject *)self, (inquiry)RunningAllocate_clear);
 }
 
 /* A function's binding: looked up on an instance, a bound method; on the class, itself. */
@@ -791,7 +802,7 @@ RunningAllocate_get(PyObject *self, PyObject *obj, PyObject *Py_UNUSED(type))
 static PyObject *
 RunningAllocate_get_name(RunningAllocate *self, void *Py_UNUSED(closure))
 {
-    return PyObject_GetAttrString(self->original, "__name__");
+    return name_of(self->original);
 }
 
 static PyMemberDef RunningAllocate_members[] = {
@@ -913,11 +924,7 @@ StepState_clear(StepState *self)
 static void
 StepState_dealloc(StepState *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    StepState_clear(self);
-    tp->tp_free((PyObject *)self);
-    Py_DECREF(tp);
+    gc_dealloc((PyObject *)self, (inquiry)StepState_clear);
 }
 
 static PyType_Slot StepState_slots[] = {
@@ -1250,17 +1257,13 @@ StepHook_clear(StepHook *self)
 static void
 StepHook_dealloc(StepHook *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    StepHook_clear(self);
-    tp->tp_free((PyObject *)self);
-    Py_DECREF(tp);
+    gc_dealloc((PyObject *)self, (inquiry)StepHook_clear);
 }
 
 static PyObject *
 StepHook_get_name(StepHook *self, void *Py_UNUSED(closure))
 {
-    return PyObject_GetAttrString(self->original, "__name__");
+    return name_of(self->original);
 }
 
 static PyMemberDef StepHook_members[] = {
