@@ -19,17 +19,22 @@ import random
 import sys
 import time
 import tracemalloc
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
+from test_engine_core_limits import build_core, make_request, plugin_env
+
 from engine_ext import EngineSettings
 from engine_ext.vllm import _block_speedups, _runtime
 from engine_ext.vllm._settings import VllmSettings
 
 StepHook = _block_speedups.StepHook
+__all__ = ["plugin_env"]  # the fixture, re-exported for pytest
 
 pytestmark = pytest.mark.vllm
 
@@ -395,3 +400,43 @@ def test_it_leaks_no_references() -> None:
         tracemalloc.stop()
     assert [sys.getrefcount(o) for o in objects] == refs
     assert second - first < 64 << 10, (first, second)
+
+
+def test_a_real_engines_decode_steps_take_the_c_path(
+    plugin_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On vLLM's real scheduler, pool, allocators and runtime, most steps of a decode run
+    call no Python bracket: the gate in C reads the real objects' fields. (A field
+    renamed on either side would send every step to the Python hooks: still correct,
+    silently slower; this test is what notices.)"""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    calls: Counter[str] = Counter()
+    for name in HOOKS:
+        original = getattr(_runtime.VllmRuntime, name)
+
+        def counted(self: Any, *args: Any, _name: str = name, _original: Any = original) -> Any:
+            calls[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(_runtime.VllmRuntime, name, counted)
+    core = build_core(plugin_env)
+    try:
+        assert type(Scheduler.__dict__["schedule"]) is StepHook
+        assert type(Scheduler.__dict__["update_from_output"]) is StepHook
+        for i in range(4):  # four requests decoding side by side for 48 steps
+            prompt = [100 + 7 * i + t for t in range(40)]
+            core.add_request(*core.preprocess_add_request(make_request(f"d{i}", prompt, 48)))
+        steps = 0
+        while core.scheduler.has_requests():
+            core.step()
+            steps += 1
+        runtime = _runtime.current_runtime()
+        assert runtime is not None and runtime.instance is not None
+        assert runtime.instance.state().status.value == "applied"
+    finally:
+        core.shutdown()
+    assert steps >= 48
+    # the steps that admit, map a page or finish run the Python hooks; the rest do not
+    for name in HOOKS:
+        assert calls[name] <= steps // 3, (name, calls, steps)
