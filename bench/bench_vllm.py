@@ -567,6 +567,15 @@ class StepRounds:
             statistics.median(y / x for x, y in zip(steps_a, steps_b)) if same else None
         )
 
+    def by_first_stepper(self) -> dict[str, float]:
+        """The median over rounds of the of-medians ratio, split by which side stepped
+        first (the step-round loops alternate: A in the 1st, 3rd, ... kept round)."""
+        ratios = [y / x for x, y in zip(self.a, self.b)]
+        return {
+            "a_first": statistics.median(ratios[0::2]),
+            "b_first": statistics.median(ratios[1::2]) if len(ratios) > 1 else float("nan"),
+        }
+
     def medians(self) -> dict[str, float | None]:
         """The median over rounds of each per-round ratio."""
         paired = [p for p in self.paired if p is not None]
@@ -1190,6 +1199,10 @@ def main() -> None:
         "step_ratio_median": step.medians()["of_medians"],
         "step_ratios": step.medians(),
         "step_control_ratios": None if control_step is None else control_step.medians(),
+        "step_by_first_stepper": step.by_first_stepper(),
+        "step_control_by_first_stepper": None
+        if control_step is None
+        else control_step.by_first_stepper(),
         "idle_safe_point_s": min(_idle_safe_point),
         "step_control_ratio_median": None
         if control_step is None
@@ -1246,6 +1259,15 @@ def main() -> None:
         print(
             f"    {label:28s} of medians {ratios['of_medians']:.3f}  of totals "
             f"{ratios['of_sums']:.3f}  paired steps {paired}"
+        )
+    orders = [("elastic / native", result["step_by_first_stepper"])]
+    if result["step_control_by_first_stepper"] is not None:
+        orders.append(("A/A control (native twice)", result["step_control_by_first_stepper"]))
+    print("  of medians by the side that stepped first (the loops alternate it by round):")
+    for label, split in orders:
+        print(
+            f"    {label:28s} native (A) first {split['a_first']:.3f}  "
+            f"second side first {split['b_first']:.3f}"
         )
     print(
         f"idle safe point us {1e6 * result['idle_safe_point_s']:10.2f}   "
