@@ -488,17 +488,23 @@ class Autopilot:
             if source == "operator"
             else "the autopilot"
         )
-        view = await self._service.set_limit(
-            change.id,
-            change.new,
-            None,
-            source=f"{who} on device {device_id} ({change.reason}; shrink before grow)",
-        )
-        p = replace(
-            self.policy(change.id), source=source, reason=change.reason, changed_at=time.time()
-        )
-        await self._store.put_policies([p])
+        # The policy's source and reason first: a reader (GET runs while this awaits) never
+        # sees the new limit beside the source and reason of the one before it.
+        previous = self.policy(change.id)
+        p = replace(previous, source=source, reason=change.reason, changed_at=time.time())
         self._policies[change.id] = p
+        try:
+            view = await self._service.set_limit(
+                change.id,
+                change.new,
+                None,
+                source=f"{who} on device {device_id} ({change.reason}; shrink before grow)",
+            )
+        except BaseException:
+            if self._policies.get(change.id) is p:
+                self._policies[change.id] = previous  # no limit written: nor its source
+            raise
+        await self._store.put_policies([p])
         self.changes.labels(source).inc()
         self._awaiting[change.id] = (view.desired.revision, time.monotonic())
         _log.info(

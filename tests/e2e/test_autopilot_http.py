@@ -275,6 +275,58 @@ def test_device_limits_are_atomic_and_shrink_first(c: httpx.Client) -> None:
     assert all(m["pinned"] and m["source"] == "operator" for m in view["instances"])
 
 
+def test_no_device_view_shows_a_written_limit_beside_the_source_before_it(
+    server: ThreadedSidecar, c: httpx.Client
+) -> None:
+    """The autopilot writes a limit and its source (operator or policy) in one change:
+    with the service's write slowed after it returns (GETs are served meanwhile), every
+    device view that shows an operator's pinned size also says ``operator``. (The source
+    used to follow the limit after two awaits; CI caught one view in between.)"""
+    import asyncio
+
+    autopilot = server.server.config.app.state.autopilot
+    service = autopilot._service
+    real = service.set_limit
+
+    async def slow_tail(*args: Any, **kwargs: Any) -> Any:
+        view = await real(*args, **kwargs)
+        await asyncio.sleep(0.3)  # the limit is written; the rest of the change waits
+        return view
+
+    a, b = SimEngine(c, "a", DEV, mapped=6 * GiB), SimEngine(c, "b", DEV)
+    a.pinned = 6 * GiB
+    a.register(), b.register()
+    c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
+    _settle(c, a, b)
+    service.set_limit = slow_tail
+    try:
+        pins = {"a": 2 * GiB, "b": 6 * GiB}
+        r = c.put(f"/devices/{DEV}/limits", json={"limits": {"a": "2G", "b": "6G"}})
+        assert r.status_code == 200, r.text
+        a.pinned = 0
+        views: list[dict[str, Any]] = []
+
+        def b_grown() -> bool:
+            a.sync(apply=True)
+            b.sync()
+            views.append(c.get(f"/devices/{DEV}").json())
+            return _desired(c, "b") == 6 * GiB
+
+        wait_until(b_grown)
+        for _ in range(5):  # the grow's slow tail
+            views.append(c.get(f"/devices/{DEV}").json())
+            time.sleep(0.05)
+    finally:
+        service.set_limit = real
+    seen = 0
+    for view in views:
+        for m in view["instances"]:
+            if m["limit_bytes"] == pins[m["id"]]:
+                assert m["source"] == "operator" and m["pinned"], m
+                seen += 1
+    assert seen > 0
+
+
 def test_dry_run_shows_the_plan_and_writes_nothing(c: httpx.Client) -> None:
     a, b = SimEngine(c, "a", DEV, mapped=6 * GiB), SimEngine(c, "b", DEV)
     a.register(), b.register()
