@@ -378,7 +378,8 @@ def test_small_limit_while_a_runs_and_b_waits_nothing_hangs_100ms_samples(
             # B does not fit under the limit (that is why it waits): it needs more than
             # the page the limit leaves beside the null block's page
             assert state["waiting_bytes"] > bundle
-            time.sleep(0.5)  # a few more samples while B waits
+            time.sleep(0.5)  # a few more samples while B waits, and at least 21 in all
+            wait_until(lambda: len(samples) > 20, what="21 samples", timeout_s=30)
             raised = elastic.set_limit(None)
             assert b.result()["usage"]["completion_tokens"] == 16
             elastic.wait_state(raised, status="applied")
