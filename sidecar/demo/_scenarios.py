@@ -90,8 +90,18 @@ def limit_table(
     engine = cluster.kinds[with_]
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(lambda i: _fill(cluster, i, cfg, seed=1000), ids))
-    filled = {i: cluster.instance(i)["mapped_bytes"] for i in ids}
     bundle = max(int(cluster.instance(with_)["observed"]["page_bundle_bytes"]), 1)
+    # The limits are fractions of what the fill mapped: read it once the engines' reports
+    # through the sidecar show it (within a bundle of /proc). Read at once, a report still
+    # in flight gave the pre-fill figure, a one-bundle limit, and traffic that then waited
+    # for memory until the client timed out.
+    _wait_until(
+        lambda: all(
+            abs(cluster.instance(i)["mapped_bytes"] - cluster.proc_bytes(i)) <= bundle for i in ids
+        ),
+        timeout_s=30,
+    )
+    filled = {i: cluster.instance(i)["mapped_bytes"] for i in ids}
     base = min(filled.values())
     rows: list[dict[str, Any]] = []
     timelines: dict[str, Any] = {}
