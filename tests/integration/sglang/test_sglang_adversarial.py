@@ -142,6 +142,7 @@ def _run(h: CpuHarness, *, with_limits: bool) -> Trace:
             check()
             if with_limits and step % 300 == 299:  # let the backlog drain now and then
                 controller.publish(None)  # type: ignore[union-attr]
+        h.at_point = None  # no more limits: the drain below runs unlimited to the end
         if controller is not None:
             controller.publish(None)  # unlimited: every waiting request must now complete
         h.run_until_idle()
