@@ -657,9 +657,10 @@ def _per_step(timings: list[float]) -> list[float]:
 
 
 def _patched(plain: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
-    """The plugin's per-step patches built over ``plain`` (what :func:`_installed` read)."""
+    """The plugin's per-step patches built over ``plain`` (what :func:`_installed` read);
+    a row in ``--leave-off`` keeps vLLM's own method."""
     return [
-        (owner, name, factory(method, None))
+        (owner, name, method if name in _leave_off else factory(method, None))
         for (owner, name, factory), (_, _, method) in zip(_patch_rows(), plain)
     ]
 
@@ -1107,9 +1108,9 @@ def main() -> None:
     parser.add_argument(
         "--leave-off",
         default="",
-        help="comma-separated per-step patches to leave off the elastic side of "
-        "--callgrind-step and --step-bytecodes (schedule, update_from_output, "
-        "_preempt_request, allocate_slots): what each costs",
+        help="comma-separated per-step patches to leave off the elastic side "
+        "(schedule, update_from_output, _preempt_request, allocate_slots): what each "
+        "costs; every step measurement honours it",
     )
     args = parser.parse_args()
     _leave_off.update(name for name in args.leave_off.split(",") if name)
