@@ -274,6 +274,28 @@ class ShrinkCoordinator:
         self._tried_key = self._change_key()
         return state
 
+    def refresh(self) -> EngineState:
+        """Engine thread, at any point (not only a safe point): the state again if a page
+        was mapped or unmapped since it was computed; no target is taken, nothing is
+        evicted or unmapped.
+
+        For adapters whose safe points come before the engine's allocations (SGLang's
+        ``get_next_batch_to_run``): a running request that maps a page above the limit
+        there, or a free that empties a retired page, moves what ``/proc`` shows, and
+        the state must say so before the forward pass, not at the next iteration.
+        O(1) when nothing moved (int compares). The demand fields stay as the last
+        safe point read them (mid-iteration the queues are half updated); with ranks,
+        the next pass does it.
+        """
+        self._guard.check()
+        pages = self._pages
+        if self._barrier is not None or (
+            pages.num_mapped == self._seen_num_mapped
+            and pages.device_full == self._seen_device_full
+        ):
+            return self._state
+        return self._update(_Pass(), None)
+
     def refresh_figures(self) -> EngineState:
         """Engine thread: recompute evictable/pinned now (same status, revision, mapped).
 

@@ -25,9 +25,13 @@ target                                                        what the wrapper a
                                                               and after SGLang's own __init__:
                                                               pdmux, PD role switch, PP,
                                                               disaggregation loops)
-``Scheduler.get_next_batch_to_run``                           coordinator pass before admission
+``Scheduler.get_next_batch_to_run``                           coordinator pass before admission;
+                                                              after it, the state follows the
+                                                              pages the batch mapped (no pass)
 ``Scheduler.process_batch_result``                            record the unmap fence (GPU unmaps
-                                                              wait on that event, not a sync)
+                                                              wait on that event, not a sync);
+                                                              after it, the state follows the
+                                                              pages its frees unmapped
 ``Scheduler.on_idle``                                         pass when a limit is pending; leak
                                                               check total synced
 ===========================================================  =================================
@@ -131,9 +135,12 @@ def _wrap_next_batch(original: Any, session: Session) -> Any:
     @functools.wraps(original)
     def get_next_batch_to_run(self: Any, *args: Any, **kwargs: Any) -> Any:
         runtime = runtime_of(self)
-        if runtime is not None:
-            runtime.before_schedule()
-        return original(self, *args, **kwargs)
+        if runtime is None:
+            return original(self, *args, **kwargs)
+        runtime.before_schedule()
+        batch = original(self, *args, **kwargs)
+        runtime.after_schedule()  # the batch's pages are mapped: the state shows them
+        return batch
 
     return get_next_batch_to_run
 
@@ -144,9 +151,12 @@ def _wrap_process_batch_result(original: Any, session: Session) -> Any:
     @functools.wraps(original)
     def process_batch_result(self: Any, *args: Any, **kwargs: Any) -> Any:
         runtime = runtime_of(self)
-        if runtime is not None:
-            runtime.after_batch()  # first: processing the result frees blocks
-        return original(self, *args, **kwargs)
+        if runtime is None:
+            return original(self, *args, **kwargs)
+        runtime.after_batch()  # first: processing the result frees blocks
+        result = original(self, *args, **kwargs)
+        runtime.after_result()  # the frees may have unmapped retired pages
+        return result
 
     return process_batch_result
 
@@ -260,14 +270,14 @@ PATCHES: tuple[Patch, ...] = (
         f"{_SCHED}:Scheduler.get_next_batch_to_run",
         V0_5_23,
         _wrap_next_batch,
-        "a coordinator pass before admission",
+        "a coordinator pass before admission; the state refreshed after it (pages mapped)",
     ),
     Patch(
         f"{_SCHED}:Scheduler.process_batch_result",
         V0_5_23,
         _wrap_process_batch_result,
         "record the unmap fence after each batch: GPU unmaps wait on that event, not on a "
-        "device-wide sync (allocator.UnmapFence)",
+        "device-wide sync (allocator.UnmapFence); the state refreshed after it (pages unmapped)",
     ),
     Patch(
         f"{_SCHED}:Scheduler.on_idle",

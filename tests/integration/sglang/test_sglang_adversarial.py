@@ -122,10 +122,12 @@ def _run(h: CpuHarness, *, with_limits: bool) -> Trace:
         state = h.pool.state()
         # every state passes the sidecar's report checks (a refused report goes stale there)
         assert report_problem(state, state.limit_bytes, state.revision) is None, state
+        measured = h.mapped_bytes()
+        # fresh after the iteration's allocations and frees, not one iteration late
+        assert abs(state.mapped_bytes - measured) <= bundle, (state, measured)
         if state.status is Status.APPLIED:
             trace.applied_samples += 1
             effective = state.effective_limit_bytes
-            measured = h.mapped_bytes()
             assert effective is None or measured <= effective, (
                 f"applied but /proc-measured {measured} > effective limit {effective}"
             )

@@ -289,6 +289,7 @@ def test_foreign_thread_mutation_fails(pool: Pool) -> None:
         "set_target": lambda: pool.pages.set_target(1),
         "evict": lambda: pool.cache.evict(list(pool.cache.evictable_blocks())[:1]),
         "step": coord.step,
+        "refresh": coord.refresh,
     }.items():
         out = on_thread("intruder", fn)
         assert isinstance(out.get("error"), ForeignThreadError), name
@@ -485,3 +486,34 @@ def test_derive_state_builds_what_pydantics_copy_builds() -> None:
     derived.revision = 99  # its own values and fields-set, not the source's
     derived.model_fields_set.discard("status")
     assert source.revision == 3 and "status" in source.model_fields_set
+
+
+def test_refresh_follows_pages_mapped_and_unmapped_but_takes_no_target(pool: Pool) -> None:
+    """SGLang's hooks after the batch: the state follows /proc between passes, and a
+    refresh never does a pass's work (no target taken, nothing evicted or unmapped)."""
+    pool.fill(4)
+    mailbox, coord = make(pool)
+    coord.step()
+    mailbox.publish(4 * BUNDLE, 1)
+    assert coord.step().status is Status.APPLIED  # the limit is taken at a pass
+    same = coord.state()
+    assert coord.refresh() is same  # nothing moved: the same snapshot, no recompute
+
+    pool.pages.set_target(None)  # a running request's page above the target, mapped as
+    running = pool.run(BLOCKS_PER_PAGE)  # the pools' overdraft does: target lifted, then
+    pool.pages.set_target(4)  # put back (the page above it is retired)
+    assert pool.backend.mapped_bytes() == 5 * BUNDLE
+    state = coord.refresh()
+    assert state.mapped_bytes == pool.backend.mapped_bytes() == 5 * BUNDLE
+    assert state.status is Status.DEFERRED and state.overage_bytes == BUNDLE
+    assert state.revision == 1 and pool.cache.num_evicted == 0  # no pass ran
+
+    mailbox.publish(None, 2)  # waits for the next pass: a refresh does not take it
+    evicted = pool.cache.num_evicted
+    state = coord.refresh()
+    assert state.revision == 1 and mailbox.has_untaken and pool.cache.num_evicted == evicted
+
+    pool.cache.finish(running)  # its blocks stay cached: nothing unmapped, nothing moved
+    assert coord.refresh().mapped_bytes == pool.backend.mapped_bytes()
+    state = coord.step()  # the pass takes revision 2 (unlimited)
+    assert (state.revision, state.status) == (2, Status.APPLIED)
