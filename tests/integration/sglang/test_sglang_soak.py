@@ -1,0 +1,43 @@
+"""Opt-in soak of the SGLang foreign-thread limit test: many seeds.
+
+``KVSIDECAR_SOAK=<first>:<count>`` reruns
+:func:`test_sglang_adversarial.test_random_limits_from_a_foreign_thread` (both
+tree caches, every eviction/reserve setting) once per seed; the default run
+skips this file.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.integration.sglang import test_sglang_adversarial as adversarial
+
+pytestmark = pytest.mark.sglang
+
+_SOAK = os.environ.get("KVSIDECAR_SOAK", "")
+_first, _, _count = _SOAK.partition(":")
+if not _first:
+    pytest.skip("opt-in soak: KVSIDECAR_SOAK=<first seed>:<count>", allow_module_level=True)
+SEEDS = range(int(_first), int(_first) + int(_count or 1))
+
+
+@pytest.mark.parametrize(
+    ("max_evict", "reserve"),
+    [(1, 0), (None, 0), (1, 3)],
+    ids=["evict1", "evict-all", "evict1-reserve3"],
+)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_soak_random_limits(
+    make_harness: adversarial.Make,
+    cache_kind: str,
+    max_evict: int | None,
+    reserve: int,
+    seed: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(adversarial, "SEED", seed)
+    adversarial.test_random_limits_from_a_foreign_thread(
+        make_harness, cache_kind, max_evict, reserve
+    )

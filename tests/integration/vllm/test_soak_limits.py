@@ -1,0 +1,60 @@
+"""Opt-in soak of the foreign-thread limit test: many seeds, several settings.
+
+``KVSIDECAR_SOAK=<first>:<count>`` runs seeds first .. first+count-1 of
+:func:`test_engine_core_limits.drive` under each setting below (the default
+run skips this file). Same assertions as the default-suite test: no exception,
+every request completes or was aborted, tokens identical to the run without
+limit changes, ``applied`` only with ``/proc`` under the effective limit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
+
+from tests.integration.vllm.test_engine_core_limits import (
+    assert_same_outcomes,
+    build_core,
+    drive,
+    plugin_env,  # noqa: F401  (the fixture)
+)
+
+pytestmark = pytest.mark.vllm
+
+_SOAK = os.environ.get("KVSIDECAR_SOAK", "")
+_first, _, _count = _SOAK.partition(":")
+if not _first:
+    pytest.skip("opt-in soak: KVSIDECAR_SOAK=<first seed>:<count>", allow_module_level=True)
+SEEDS = range(int(_first), int(_first) + int(_count or 1))
+
+SETTINGS = {
+    "default": {},
+    "reserve-2": {"KVSIDECAR_RESERVE_PAGES": "2"},
+    "evict-1": {"KVSIDECAR_MAX_EVICT_PAGES_PER_STEP": "1"},
+    "reserve-output": {"KVSIDECAR_RESERVE_OUTPUT": "1"},
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("seed", SEEDS)
+def test_soak_limits_from_a_foreign_thread(
+    plugin_env: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    seed: int,
+    setting: str,
+) -> None:
+    for key, value in SETTINGS[setting].items():
+        monkeypatch.setenv(key, value)
+    core = build_core(plugin_env)
+    try:
+        baseline = drive(core, seed, num_steps=1500, limits=False, monkeypatch=monkeypatch)
+        core.reset_prefix_cache()
+        stressed = drive(core, seed, num_steps=1500, limits=True, monkeypatch=monkeypatch)
+    finally:
+        core.shutdown()
+    assert stressed.publishes > 300
+    assert_same_outcomes(baseline, stressed, min_compared=100)
