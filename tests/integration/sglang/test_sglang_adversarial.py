@@ -193,4 +193,6 @@ def test_random_limits_from_a_foreign_thread(
     }
     # aborts are placed by step: a request aborted in one run may have finished in the other
     assert set(limited.tokens) | limited.aborted == set(reference.tokens) | reference.aborted
-    assert h.token_to_kv_pool_allocator.num_prefill_overdrafts == 0  # admission held
+    if h.config.chunked_prefill_size is None:  # (a chunked continuation may be served above
+        # the limit, as a running request is: docs/sglang.md, "Liveness")
+        assert h.token_to_kv_pool_allocator.num_prefill_overdrafts == 0  # admission held
