@@ -75,6 +75,7 @@ def build_core(
     *,
     page_bytes: int = PAGE_BYTES,
     max_model_len: int = 2048,
+    max_num_batched_tokens: int = 512,
 ) -> EngineCore:
     bundle = page_bytes * 4  # 2 layers x (K, V) regions
     args = EngineArgs(
@@ -87,7 +88,7 @@ def build_core(
         kv_cache_memory_bytes=num_pages * bundle,
         distributed_executor_backend=StubExecutor,
         max_num_seqs=6,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=max_num_batched_tokens,
         disable_log_stats=True,
         enforce_eager=True,
     )

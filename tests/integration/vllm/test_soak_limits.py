@@ -31,11 +31,14 @@ if not _first:
     pytest.skip("opt-in soak: KVSIDECAR_SOAK=<first seed>:<count>", allow_module_level=True)
 SEEDS = range(int(_first), int(_first) + int(_count or 1))
 
-SETTINGS = {
-    "default": {},
-    "reserve-2": {"KVSIDECAR_RESERVE_PAGES": "2"},
-    "evict-1": {"KVSIDECAR_MAX_EVICT_PAGES_PER_STEP": "1"},
-    "reserve-output": {"KVSIDECAR_RESERVE_OUTPUT": "1"},
+SETTINGS: dict[str, tuple[dict[str, str], dict[str, int]]] = {  # (environment, build_core)
+    "default": ({}, {}),
+    "reserve-2": ({"KVSIDECAR_RESERVE_PAGES": "2"}, {}),
+    "evict-1": ({"KVSIDECAR_MAX_EVICT_PAGES_PER_STEP": "1"}, {}),
+    "reserve-output": ({"KVSIDECAR_RESERVE_OUTPUT": "1"}, {}),
+    # prompts in chunks of at most 64 tokens (running requests allocate prefill), and a
+    # pool of 16 pages (preemptions under memory pressure, with and without a limit)
+    "chunked-small": ({}, {"max_num_batched_tokens": 64, "num_pages": 16, "max_model_len": 512}),
 }
 
 
@@ -47,9 +50,10 @@ def test_soak_limits_from_a_foreign_thread(
     seed: int,
     setting: str,
 ) -> None:
-    for key, value in SETTINGS[setting].items():
+    environment, shape = SETTINGS[setting]
+    for key, value in environment.items():
         monkeypatch.setenv(key, value)
-    core = build_core(plugin_env)
+    core = build_core(plugin_env, **shape)
     try:
         baseline = drive(core, seed, num_steps=1500, limits=False, monkeypatch=monkeypatch)
         core.reset_prefix_cache()
