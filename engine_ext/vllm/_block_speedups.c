@@ -664,17 +664,87 @@ static PyType_Spec BlockFields_spec = {
     .slots = BlockFields_slots,
 };
 
+/* -- Method shims: RunningAllocate and StepHook ------------------------------------ */
+
+/* Both replace one of vLLM's methods and behave as a function would: called by
+ * vectorcall, bound by the descriptor protocol, with __wrapped__, __name__ and a
+ * __dict__ (the patch table's mark). Both start with these fields, in this order, so
+ * the members, getters and GC helpers below serve either through a MethodShim. */
+#define METHOD_SHIM_HEAD                                                                   \
+    PyObject_HEAD                                                                          \
+    vectorcallfunc vectorcall;                                                             \
+    PyObject *original; /* vLLM's method */                                                \
+    PyObject *dict;     /* attributes set on it, as on a function */
+
+typedef struct {
+    METHOD_SHIM_HEAD
+} MethodShim;
+
+#define METHOD_SHIM_FLAGS                                                                  \
+    (Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |                \
+     Py_TPFLAGS_METHOD_DESCRIPTOR)
+
+static int
+shim_traverse(MethodShim *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->original);
+    Py_VISIT(self->dict);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static void
+shim_clear(MethodShim *self)
+{
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->dict);
+}
+
+static void
+shim_dealloc(PyObject *self)
+{
+    gc_dealloc(self, Py_TYPE(self)->tp_clear);
+}
+
+/* A function's binding: looked up on an instance, a bound method; on the class, itself. */
+static PyObject *
+shim_get(PyObject *self, PyObject *obj, PyObject *Py_UNUSED(type))
+{
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *
+shim_get_name(MethodShim *self, void *Py_UNUSED(closure))
+{
+    return name_of(self->original);
+}
+
+static PyMemberDef shim_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(MethodShim, vectorcall), READONLY},
+    {"__dictoffset__", T_PYSSIZET, offsetof(MethodShim, dict), READONLY},
+    {"__wrapped__", T_OBJECT, offsetof(MethodShim, original), READONLY, "vLLM's method"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+#define SHIM_GETSET                                                                        \
+    {"__name__", (getter)shim_get_name, NULL, "the original's name", NULL},                 \
+        {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL}
+
+static PyGetSetDef shim_getset[] = {
+    SHIM_GETSET,
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 /* -- RunningAllocate: allocate_slots' running-request path ------------------------- */
 
 typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *original;   /* vLLM's KVCacheManager.allocate_slots */
+    METHOD_SHIM_HEAD      /* original: vLLM's KVCacheManager.allocate_slots */
     PyObject *pool_class; /* ElasticBlockPool */
     PyObject *running;    /* RequestStatus.RUNNING */
     PyObject *otherwise;  /* the Python replacement: admissions, other pools, no overdraft */
     PyObject *refusal;    /* DeviceFullError: the device had no page for a running request */
-    PyObject *dict;       /* attributes set on it, as on a function (the patch table's mark) */
 } RunningAllocate;
 
 static PyObject *s_status, *s_block_pool, *s_overdraft;
@@ -762,62 +832,34 @@ RunningAllocate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static int
 RunningAllocate_traverse(RunningAllocate *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->original);
     Py_VISIT(self->pool_class);
     Py_VISIT(self->running);
     Py_VISIT(self->otherwise);
     Py_VISIT(self->refusal);
-    Py_VISIT(self->dict);
-    Py_VISIT(Py_TYPE(self));
-    return 0;
+    return shim_traverse((MethodShim *)self, visit, arg);
 }
 
 static int
 RunningAllocate_clear(RunningAllocate *self)
 {
-    Py_CLEAR(self->original);
+    shim_clear((MethodShim *)self);
     Py_CLEAR(self->pool_class);
     Py_CLEAR(self->running);
     Py_CLEAR(self->otherwise);
     Py_CLEAR(self->refusal);
-    Py_CLEAR(self->dict);
     return 0;
 }
 
-static void
-RunningAllocate_dealloc(RunningAllocate *self)
-{
-    gc_dealloc((PyObject *)self, (inquiry)RunningAllocate_clear);
-}
-
-/* A function's binding: looked up on an instance, a bound method; on the class, itself. */
 static PyObject *
-RunningAllocate_get(PyObject *self, PyObject *obj, PyObject *Py_UNUSED(type))
+RunningAllocate_get_otherwise(RunningAllocate *self, void *Py_UNUSED(closure))
 {
-    if (obj == NULL || obj == Py_None)
-        return Py_NewRef(self);
-    return PyMethod_New(self, obj);
+    return Py_NewRef(self->otherwise != NULL ? self->otherwise : Py_None);
 }
-
-static PyObject *
-RunningAllocate_get_name(RunningAllocate *self, void *Py_UNUSED(closure))
-{
-    return name_of(self->original);
-}
-
-static PyMemberDef RunningAllocate_members[] = {
-    {"__vectorcalloffset__", T_PYSSIZET, offsetof(RunningAllocate, vectorcall), READONLY},
-    {"__dictoffset__", T_PYSSIZET, offsetof(RunningAllocate, dict), READONLY},
-    {"__wrapped__", T_OBJECT, offsetof(RunningAllocate, original), READONLY,
-     "vLLM's allocate_slots"},
-    {"otherwise", T_OBJECT, offsetof(RunningAllocate, otherwise), READONLY,
-     "the Python replacement every other call goes to"},
-    {NULL, 0, 0, 0, NULL},
-};
 
 static PyGetSetDef RunningAllocate_getset[] = {
-    {"__name__", (getter)RunningAllocate_get_name, NULL, "the original's name", NULL},
-    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    SHIM_GETSET,
+    {"otherwise", (getter)RunningAllocate_get_otherwise, NULL,
+     "the Python replacement every other call goes to", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -826,20 +868,19 @@ static PyType_Slot RunningAllocate_slots[] = {
                 "KVCacheManager.allocate_slots with its running-request path in C."},
     {Py_tp_new, RunningAllocate_new},
     {Py_tp_call, PyVectorcall_Call},
-    {Py_tp_descr_get, RunningAllocate_get},
-    {Py_tp_members, RunningAllocate_members},
+    {Py_tp_descr_get, shim_get},
+    {Py_tp_members, shim_members},
     {Py_tp_getset, RunningAllocate_getset},
     {Py_tp_traverse, RunningAllocate_traverse},
     {Py_tp_clear, RunningAllocate_clear},
-    {Py_tp_dealloc, RunningAllocate_dealloc},
+    {Py_tp_dealloc, shim_dealloc},
     {0, NULL},
 };
 
 static PyType_Spec RunningAllocate_spec = {
     .name = "engine_ext.vllm._block_speedups.RunningAllocate",
     .basicsize = sizeof(RunningAllocate),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
-             Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .flags = METHOD_SHIM_FLAGS,
     .slots = RunningAllocate_slots,
 };
 
@@ -951,12 +992,9 @@ static PyObject *s_device_full_at, *s_reserve_pages, *s_requests;
 enum { HOOK_SCHEDULE = 0, HOOK_UPDATE = 1 };
 
 typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *original; /* vLLM's Scheduler.schedule or Scheduler.update_from_output */
-    PyObject *globals;  /* the runtime module's namespace: its "_runtime", read at each call */
-    int kind;           /* HOOK_SCHEDULE or HOOK_UPDATE */
-    PyObject *dict;     /* attributes set on it, as on a function (the patch table's mark) */
+    METHOD_SHIM_HEAD   /* original: vLLM's Scheduler.schedule or Scheduler.update_from_output */
+    PyObject *globals; /* the runtime module's namespace: its "_runtime", read at each call */
+    int kind;          /* HOOK_SCHEDULE or HOOK_UPDATE */
 } StepHook;
 
 /* 1: the attribute is true; 0: false; -1: error. */
@@ -1238,66 +1276,36 @@ StepHook_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static int
 StepHook_traverse(StepHook *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->original);
     Py_VISIT(self->globals);
-    Py_VISIT(self->dict);
-    Py_VISIT(Py_TYPE(self));
-    return 0;
+    return shim_traverse((MethodShim *)self, visit, arg);
 }
 
 static int
 StepHook_clear(StepHook *self)
 {
-    Py_CLEAR(self->original);
+    shim_clear((MethodShim *)self);
     Py_CLEAR(self->globals);
-    Py_CLEAR(self->dict);
     return 0;
 }
-
-static void
-StepHook_dealloc(StepHook *self)
-{
-    gc_dealloc((PyObject *)self, (inquiry)StepHook_clear);
-}
-
-static PyObject *
-StepHook_get_name(StepHook *self, void *Py_UNUSED(closure))
-{
-    return name_of(self->original);
-}
-
-static PyMemberDef StepHook_members[] = {
-    {"__vectorcalloffset__", T_PYSSIZET, offsetof(StepHook, vectorcall), READONLY},
-    {"__dictoffset__", T_PYSSIZET, offsetof(StepHook, dict), READONLY},
-    {"__wrapped__", T_OBJECT, offsetof(StepHook, original), READONLY, "vLLM's method"},
-    {NULL, 0, 0, 0, NULL},
-};
-
-static PyGetSetDef StepHook_getset[] = {
-    {"__name__", (getter)StepHook_get_name, NULL, "the original's name", NULL},
-    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
 
 static PyType_Slot StepHook_slots[] = {
     {Py_tp_doc, "StepHook(original, globals, kind): Scheduler.schedule or "
                 "update_from_output bracketed by the runtime's hooks, their no-op case in C."},
     {Py_tp_new, StepHook_new},
     {Py_tp_call, PyVectorcall_Call},
-    {Py_tp_descr_get, RunningAllocate_get},
-    {Py_tp_members, StepHook_members},
-    {Py_tp_getset, StepHook_getset},
+    {Py_tp_descr_get, shim_get},
+    {Py_tp_members, shim_members},
+    {Py_tp_getset, shim_getset},
     {Py_tp_traverse, StepHook_traverse},
     {Py_tp_clear, StepHook_clear},
-    {Py_tp_dealloc, StepHook_dealloc},
+    {Py_tp_dealloc, shim_dealloc},
     {0, NULL},
 };
 
 static PyType_Spec StepHook_spec = {
     .name = "engine_ext.vllm._block_speedups.StepHook",
     .basicsize = sizeof(StepHook),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
-             Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .flags = METHOD_SHIM_FLAGS,
     .slots = StepHook_slots,
 };
 
