@@ -43,3 +43,10 @@ class RankBarrier(Protocol):
         """Changes whenever a rank's liveness changes (a rank died). Cheap: read on every
         idle pass, so a rank that dies while nothing is pending is still reported."""
         ...
+
+    @property
+    def in_flight(self) -> bool:
+        """Unmaps not every rank acknowledged yet (O(1); read on every pass). A free
+        outside a pass unmaps a page in the scheduler's view at once; the ranks' views
+        and the memory follow only after ``sync()``, so until then nothing is applied."""
+        ...

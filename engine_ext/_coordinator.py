@@ -230,8 +230,11 @@ class ShrinkCoordinator:
                 or self._pages.device_full != self._seen_device_full
                 or self._demand.reserve_shortfall_blocks != self._seen_shortfall
             )
-            rank_died = self._barrier is not None and self._barrier.epoch != self._barrier_epoch
-            if self._settled and not rank_died:
+            barrier_due = self._barrier is not None and (
+                self._barrier.epoch != self._barrier_epoch  # a rank died
+                or self._barrier.in_flight  # a free unmapped pages the ranks still map
+            )
+            if self._settled and not barrier_due:
                 # nothing waits; the common case returns here without a syscall
                 if not moved:
                     blocks = self._blocks
@@ -246,7 +249,7 @@ class ShrinkCoordinator:
                 # per-rank figures (sync waits only while unmaps are in flight)
                 barrier = self._barrier.sync() if self._barrier is not None else None
                 return self._update(_Pass(), barrier)
-            if not (moved or rank_died) and self._retry_can_wait():
+            if not (moved or barrier_due) and self._retry_can_wait():
                 if self._figures_stale():
                     return self._refresh_figures()
                 return self._refresh_demand() if demand_moved else self._state

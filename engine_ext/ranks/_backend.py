@@ -252,3 +252,8 @@ class RankChannelBarrier:
     def epoch(self) -> int:
         """Number of ranks that died so far (read without a lock: an int read is atomic)."""
         return self.backend.group.deaths
+
+    @property
+    def in_flight(self) -> bool:
+        """Unmaps queued or sent that not every rank acknowledged yet."""
+        return self.backend.unmaps_in_flight > 0
