@@ -85,8 +85,9 @@ class ToyEngine:
         self.backend.release()
 
     # -- requests ---------------------------------------------------------------------
-    def admit(self, prompt: list[int]) -> Request | None:
-        """Allocate the prompt's blocks (prefix hits first) and prefill; None if it does not fit."""
+    def admit(self, prompt: list[int], *, make_room: bool = False) -> Request | None:
+        """Allocate the prompt's blocks (prefix hits first) and prefill; None if it does not fit
+        (``make_room``: after evicting cached blocks oldest first, as an engine's cache does)."""
         self.instance.step()
         req = Request(tokens=list(prompt), prompt_len=len(prompt))
         hits = 0
@@ -97,11 +98,12 @@ class ToyEngine:
             req.table.append(block)
             hits += 1
         needed = -(-len(prompt) // BLOCK_SIZE) - hits
-        fresh = self.cache.allocate(needed) if needed else []
-        if fresh is None:
-            return None
-        for block in req.table:
+        for block in req.table:  # hits first: making room must not evict them
             self.cache.acquire(block)
+        fresh = self.cache.allocate(needed, make_room=make_room) if needed else []
+        if fresh is None:
+            self.cache.release(req.table)  # the hits are evictable again
+            return None
         req.table.extend(fresh)
         req.written = hits * BLOCK_SIZE
         self._write(req)
@@ -113,7 +115,14 @@ class ToyEngine:
             req.tokens.append(self._sample(req))
             if len(req.tokens) > len(req.table) * BLOCK_SIZE:
                 self.instance.step()
-                block = self.cache.allocate(1)
+                block = self.cache.allocate(1, make_room=True)
+                if block is None:  # a running request: above the target, as the pools serve it
+                    target = self.pages.target_pages
+                    self.pages.set_target(None)
+                    try:
+                        block = self.cache.allocate(1)
+                    finally:
+                        self.pages.set_target(target)  # the page above it is retired
                 assert block is not None, "decode ran out of blocks"
                 req.table.extend(block)
             self._write(req)
