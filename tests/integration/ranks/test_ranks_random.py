@@ -16,13 +16,13 @@ ranks wrote, read back: a page lost under a request changes them).
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from support.soak import soak_seeds
 
 from engine_ext.protocol import Status
 
@@ -38,9 +38,7 @@ SHAPES = [
     pytest.param(1, 2, {}, id="pp2"),
     pytest.param(2, 1, {1: 0.08}, id="tp2-slow-rank"),
 ]
-_SOAK = os.environ.get("KVSIDECAR_SOAK", "")
-_first, _, _count = _SOAK.partition(":")
-SEEDS = list(range(int(_first), int(_first) + int(_count or 1))) if _first else [5]
+SEEDS = soak_seeds() or [5]
 
 
 @dataclass

@@ -9,20 +9,18 @@ this file.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
+from support.soak import soak_seeds
 
 from tests.integration.sglang import test_sglang_adversarial as adversarial
 
 pytestmark = pytest.mark.sglang
 
-_SOAK = os.environ.get("KVSIDECAR_SOAK", "")
-_first, _, _count = _SOAK.partition(":")
-if not _first:
+SEEDS = soak_seeds()
+if SEEDS is None:
     pytest.skip("opt-in soak: KVSIDECAR_SOAK=<first seed>:<count>", allow_module_level=True)
-SEEDS = range(int(_first), int(_first) + int(_count or 1))
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,10 @@ limit changes, ``applied`` only with ``/proc`` under the effective limit.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from support.soak import soak_seeds
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
@@ -25,11 +25,9 @@ from tests.integration.vllm.test_engine_core_limits import (
 
 pytestmark = pytest.mark.vllm
 
-_SOAK = os.environ.get("KVSIDECAR_SOAK", "")
-_first, _, _count = _SOAK.partition(":")
-if not _first:
+SEEDS = soak_seeds()
+if SEEDS is None:
     pytest.skip("opt-in soak: KVSIDECAR_SOAK=<first seed>:<count>", allow_module_level=True)
-SEEDS = range(int(_first), int(_first) + int(_count or 1))
 
 SETTINGS: dict[str, tuple[dict[str, str], dict[str, int]]] = {  # (environment, build_core)
     "default": ({}, {}),
