@@ -199,6 +199,23 @@ class _BlockBook:
         return buckets[top][-1]
 
     # ------------------------------------------------------------------ mutations
+    def alloc_above_target(self, n: int) -> list[int] | None:
+        """``n`` blocks for requests already running, above the page target if need be.
+
+        The target is lifted for this call only and put back at once: pages mapped
+        now beyond it are retired (no new blocks; unmapped when they empty), and
+        the coordinator reports the overage. None if even that fails (no free block
+        at all, or the device refused the page). Engine thread; a limit never
+        preempts a running request, so the engines' pools serve it this way.
+        """
+        pages = self.pages
+        saved = pages.target_pages
+        pages.set_target(None)
+        try:
+            return self.alloc(n)  # type: ignore[attr-defined,no-any-return]  # C or Python
+        finally:
+            pages.set_target(saved)
+
     def track_evictable(self) -> None:
         """From now on the cache above marks its evictable blocks (nothing marked yet).
 

@@ -483,18 +483,13 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
         if not self._padding_held or self._physical_free_blocks() < num_pages:
             self.num_failed_allocs += 1
             return None
-        pages = self.blocks.pages
-        saved = pages.target_pages
-        pages.set_target(None)
-        try:
-            got = self.blocks.alloc(num_pages)
-        finally:
-            pages.set_target(saved)
+        limited = self.blocks.pages.target_pages is not None
+        got = self.blocks.alloc_above_target(num_pages)
         if got is None:
             self.num_failed_allocs += 1
             return None
         self.num_allocs += 1
-        if saved is not None:
+        if limited:
             self.num_overdraft_blocks += num_pages
         return torch.tensor(got, dtype=torch.int64, device=self.device)
 

@@ -277,15 +277,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
         empty) and the coordinator reports the overage as ``running_requests``.
         Costs one ``set_target`` pair (O(in-use pages log k)), only while over a limit.
         """
-        blocks = self._blocks
-        pages = blocks.pages
-        saved = pages.target_pages
         self._fresh_free = -1
-        pages.set_target(None)
-        try:
-            ids = blocks.alloc(count)
-        finally:
-            pages.set_target(saved)
+        ids = self._blocks.alloc_above_target(count)
         if ids is None:
             raise DeviceFullError(f"Cannot get {count} blocks: the device is out of memory")
         self.cleanup_due = True  # pages were retired: evict cached blocks on them later

@@ -117,13 +117,9 @@ class ToyEngine:
                 self.instance.step()
                 block = self.cache.allocate(1, make_room=True)
                 if block is None:  # a running request: above the target, as the pools serve it
-                    target = self.pages.target_pages
-                    self.pages.set_target(None)
-                    try:
-                        block = self.cache.allocate(1)
-                    finally:
-                        self.pages.set_target(target)  # the page above it is retired
-                assert block is not None, "decode ran out of blocks"
+                    block = self.blocks.alloc_above_target(1)
+                    assert block is not None, "decode ran out of blocks"
+                    self.cache.acquire(block[0])  # the request's reference, as allocate() takes
                 req.table.extend(block)
             self._write(req)
 

@@ -332,3 +332,20 @@ def test_refill_reserve_on_a_full_device_holds_the_cap(
         types.SimpleNamespace(monotonic=lambda: real() + pages_module.DEVICE_RETRY_S),
     )
     assert pages.refill_reserve() == 2 and measured_pages(host) == 4 == pages.num_mapped
+
+
+def test_alloc_above_target_serves_a_running_request_and_retires_the_page(
+    make_host: MakeHost,
+) -> None:
+    backend, pages, blocks = stack(make_host)
+    held = blocks.alloc(8)  # pages 0 and 1 full
+    assert held is not None
+    pages.set_target(2)
+    assert blocks.alloc(1) is None  # an admission: nothing under the target
+    got = blocks.alloc_above_target(1)
+    assert got is not None and blocks.page_of(got[0]) == 2
+    assert pages.target_pages == 2  # put back at once
+    assert measured_pages(backend) == 3 and pages.num_retired == 1  # the page above it
+    assert blocks.alloc(1) is None  # the retired page takes no new block
+    blocks.free(got)  # its last block goes: unmapped
+    assert measured_pages(backend) == 2 and pages.num_retired == 0
