@@ -139,7 +139,7 @@ def _wrap_next_batch(original: Any, session: Session) -> Any:
             return original(self, *args, **kwargs)
         runtime.before_schedule()
         batch = original(self, *args, **kwargs)
-        runtime.after_schedule()  # the batch's pages are mapped: the state shows them
+        runtime.refresh_state()  # the batch's pages are mapped: the state shows them
         return batch
 
     return get_next_batch_to_run
@@ -155,7 +155,7 @@ def _wrap_process_batch_result(original: Any, session: Session) -> Any:
             return original(self, *args, **kwargs)
         runtime.after_batch()  # first: processing the result frees blocks
         result = original(self, *args, **kwargs)
-        runtime.after_result()  # the frees may have unmapped retired pages
+        runtime.refresh_state()  # the frees may have unmapped retired pages
         return result
 
     return process_batch_result

@@ -13,10 +13,10 @@ Where the coordinator runs, and why there:
 * :meth:`SglangRuntime.on_idle` -- wraps ``Scheduler.on_idle``: a pass when a
   limit is pending, then the leak check's total is synced
   (:func:`sync_capacity`) before SGLang's own check runs.
-* :meth:`SglangRuntime.after_schedule` (``get_next_batch_to_run`` returned: the
-  batch's pages are allocated) and :meth:`SglangRuntime.after_result`
-  (``process_batch_result`` returned: finished requests freed theirs) -- no
-  pass, only the state again if a page was mapped or unmapped (O(1) otherwise),
+* :meth:`SglangRuntime.refresh_state`, when ``get_next_batch_to_run`` returns
+  (the batch's pages are allocated) and when ``process_batch_result`` returns
+  (finished requests freed theirs) -- no pass, only the state again if a page
+  was mapped or unmapped (O(1) otherwise),
   so a running request mapped above the limit reads ``deferred`` before the
   forward pass, not one iteration later.
 
@@ -163,18 +163,16 @@ class SglangRuntime:
             and self._drain_padding_page()
         ):
             self._step()  # page 0 unmapped: recompute the status
-        # the drain's evictions may have emptied retired pages even when the padding stays
-        self.instance.coordinator.refresh()
+        self.refresh_state()  # the drain's evictions may have emptied retired pages
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
 
-    def after_schedule(self) -> None:
-        """``get_next_batch_to_run`` returned: the state follows the pages the batch mapped
-        (a running request may go above the limit; the status then says so). No pass."""
-        self.instance.coordinator.refresh()
+    def refresh_state(self) -> None:
+        """The state follows the pages mapped or unmapped since the last pass; no pass.
 
-    def after_result(self) -> None:
-        """``process_batch_result`` returned: the state follows the pages its frees
-        unmapped (a retired page empties as its last block goes). No pass."""
+        Called when ``get_next_batch_to_run`` returns (the batch's pages are mapped;
+        a running request may have gone above the limit, and the status then says
+        so) and when ``process_batch_result`` returns (its frees may have emptied
+        retired pages). O(1) when nothing moved."""
         self.instance.coordinator.refresh()
 
     def after_batch(self) -> None:

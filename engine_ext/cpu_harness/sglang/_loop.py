@@ -274,11 +274,11 @@ class CpuHarness:
                 self.at_point("admitted")
             self._prefill(admitted)
             self.pool.after_batch()  # Scheduler.process_batch_result (patched)
-            self.pool.after_result()
+            self.pool.refresh_state()
         elif self.running:
             self._decode()
             self.pool.after_batch()
-            self.pool.after_result()
+            self.pool.refresh_state()
         else:
             self.on_idle()  # requests wait for memory: a batch-less iteration
 
@@ -459,7 +459,7 @@ class CpuHarness:
             last_loc=torch.tensor(last_loc),
             extend_num_tokens=int((s - p).sum()),
         )
-        self.pool.after_schedule()  # get_next_batch_to_run returns here: the batch is allocated
+        self.pool.refresh_state()  # get_next_batch_to_run returns here: the batch is allocated
         offset = 0
         for req, start, end in zip(batch, starts, ends):
             slots = out[offset : offset + end - start]
@@ -521,7 +521,7 @@ class CpuHarness:
         out = allocator.alloc_decode(seq, seq, last)
         if out is None:
             raise RuntimeError("decode allocation failed after the capacity check passed")
-        self.pool.after_schedule()  # get_next_batch_to_run returns here: the batch is allocated
+        self.pool.refresh_state()  # get_next_batch_to_run returns here: the batch is allocated
         for req, slot in zip(batch, out.tolist()):
             token = self._next_token(req)
             table[req.row, req.kv_len] = slot
