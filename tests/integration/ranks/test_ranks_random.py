@@ -17,12 +17,11 @@ ranks wrote, read back: a page lost under a request changes them).
 from __future__ import annotations
 
 import random
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 from support.soak import soak_seeds
+from support.threads import in_foreign_thread
 
 from engine_ext.protocol import Status
 
@@ -48,22 +47,6 @@ class Run:
     refused: set[int] = field(default_factory=set)  # no room at admission
     publishes: int = 0
     applied_checks: int = 0
-
-
-def _on_thread(action: Callable[[], object]) -> None:
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            action()
-        except BaseException as exc:  # noqa: BLE001 -- re-raised on the test thread
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name="controller")
-    thread.start()
-    thread.join(30)
-    if errors:
-        raise errors[0]
 
 
 def _drive(engine: ToyEngine, seed: int, *, limits: bool) -> Run:
@@ -123,7 +106,7 @@ def _drive(engine: ToyEngine, seed: int, *, limits: bool) -> Run:
                 limit = max(0, mapped - limit_rng.randrange(1, 4) * BUNDLE)
             else:
                 limit = limit_rng.randrange(0, LAYOUT.num_pages + 1) * BUNDLE
-            _on_thread(lambda value=limit: engine.instance.set_limit(value))
+            in_foreign_thread(lambda value=limit: engine.instance.set_limit(value))
             run.publishes += 1
         check()
     for rid in sorted(live):  # drain: every running request finishes

@@ -14,14 +14,14 @@ Memory is measured from the kernel (the memfd's ``fstat`` blocks, what
 from __future__ import annotations
 
 import random
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.threads import in_foreign_thread
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
@@ -109,22 +109,6 @@ def make_request(request_id: str, tokens: list[int], max_tokens: int) -> EngineC
         cache_salt=None,
         data_parallel_rank=None,
     )
-
-
-def in_foreign_thread(action: Callable[[], object]) -> None:
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            action()
-        except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name="control")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
 
 
 @dataclass
