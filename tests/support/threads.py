@@ -5,22 +5,30 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-__all__ = ["in_foreign_thread"]
+__all__ = ["caught_in_thread", "in_foreign_thread"]
 
 
-def in_foreign_thread(action: Callable[[], object], *, name: str = "control") -> None:
-    """Run ``action`` on a new thread called ``name`` and wait for it; re-raise what it
-    raised here, on the calling (engine) thread."""
-    errors: list[BaseException] = []
+def caught_in_thread(
+    action: Callable[[], object], *, name: str = "control"
+) -> BaseException | None:
+    """Run ``action`` on a new thread called ``name``, wait for it, and return what it
+    raised (None if nothing)."""
+    caught: list[BaseException] = []
 
     def run() -> None:
         try:
             action()
-        except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
-            errors.append(exc)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            caught.append(exc)
 
     thread = threading.Thread(target=run, name=name)
     thread.start()
     thread.join()
-    if errors:
-        raise errors[0]
+    return caught[0] if caught else None
+
+
+def in_foreign_thread(action: Callable[[], object], *, name: str = "control") -> None:
+    """:func:`caught_in_thread`, re-raising what ``action`` raised on the calling thread."""
+    error = caught_in_thread(action, name=name)
+    if error is not None:
+        raise error

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from support.threads import caught_in_thread
 
 import allocator
 from allocator import (
@@ -25,18 +25,7 @@ MakeHost = Callable[..., HostBackend]
 
 def in_thread(fn: Callable[[], object]) -> BaseException | None:
     """Run ``fn`` in a new thread and return what it raised (or None)."""
-    caught: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test
-            caught.append(exc)
-
-    worker = threading.Thread(target=body, name="controller")
-    worker.start()
-    worker.join(timeout=30)
-    return caught[0] if caught else None
+    return caught_in_thread(fn, name="controller")
 
 
 def test_foreign_thread_mutations_raise_and_change_nothing(make_host: MakeHost) -> None:
