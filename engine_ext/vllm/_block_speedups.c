@@ -899,10 +899,9 @@ typedef struct {
     PyObject *woken;            /* the safe points' gate (VllmRuntime.end_schedule) */
     PyObject *steady;
     PyObject *seen_mapped;
-    PyObject *seen_reclaimable;
     PyObject *seen_device_full;
-    PyObject *seen_events;
-    PyObject *seen_requests;
+    PyObject *seen_refused;
+    PyObject *seen_device_refused;
     PyObject *refresh_due;
     PyObject *demand_events;
     PyObject *refused_blocks;
@@ -924,10 +923,9 @@ static PyMemberDef StepState_members[] = {
     STATE_FIELD("_woken", woken, "wake() since the last safe point"),
     STATE_FIELD("_steady", steady, "status settled: a safe point may be skipped"),
     STATE_FIELD("_seen_mapped", seen_mapped, "num_mapped at the last safe point"),
-    STATE_FIELD("_seen_reclaimable", seen_reclaimable, "num_reclaimable_pages, the same"),
     STATE_FIELD("_seen_device_full", seen_device_full, "device_full, the same"),
-    STATE_FIELD("_seen_events", seen_events, "_demand_events, the same"),
-    STATE_FIELD("_seen_requests", seen_requests, "len(Scheduler.requests), the same"),
+    STATE_FIELD("_seen_refused", seen_refused, "an admission was refused, the same"),
+    STATE_FIELD("_seen_device_refused", seen_device_refused, "_device_refused, the same"),
     STATE_FIELD("_refresh_due", refresh_due, "monotonic time of the next forced refresh"),
     STATE_FIELD("_demand_events", demand_events, "hooked events that moved the demand"),
     STATE_FIELD("_refused_blocks", refused_blocks, "blocks the refused admissions need"),
@@ -939,8 +937,8 @@ static PyMemberDef StepState_members[] = {
 
 #define STATE_EACH(X)                                                                  \
     X(pool) X(blocks) X(pages) X(scheduler) X(fence) X(reservation) X(woken) X(steady) \
-    X(seen_mapped) X(seen_reclaimable) X(seen_device_full) X(seen_events)               \
-    X(seen_requests) X(refresh_due) X(demand_events) X(refused_blocks)                  \
+    X(seen_mapped) X(seen_device_full) X(seen_refused) X(seen_device_refused)           \
+    X(refresh_due) X(demand_events) X(refused_blocks)                                   \
     X(device_refused) X(in_update) X(freed_in_update)
 
 static int
@@ -986,8 +984,8 @@ static PyType_Spec StepState_spec = {
 
 static PyTypeObject *StepState_type;
 static PyObject *s_runtime, *s_begin_schedule, *s_end_schedule, *s_begin_update, *s_end_update;
-static PyObject *s_in_schedule, *s_cleanup_due, *s_num_mapped, *s_num_reclaimable_pages;
-static PyObject *s_device_full_at, *s_reserve_pages, *s_requests;
+static PyObject *s_in_schedule, *s_cleanup_due, *s_num_mapped, *s_device_full_at;
+static PyObject *s_reserve_pages;
 
 enum { HOOK_SCHEDULE = 0, HOOK_UPDATE = 1 };
 
@@ -1048,15 +1046,15 @@ begin_schedule_fast(StepState *self, PyObject *scheduler)
     return 1;
 }
 
-/* end_schedule when its gate holds (nothing the state shows can have moved): lower the
- * pool's flags and return 1; 0: the Python method must run; -1: error. */
+/* end_schedule when its gate holds (no figure that must be exact at every step moved,
+ * the last refresh is recent): lower the pool's flags and return 1; 0: the Python
+ * method must run; -1: error. */
 static int
 end_schedule_fast(StepState *self)
 {
-    if (!(SET(pool) && SET(pages) && SET(blocks) && SET(scheduler) && SET(woken) &&
-          SET(steady) && SET(demand_events) && SET(seen_events) && SET(seen_mapped) &&
-          SET(seen_reclaimable) && SET(seen_device_full) && SET(seen_requests) &&
-          SET(refresh_due)))
+    if (!(SET(pool) && SET(pages) && SET(woken) && SET(steady) && SET(seen_mapped) &&
+          SET(seen_device_full) && SET(refused_blocks) && SET(device_refused) &&
+          SET(seen_refused) && SET(seen_device_refused) && SET(refresh_due)))
         return 0;
     if (self->pool == Py_None)
         return 0;
@@ -1066,16 +1064,17 @@ end_schedule_fast(StepState *self)
     if (self->steady != Py_True || self->woken != Py_False ||
         self->seen_device_full != Py_False || !PyFloat_CheckExact(self->refresh_due))
         return 0;
-    int ok = attr_true(self->pool, s_cleanup_due);
+    if (self->device_refused != self->seen_device_refused)
+        return 0;
+    int ok = PyObject_IsTrue(self->refused_blocks); /* a refusal began or ended */
+    if (ok < 0)
+        return -1;
+    if (ok != (self->seen_refused == Py_True))
+        return 0;
+    ok = attr_true(self->pool, s_cleanup_due);
     if (ok != 0)
         return ok < 0 ? -1 : 0;
-    ok = PyObject_RichCompareBool(self->demand_events, self->seen_events, Py_EQ);
-    if (ok <= 0)
-        return ok;
     ok = attr_equals(self->pages, s_num_mapped, self->seen_mapped);
-    if (ok <= 0)
-        return ok;
-    ok = attr_equals(self->blocks, s_num_reclaimable_pages, self->seen_reclaimable);
     if (ok <= 0)
         return ok;
     /* device_full is False while no device OOM is on record; otherwise Python decides */
@@ -1089,18 +1088,6 @@ end_schedule_fast(StepState *self)
     ok = attr_true(self->pages, s_reserve_pages); /* a reserve: the pass may refill it */
     if (ok != 0)
         return ok < 0 ? -1 : 0;
-    PyObject *requests = PyObject_GetAttr(self->scheduler, s_requests);
-    if (requests == NULL)
-        return -1;
-    Py_ssize_t num_requests = PyObject_Size(requests);
-    Py_DECREF(requests);
-    if (num_requests < 0)
-        return -1;
-    Py_ssize_t seen = PyLong_AsSsize_t(self->seen_requests);
-    if (seen == -1 && PyErr_Occurred())
-        return -1;
-    if (num_requests != seen)
-        return 0;
     struct timespec now; /* time.monotonic()'s clock */
     if (clock_gettime(CLOCK_MONOTONIC, &now) != 0)
         return 0;
@@ -1337,12 +1324,11 @@ PyInit__block_speedups(void)
         return NULL;
     PyObject **names[] = {&s_runtime, &s_begin_schedule, &s_end_schedule, &s_begin_update,
                           &s_end_update, &s_in_schedule, &s_cleanup_due, &s_num_mapped,
-                          &s_num_reclaimable_pages, &s_device_full_at, &s_reserve_pages,
-                          &s_requests};
-    const char *const texts[] = {"_runtime", "begin_schedule", "end_schedule", "begin_update",
-                                 "end_update", "in_schedule", "cleanup_due", "num_mapped",
-                                 "num_reclaimable_pages", "_device_full_at", "reserve_pages",
-                                 "requests"};
+                          &s_device_full_at, &s_reserve_pages};
+    const char *const texts[] = {"_runtime",    "begin_schedule", "end_schedule",
+                                 "begin_update", "end_update",    "in_schedule",
+                                 "cleanup_due", "num_mapped",     "_device_full_at",
+                                 "reserve_pages"};
     for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
         *names[i] = PyUnicode_InternFromString(texts[i]);
         if (*names[i] == NULL)

@@ -103,10 +103,9 @@ class VllmRuntime(StepState):
         # (its figures move with every token): every safe point refreshes, none is skipped
         self._always_refresh = False
         self._seen_mapped = -1  # PageAllocator.num_mapped
-        self._seen_reclaimable = -1  # BlockAllocator.num_reclaimable_pages
         self._seen_device_full = False  # PageAllocator.device_full
-        self._seen_events = -1  # _demand_events
-        self._seen_requests = -1  # len(Scheduler.requests)
+        self._seen_refused = False  # an admission was refused (_refused_blocks > 0)
+        self._seen_device_refused = False  # _device_refused
         self._refresh_due = float("-inf")  # monotonic time of the next forced refresh
         self._freed_in_update = False  # ... and the pool freed blocks there
         self._blocks: Any = None  # the pool's BlockAllocator, set by build_backing
@@ -237,13 +236,11 @@ class VllmRuntime(StepState):
             state = self._after_pass(state)
         # what the next safe point compares to skip all of the above when nothing moved
         self._steady = state.status is not Status.DEFERRED and not self._always_refresh
-        blocks = self._blocks
-        self._seen_mapped = blocks.pages.num_mapped
-        self._seen_reclaimable = blocks.num_reclaimable_pages
-        self._seen_device_full = blocks.pages.device_full
-        self._seen_events = self._demand_events
-        sched = self._scheduler
-        self._seen_requests = len(getattr(sched, "requests", ()))
+        pages = self._blocks.pages
+        self._seen_mapped = pages.num_mapped
+        self._seen_device_full = pages.device_full
+        self._seen_refused = self._refused_blocks > 0
+        self._seen_device_refused = self._device_refused
         self._refresh_due = _monotonic() + DEMAND_MAX_AGE_S
         return state
 
@@ -275,13 +272,15 @@ class VllmRuntime(StepState):
     def end_schedule(self) -> None:
         """End of ``schedule()`` (also on error): lookups are done, a safe point again.
 
-        Skipped after a few int compares when nothing the state shows can have moved
-        since the last safe point: no publish (:meth:`wake`), status settled, no
-        eviction the pool deferred, the same mapped pages, all-evictable pages and
-        device-full flag (the block figures the state is made of: a running request
-        taking a block on a mapped page moves none of them, and a busy engine does
-        that at nearly every step), no demand event of ours, the same number of
-        requests, and the last full refresh less than :data:`DEMAND_MAX_AGE_S` ago.
+        Skipped after a few compares when nothing that must be exact at every step
+        moved since the last safe point: no publish (:meth:`wake`), status settled,
+        no eviction the pool deferred, the same mapped pages and device-full flag
+        (mapped bytes follow ``/proc`` at every step), no refusal begun or ended
+        (``waiting_reason``), and the last full refresh less than
+        :data:`DEMAND_MAX_AGE_S` ago. The counts (running, waiting, preemptions, hit
+        rate) and the evictable/pinned figures move with nearly every admission and
+        finish; they are refreshed by that periodic refresh (at most 100 ms old while
+        busy) and by the idle hook, not at every step (docs/limits.md).
         """
         pool = self.pool
         if pool is None:
@@ -293,13 +292,12 @@ class VllmRuntime(StepState):
         if (  # (one frame: this runs at every step)
             self._steady
             and not self._woken
+            and self._device_refused == self._seen_device_refused
+            and (self._refused_blocks > 0) == self._seen_refused
             and not pool.cleanup_due
-            and self._demand_events == self._seen_events
             and pages.num_mapped == self._seen_mapped
-            and blocks.num_reclaimable_pages == self._seen_reclaimable
             and pages.device_full == self._seen_device_full
             and not (pages.reserve_pages and pages.reserve_wanted())  # the pass refills it
-            and len(self._scheduler.requests) == self._seen_requests
             and _monotonic() < self._refresh_due
         ):
             return
@@ -316,12 +314,13 @@ class VllmRuntime(StepState):
 
     def end_update(self) -> None:
         """End of ``update_from_output`` (also on error): if requests finished (their
-        blocks were freed), a safe point, so an engine that goes idle now reports
-        the memory and the demand as they are."""
+        blocks were freed), :meth:`_after_free`: a safe point if mapped memory moved,
+        else the idle hook armed, so an engine that goes idle now reports the memory
+        and the demand as they are."""
         self._in_update = False
         if self._freed_in_update:
             self._freed_in_update = False
-            self._settle()
+            self._after_free()
 
     def allocating(
         self,
@@ -543,27 +542,41 @@ class VllmRuntime(StepState):
         if pool is None or pool.in_schedule:
             return  # inside schedule(): the end-of-schedule safe point refreshes
         if self._in_update:
-            self._freed_in_update = True  # the end of update_from_output refreshes
+            self._freed_in_update = True  # the end of update_from_output decides
             return
-        # Frees outside schedule() (aborts, resets) happen with no prefix lookup pending.
-        # When mapped memory moved (a page unmapped, the device-full flag) or a pass may
-        # be due (a publish, a deferred status): a safe point now, so the state follows
-        # /proc at once. Otherwise only figures moved (demand counts, pages becoming or
-        # ceasing to be all evictable): they are read at the next safe point (the end of
-        # the next schedule(), or the idle hook armed here, which runs as soon as the
-        # busy loop has handled the message that freed them), not at every free: a safe
-        # point per free cost ~8% of the pool's instructions on bench_vllm's trace
-        # (bench/README.md, issue 17), and an abort of many requests one per request.
+        self._after_free()
+
+    def _after_free(self) -> None:
+        """Blocks were freed outside ``schedule()`` (finished requests at the end of
+        ``update_from_output``, aborts, resets): no prefix lookup is pending.
+
+        When mapped memory moved (a page unmapped, the device-full flag) or a pass may
+        be due (a publish, a deferred status): a safe point now, so the state follows
+        /proc at once. Otherwise only counts and figures moved (demand counts, pages
+        becoming or ceasing to be all evictable): they are read by the periodic refresh
+        at the end of a later ``schedule()`` (at most :data:`DEMAND_MAX_AGE_S` old) or by
+        the idle hook armed here, which runs as soon as the busy loop has no work: an
+        engine that goes idle reports them as they are. Without a busy loop (an
+        in-process ``EngineCore`` stepped by its caller: tests, bench_vllm.py) there is
+        no idle hook: the free that leaves the scheduler without requests refreshes,
+        where the hook would run. Not a safe point per free: one per finishing step
+        cost ~1.5 % of the scheduler step on bench_vllm's trace, one per abort of many
+        requests one per request (bench/README.md, issue 17).
+        """
         pages = self._blocks.pages
-        if (  # mapped memory unmoved (end_schedule's check less the all-evictable pages)
+        if (  # mapped memory unmoved (end_schedule's check less the demand and the clock)
             self._steady
             and not self._woken
             and pages.num_mapped == self._seen_mapped
             and pages.device_full == self._seen_device_full
         ):
-            if not self._armed and self._engine_core is not None:
-                self._arm(wakeup=False)  # an idle engine refreshes the demand once
-            return
+            if self._engine_core is not None:
+                if not self._armed:
+                    self._arm(wakeup=False)  # an idle engine refreshes the demand once
+                return
+            sched = self._scheduler
+            if sched is None or getattr(sched, "requests", None):
+                return  # requests left: a later schedule() or the last free refreshes
         self._settle()
 
     def _settle(self) -> None:

@@ -168,3 +168,99 @@ def test_waiting_bytes_cover_every_waiting_request(
         assert state.waiting_reason is None and state.waiting_bytes == 0
     finally:
         core.shutdown()
+
+
+def _figures(runtime: Any, core: Any) -> tuple[int, int, int, int]:
+    """The counts and figures as vLLM's queues and the allocator hold them now."""
+    sched = core.scheduler
+    blocks = runtime.pool._blocks
+    bundle = runtime.instance.state().page_bundle_bytes
+    reclaimable = blocks.num_reclaimable_pages
+    return (
+        len(sched.running),
+        len(sched.waiting),
+        reclaimable * bundle,
+        (blocks.pages.num_in_use - reclaimable) * bundle,
+    )
+
+
+def _reported(state: Any) -> tuple[int, int, int, int]:
+    return (
+        state.num_running_requests,
+        state.num_waiting_requests,
+        state.evictable_bytes,
+        state.pinned_bytes,
+    )
+
+
+@pytest.mark.parametrize("age", [0.0, None])
+def test_counts_are_refreshed_at_the_max_age_while_busy(
+    plugin_env: Path, monkeypatch: pytest.MonkeyPatch, age: float | None
+) -> None:
+    """The counts and evictable/pinned figures are not refreshed at every admission
+    and finish (that cost ~1.5 % of the scheduler step) but at most DEMAND_MAX_AGE_S
+    apart while busy, at the end of schedule(): with the age at 0 every schedule()
+    refreshes them, so as it returns they equal vLLM's queues and the allocator.
+    With the age at its default (100 ms; this trace runs in less) they lag at some
+    step: the point of it."""
+    if age is not None:
+        monkeypatch.setattr(_runtime, "DEMAND_MAX_AGE_S", age)
+    core = build_core(plugin_env)
+    rng = random.Random(5)
+    try:
+        runtime, instance = _runtime_parts()
+        seen: list[tuple[Any, Any]] = []
+        schedule = core.scheduler.schedule  # the patched method, bound
+
+        def recording_schedule(*args: Any, **kwargs: Any) -> Any:
+            output = schedule(*args, **kwargs)  # the end-of-schedule refresh ran in there
+            seen.append((_reported(instance.state()), _figures(runtime, core)))
+            return output
+
+        core.scheduler.schedule = recording_schedule
+        doc = [rng.randrange(10, 3000) for _ in range(64)]
+        for i in range(8):
+            tail = [rng.randrange(10, 3000) for _ in range(rng.randrange(1, 40))]
+            request = make_request(f"r{i}", doc + tail, rng.randrange(1, 30))
+            core.add_request(*core.preprocess_add_request(request))
+        while core.scheduler.has_requests():
+            core.step()
+        assert len(seen) > 10
+        lagged = [i for i, (reported, actual) in enumerate(seen) if reported != actual]
+        if age == 0.0:
+            assert lagged == []
+        else:
+            assert lagged
+    finally:
+        core.shutdown()
+
+
+def test_a_busy_loop_refreshes_the_counts_in_its_idle_hook(plugin_env: Path) -> None:
+    """Served by a busy loop, the frees of finishing requests arm the idle hook instead
+    of running a safe point each: while requests still run the counts may lag (at
+    most DEMAND_MAX_AGE_S), and once the loop has no work the callbacks it runs then
+    (``EngineCoreProc._notify_idle_state_callbacks``) bring them to what the queues and
+    the allocator hold. Mapped bytes never lag: they follow the memory at every step."""
+    core = build_core(plugin_env)
+    rng = random.Random(6)
+    try:
+        runtime, instance = _runtime_parts()
+        runtime._engine_core = core  # what attach_engine records (no socket needed here)
+        doc = [rng.randrange(10, 3000) for _ in range(64)]
+        for i in range(6):
+            tail = [rng.randrange(10, 3000) for _ in range(rng.randrange(1, 40))]
+            request = make_request(f"r{i}", doc + tail, 2 + 5 * i)
+            core.add_request(*core.preprocess_add_request(request))
+        backend = runtime.pool._blocks.pages.backend
+        while core.scheduler.has_requests():
+            core.step()
+            assert instance.state().mapped_bytes == backend.mapped_bytes()
+        assert core._idle_state_callbacks, "the frees armed the idle hook"
+        while core._idle_state_callbacks:  # EngineCoreProc._notify_idle_state_callbacks,
+            core._idle_state_callbacks.pop()(core)  # run by the busy loop with no work
+        state = instance.state()
+        assert _reported(state) == _figures(runtime, core)
+        assert state.num_running_requests == 0 and state.evictable_bytes > 0
+        assert state.mapped_bytes == backend.mapped_bytes()
+    finally:
+        core.shutdown()

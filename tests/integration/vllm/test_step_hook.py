@@ -128,6 +128,8 @@ FIELDS = {  # every input of both gates, with values on both sides of each test
     "steady": [True, False],
     "refused_blocks": [0, 3],
     "device_refused": [False, True],
+    "seen_refused": [False, True],
+    "seen_device_refused": [False, True],
     "reservation": [False, True],
     "fence": [False, True],
     "events_moved": [False, True],
@@ -164,12 +166,16 @@ def _build(case: dict[str, Any], scheduler: Scheduler) -> Runtime:
     runtime._device_refused = case["device_refused"]
     runtime._reservation = Logged(log) if case["reservation"] else None  # type: ignore[assignment]
     runtime._fence = Logged(log) if case["fence"] else None
-    runtime._demand_events = 5
-    runtime._seen_events = 5 + case["events_moved"]
+    # the counts below move with nearly every step; neither gate reads them (the
+    # periodic refresh and the idle hook do): moving them must change nothing here
+    runtime._demand_events = 5 + case["events_moved"]
+    blocks.num_reclaimable_pages += case["reclaimable_moved"]
+    if case["requests_moved"]:
+        scheduler.requests["arrived"] = None
     runtime._seen_mapped = 40 + case["mapped_moved"]
-    runtime._seen_reclaimable = 7 + case["reclaimable_moved"]
     runtime._seen_device_full = case["seen_device_full"]
-    runtime._seen_requests = len(scheduler.requests) + case["requests_moved"]
+    runtime._seen_refused = case["seen_refused"]
+    runtime._seen_device_refused = case["seen_device_refused"]
     runtime._refresh_due = now + 3600 if case["refresh_due"] == "later" else now - 1
     runtime._freed_in_update = case["freed_in_update"]
     return runtime
@@ -275,6 +281,56 @@ def test_a_quiet_step_calls_no_python_hook() -> None:
         flags_in_vllm = calls["c"][0][3]
         assert flags_in_vllm == ((True, True) if kind == "schedule" else (False, False))
         assert calls["c"][0][4] is (kind == "update_from_output")  # _in_update while it runs
+
+
+@pytest.mark.parametrize("moved", ["events_moved", "reclaimable_moved", "requests_moved"])
+def test_counts_that_move_alone_wait_for_the_periodic_refresh(moved: str) -> None:
+    """Admissions, finishes and arrivals move the demand counts and the evictable
+    figures at nearly every step: the end of schedule() refreshes them only when
+    the last refresh is DEMAND_MAX_AGE_S old (or something exact moved), in C and in
+    Python alike; once it is, the safe point runs."""
+    for patch in _patches("schedule"):
+        for due, expected in (("later", []), ("past", ["safe_point"])):
+            scheduler = Scheduler(3)
+            runtime = _build({**QUIET, moved: True, "refresh_due": due}, scheduler)
+            _runtime._runtime = runtime  # type: ignore[misc]
+            try:
+                patch(_original([runtime], "returns"))(scheduler)
+            finally:
+                _runtime._runtime = None  # type: ignore[misc]
+            assert [e for e in runtime.log if e == "safe_point"] == expected, (patch, due)
+
+
+@pytest.mark.parametrize(
+    "case, during",
+    [
+        ({}, {"_refused_blocks": 3}),  # an admission refused: waiting_reason appears at once
+        ({"seen_refused": True}, {}),  # no refusal this step: it goes at once
+        ({}, {"_refused_blocks": 3, "_device_refused": True}),  # the device refused
+        ({"mapped_moved": True}, {}),  # mapped bytes follow /proc at every step
+    ],
+)
+def test_what_must_be_exact_refreshes_at_the_end_of_that_step(
+    case: dict[str, Any], during: dict[str, Any]
+) -> None:
+    for patch in _patches("schedule"):
+        scheduler = Scheduler(3)
+        runtime = _build({**QUIET, **case}, scheduler)
+        original = _original([runtime], "returns")
+
+        def schedule(
+            self: Scheduler, *args: Any, _runtime_: Runtime = runtime, _original: Any = original
+        ) -> Any:
+            for name, value in during.items():  # what allocate_slots records in the step
+                setattr(_runtime_, name, value)
+            return _original(self, *args)
+
+        _runtime._runtime = runtime  # type: ignore[misc]
+        try:
+            patch(schedule)(scheduler)
+        finally:
+            _runtime._runtime = None  # type: ignore[misc]
+        assert "safe_point" in runtime.log, (patch, case, during)
 
 
 def test_without_a_runtime_vllms_method_is_called_as_given() -> None:
