@@ -65,6 +65,7 @@ NUM_PAGES = 64  # 1024 blocks
 
 
 _leave_off: set[str] = set()
+_churn = False  # --churn: output lengths 1..48, so requests finish and start at most steps
 
 
 def _patch_rows() -> list[tuple[Any, str, Callable[[Any, Any], Any]]]:
@@ -501,7 +502,9 @@ _step_collect: Callable[[], None] | None = None  # callgrind_steps' collect togg
 
 def _step_requests(round_no: int, num_requests: int) -> list[Any]:
     """The scheduler trace of one round: a 600-token document shared by every request
-    (a new one each round), distinct tails, 32 output tokens."""
+    (a new one each round), distinct tails, 32 output tokens (with ``--churn`` 1 to 48,
+    spread, so that at most steps a request finishes and another is admitted: an
+    engine serving a steady stream of short requests)."""
     from vllm.v1.engine import EngineCoreRequest
 
     doc = [10 + (round_no * 7919 + t) % 29_000 for t in range(600)]
@@ -510,7 +513,7 @@ def _step_requests(round_no: int, num_requests: int) -> list[Any]:
             f"r{round_no}s{i}",
             doc + [30_000 + (i * 37 + t) % 900 for t in range(40 + i % 50)],
             None,
-            SamplingParams(max_tokens=32, ignore_eos=True),
+            SamplingParams(max_tokens=1 + (i * 29) % 48 if _churn else 32, ignore_eos=True),
             None,
             time.time(),
             None,
@@ -692,11 +695,14 @@ def _step_worker(
     conn: Any,
     leave_off: frozenset[str] = frozenset(),
     cpu: int | None = None,
+    churn: bool = False,
 ) -> None:
     """One side of :func:`process_step_rounds`, in its own process: builds its engine
     (with the plugin's patches installed once, as in a served engine) and runs one
     command at a time from the parent: a round's requests, one engine step, the
     round's median step time."""
+    global _churn
+    _churn = churn
     _leave_off.update(leave_off)
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
@@ -753,7 +759,7 @@ def process_step_rounds(
         parent, child = context.Pipe()
         process = context.Process(
             target=_step_worker,
-            args=(kind, model_dir, warm, num_requests, child, frozenset(_leave_off), cpu),
+            args=(kind, model_dir, warm, num_requests, child, frozenset(_leave_off), cpu, _churn),
             daemon=True,
         )
         process.start()
@@ -1106,6 +1112,13 @@ def main() -> None:
         "side maps its pages again in each)",
     )
     parser.add_argument(
+        "--churn",
+        action="store_true",
+        help="scheduler step trace with output lengths 1-48 instead of 32 for all: requests "
+        "finish and start at most steps (a steady stream of short requests), where the "
+        "state's counts move at every step",
+    )
+    parser.add_argument(
         "--leave-off",
         default="",
         help="comma-separated per-step patches to leave off the elastic side "
@@ -1114,6 +1127,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     _leave_off.update(name for name in args.leave_off.split(",") if name)
+    global _churn
+    _churn = args.churn
     if args.callgrind_cost:
         native_cg, elastic_cg = (callgrind_cost(path) for path in args.callgrind_cost)
         for name in (*_COST_WEIGHTS, "cost"):
