@@ -170,8 +170,9 @@ PATCHES: tuple[Patch, ...] = (
         _V033,
         _update_from_output,
         "device ordering: record the unmap fence after each forward pass, so GPU unmaps wait "
-        "on that event, not on a device-wide sync (allocator.UnmapFence); a safe point after "
-        "it when requests finished (the state follows /proc and the demand when it goes idle)",
+        "on that event, not on a device-wide sync (allocator.UnmapFence); after it, when "
+        "requests finished, a safe point if mapped pages moved (the state follows /proc), "
+        "else the idle hook armed (the demand when it goes idle)",
     ),
     Patch(
         "vllm.v1.core.sched.scheduler:Scheduler._preempt_request",
