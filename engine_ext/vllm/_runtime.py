@@ -708,7 +708,8 @@ def update_from_output_patch(
     original: Callable[..., Any], *, in_c: bool = True
 ) -> Callable[..., Any]:
     """The replacement of ``Scheduler.update_from_output``: the unmap fence before it
-    (the original frees blocks, unmaps may follow), after it, when it freed, :meth:`VllmRuntime.end_update`.
+    (the original frees blocks, unmaps may follow); after it, when it freed,
+    :meth:`VllmRuntime.end_update`.
 
     With the C module (and ``in_c``), a ``StepHook``: without a fence, and when
     nothing was freed, the two flags are set in C (as :func:`schedule_patch`).
