@@ -287,8 +287,7 @@ class VllmRuntime(StepState):
             return
         pool.in_schedule = False
         pool.overdraft = False
-        blocks = self._blocks
-        pages = blocks.pages
+        pages = self._blocks.pages
         if (  # (one frame: this runs at every step)
             self._steady
             and not self._woken
@@ -560,11 +559,12 @@ class VllmRuntime(StepState):
         in-process ``EngineCore`` stepped by its caller: tests, bench_vllm.py) there is
         no idle hook: the free that leaves the scheduler without requests refreshes,
         where the hook would run. Not a safe point per free: one per finishing step
-        cost ~1.5 % of the scheduler step on bench_vllm's trace, one per abort of many
-        requests one per request (bench/README.md, issue 17).
+        cost ~1.7 % of the scheduler step on bench_vllm's default trace and ~5 % on its
+        ``--churn`` trace (bench/README.md, issue 17), and an abort of many requests
+        one per request.
         """
         pages = self._blocks.pages
-        if (  # mapped memory unmoved (end_schedule's check less the demand and the clock)
+        if (  # mapped memory unmoved (end_schedule's check less the refusals and the clock)
             self._steady
             and not self._woken
             and pages.num_mapped == self._seen_mapped

@@ -198,7 +198,7 @@ def test_counts_are_refreshed_at_the_max_age_while_busy(
     plugin_env: Path, monkeypatch: pytest.MonkeyPatch, age: float | None
 ) -> None:
     """The counts and evictable/pinned figures are not refreshed at every admission
-    and finish (that cost ~1.5 % of the scheduler step) but at most DEMAND_MAX_AGE_S
+    and finish (that cost 1.5-5 % of the scheduler step) but at most DEMAND_MAX_AGE_S
     apart while busy, at the end of schedule(): with the age at 0 every schedule()
     refreshes them, so as it returns they equal vLLM's queues and the allocator.
     With the age at its default (100 ms; this trace runs in less) they lag at some
