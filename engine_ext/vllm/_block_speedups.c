@@ -745,7 +745,12 @@ typedef struct {
     PyObject *running;    /* RequestStatus.RUNNING */
     PyObject *otherwise;  /* the Python replacement: admissions, other pools, no overdraft */
     PyObject *refusal;    /* DeviceFullError: the device had no page for a running request */
+    PyObject *globals;    /* the runtime module's namespace (its "_runtime"), or NULL */
 } RunningAllocate;
+
+/* The plain admission in C (defined after StepState): sets *handled when it ran. */
+static PyObject *admit_fast(RunningAllocate *self, PyObject *const *args, size_t nargsf,
+                            PyObject *kwnames, int *handled);
 
 static PyObject *s_status, *s_block_pool, *s_overdraft;
 
@@ -794,6 +799,12 @@ RunningAllocate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf,
             }
             return result;
         }
+        if (self->globals != NULL) {
+            int handled = 0;
+            PyObject *result = admit_fast(self, args, nargsf, kwnames, &handled);
+            if (handled)
+                return result;
+        }
     }
     return PyObject_Vectorcall(self->otherwise, args, nargsf, kwnames);
 }
@@ -801,13 +812,13 @@ RunningAllocate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf,
 static PyObject *
 RunningAllocate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *original, *pool_class, *running, *otherwise, *refusal;
+    PyObject *original, *pool_class, *running, *otherwise, *refusal, *globals = NULL;
     if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
         PyErr_SetString(PyExc_TypeError, "RunningAllocate() takes no keyword arguments");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "OO!OOO:RunningAllocate", &original, &PyType_Type, &pool_class,
-                          &running, &otherwise, &refusal))
+    if (!PyArg_ParseTuple(args, "OO!OOO|O!:RunningAllocate", &original, &PyType_Type,
+                          &pool_class, &running, &otherwise, &refusal, &PyDict_Type, &globals))
         return NULL;
     if (!PyCallable_Check(original) || !PyCallable_Check(otherwise)) {
         PyErr_SetString(PyExc_TypeError, "RunningAllocate: original and otherwise must be callable");
@@ -826,6 +837,7 @@ RunningAllocate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->running = Py_NewRef(running);
     self->otherwise = Py_NewRef(otherwise);
     self->refusal = Py_NewRef(refusal);
+    self->globals = Py_XNewRef(globals);
     return (PyObject *)self;
 }
 
@@ -836,6 +848,7 @@ RunningAllocate_traverse(RunningAllocate *self, visitproc visit, void *arg)
     Py_VISIT(self->running);
     Py_VISIT(self->otherwise);
     Py_VISIT(self->refusal);
+    Py_VISIT(self->globals);
     return shim_traverse((MethodShim *)self, visit, arg);
 }
 
@@ -847,6 +860,7 @@ RunningAllocate_clear(RunningAllocate *self)
     Py_CLEAR(self->running);
     Py_CLEAR(self->otherwise);
     Py_CLEAR(self->refusal);
+    Py_CLEAR(self->globals);
     return 0;
 }
 
@@ -1207,6 +1221,237 @@ update_bracket(StepHook *hook, PyObject *runtime, PyObject *const *args, size_t 
     return result;
 }
 
+/* -- RunningAllocate's plain admission ---------------------------------------------- */
+
+/* VllmRuntime.allocating for an admission with no limit and no output reservation, the
+ * common one: the pool's flags for an admission around vLLM's method, a device refusal
+ * as None (and the prefix hits given back), then the demand event and the hit window.
+ * A refusal (None) is handed to the runtime's _refused_admission, as Python does. Runs
+ * only when every read below succeeds and holds; otherwise *handled stays 0 and the
+ * Python replacement runs (and meets the same error, or not, in its own order). */
+
+static PyObject *s_target_pages, *s_request_id, *s_coordinator, *s_single_type_managers;
+static PyObject *s_req_to_blocks, *s_get, *s_free, *s_num_tokens, *s_hits, *s_record;
+static PyObject *s_refused_admission, *s_num_new_computed_tokens;
+static PyObject *dict_get; /* dict.get, the method descriptor */
+
+/* 1: the request holds blocks in one of the manager's groups; 0: not; -1: error. */
+static int
+holds_blocks(PyObject *manager, PyObject *request_id)
+{
+    PyObject *coordinator = PyObject_GetAttr(manager, s_coordinator);
+    if (coordinator == NULL)
+        return -1;
+    PyObject *singles = PyObject_GetAttr(coordinator, s_single_type_managers);
+    Py_DECREF(coordinator);
+    if (singles == NULL)
+        return -1;
+    PyObject *it = PyObject_GetIter(singles);
+    Py_DECREF(singles);
+    if (it == NULL)
+        return -1;
+    int held = 0;
+    PyObject *single;
+    while (!held && (single = PyIter_Next(it)) != NULL) {
+        PyObject *table = PyObject_GetAttr(single, s_req_to_blocks);
+        Py_DECREF(single);
+        if (table == NULL) {
+            held = -1;
+            break;
+        }
+        PyObject *blocks;
+        /* a dict whose get() is dict's own (vLLM's defaultdict): the lookup get() does */
+        if (PyDict_Check(table) && _PyType_Lookup(Py_TYPE(table), s_get) == dict_get) {
+            blocks = PyDict_GetItemWithError(table, request_id); /* borrowed */
+            held = blocks != NULL ? PyObject_IsTrue(blocks) : PyErr_Occurred() ? -1 : 0;
+            Py_DECREF(table);
+            continue;
+        }
+        blocks = PyObject_CallMethodOneArg(table, s_get, request_id);
+        Py_DECREF(table);
+        if (blocks == NULL) {
+            held = -1;
+            break;
+        }
+        held = PyObject_IsTrue(blocks);
+        Py_DECREF(blocks);
+    }
+    Py_DECREF(it);
+    if (held == 0 && PyErr_Occurred())
+        return -1;
+    return held;
+}
+
+/* allocate_slots' num_new_computed_tokens as the caller passed it (0 when absent). */
+static PyObject *
+hit_tokens(PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs > 3)
+        return PyNumber_Long(args[3]);
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        int same = PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, i), s_num_new_computed_tokens);
+        if (same == 0)
+            return PyNumber_Long(args[nargs + i]);
+        if (same == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    return Py_NewRef(zero);
+}
+
+/* The pool's two flags back as they were (an exception pending is kept). */
+static int
+put_flags_back(PyObject *pool, PyObject *in_schedule, PyObject *overdraft)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    int failed = PyObject_SetAttr(pool, s_overdraft, overdraft) < 0 ||
+                 PyObject_SetAttr(pool, s_in_schedule, in_schedule) < 0;
+    if (type != NULL) {
+        if (failed)
+            PyErr_Clear(); /* (plain attributes: never seen) the pending error is kept */
+        PyErr_Restore(type, value, tb);
+        return -1;
+    }
+    return failed ? -1 : 0;
+}
+
+/* The refusal handed to the runtime: (request, args after request, kwargs, device). */
+static PyObject *
+refused_admission(PyObject *runtime, PyObject *request, PyObject *const *args, size_t nargsf,
+                  PyObject *kwnames, int device)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *rest = PyTuple_New(nargs - 2);
+    if (rest == NULL)
+        return NULL;
+    for (Py_ssize_t i = 2; i < nargs; i++)
+        PyTuple_SET_ITEM(rest, i - 2, Py_NewRef(args[i]));
+    PyObject *kwargs = PyDict_New();
+    if (kwargs == NULL) {
+        Py_DECREF(rest);
+        return NULL;
+    }
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0) {
+            Py_DECREF(rest);
+            Py_DECREF(kwargs);
+            return NULL;
+        }
+    }
+    PyObject *done = PyObject_CallMethodObjArgs(runtime, s_refused_admission, request, rest,
+                                                kwargs, device ? Py_True : Py_False, NULL);
+    Py_DECREF(rest);
+    Py_DECREF(kwargs);
+    if (done == NULL)
+        return NULL;
+    Py_DECREF(done);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+admit_fast(RunningAllocate *self, PyObject *const *args, size_t nargsf, PyObject *kwnames,
+           int *handled)
+{
+    PyObject *manager = args[0], *request = args[1];
+    PyObject *runtime = PyDict_GetItemWithError(self->globals, s_runtime); /* borrowed */
+    if (runtime == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(runtime, StepState_type))
+        return NULL;
+    StepState *state = (StepState *)runtime;
+    if (state->pool == NULL || state->pages == NULL || state->reservation != Py_None ||
+        state->demand_events == NULL || !PyLong_CheckExact(state->demand_events) ||
+        Py_TYPE(state->pool) != (PyTypeObject *)self->pool_class)
+        return NULL;
+    Py_INCREF(runtime); /* the global may be rebound during vLLM's call */
+    PyObject *pool = Py_NewRef(state->pool);
+    PyObject *result = NULL, *in_schedule = NULL, *overdraft = NULL, *request_id = NULL;
+    /* the reads that decide: an Exception among them leaves it to Python */
+    PyObject *status = PyObject_GetAttr(request, s_status);
+    PyObject *managers_pool = status == NULL ? NULL : PyObject_GetAttr(manager, s_block_pool);
+    PyObject *target = managers_pool == NULL ? NULL : PyObject_GetAttr(state->pages, s_target_pages);
+    int plain = target != NULL && status != self->running && managers_pool == pool &&
+                target == Py_None;
+    Py_XDECREF(status);
+    Py_XDECREF(managers_pool);
+    Py_XDECREF(target);
+    if (plain) {
+        in_schedule = PyObject_GetAttr(pool, s_in_schedule);
+        overdraft = in_schedule == NULL ? NULL : PyObject_GetAttr(pool, s_overdraft);
+        request_id = overdraft == NULL ? NULL : PyObject_GetAttr(request, s_request_id);
+        plain = request_id != NULL;
+    }
+    int held = plain ? holds_blocks(manager, request_id) : 0;
+    if (!plain || held < 0) {
+        if (PyErr_Occurred() && or_python(-1) < 0)
+            *handled = 1; /* KeyboardInterrupt and the like: not ours to set aside */
+        goto done;
+    }
+    *handled = 1;
+    if (PyObject_SetAttr(pool, s_overdraft, Py_False) < 0 ||
+        PyObject_SetAttr(pool, s_in_schedule, Py_True) < 0) {
+        put_flags_back(pool, in_schedule, overdraft);
+        goto done;
+    }
+    int device = 0;
+    result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    if (result == NULL && PyErr_ExceptionMatches(self->refusal)) {
+        /* the device filled between the free count and the map: a refusal, with the
+         * prefix hits this call touched given back when the request held nothing */
+        PyErr_Clear();
+        device = 1;
+        if (!held) {
+            PyObject *freed = PyObject_CallMethodOneArg(manager, s_free, request);
+            if (freed == NULL) {
+                put_flags_back(pool, in_schedule, overdraft);
+                goto done;
+            }
+            Py_DECREF(freed);
+        }
+        result = Py_NewRef(Py_None);
+    }
+    if (put_flags_back(pool, in_schedule, overdraft) < 0) {
+        Py_CLEAR(result);
+        goto done;
+    }
+    if (result == NULL)
+        goto done;
+    if (result == Py_None) {
+        Py_SETREF(result, refused_admission(runtime, request, args, nargsf, kwnames, device));
+        goto done;
+    }
+    PyObject *events = PyNumber_Add(state->demand_events, one); /* the demand moved */
+    if (events == NULL) {
+        Py_CLEAR(result);
+        goto done;
+    }
+    Py_SETREF(state->demand_events, events);
+    PyObject *hit = hit_tokens(args, nargsf, kwnames);
+    PyObject *num_tokens = hit == NULL ? NULL : PyObject_GetAttr(request, s_num_tokens);
+    PyObject *hits = num_tokens == NULL ? NULL : PyObject_GetAttr(runtime, s_hits);
+    PyObject *recorded =
+        hits == NULL ? NULL : PyObject_CallMethodObjArgs(hits, s_record, hit, num_tokens, NULL);
+    Py_XDECREF(hit);
+    Py_XDECREF(num_tokens);
+    Py_XDECREF(hits);
+    if (recorded == NULL)
+        Py_CLEAR(result);
+    else
+        Py_DECREF(recorded);
+done:
+    Py_XDECREF(in_schedule);
+    Py_XDECREF(overdraft);
+    Py_XDECREF(request_id);
+    Py_DECREF(pool);
+    Py_DECREF(runtime);
+    return result;
+}
+
 static PyObject *
 StepHook_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -1322,18 +1567,36 @@ PyInit__block_speedups(void)
     if (s_num_free == NULL || s_head == NULL || s_tail == NULL || s_status == NULL ||
         s_block_pool == NULL || s_overdraft == NULL)
         return NULL;
-    PyObject **names[] = {&s_runtime, &s_begin_schedule, &s_end_schedule, &s_begin_update,
-                          &s_end_update, &s_in_schedule, &s_cleanup_due, &s_num_mapped,
-                          &s_device_full_at, &s_reserve_pages};
-    const char *const texts[] = {"_runtime",    "begin_schedule", "end_schedule",
-                                 "begin_update", "end_update",    "in_schedule",
-                                 "cleanup_due", "num_mapped",     "_device_full_at",
-                                 "reserve_pages"};
+    PyObject **names[] = {&s_runtime,       &s_begin_schedule,
+                          &s_end_schedule,   &s_begin_update,
+                          &s_end_update,     &s_in_schedule,
+                          &s_cleanup_due,    &s_num_mapped,
+                          &s_device_full_at, &s_reserve_pages,
+                          &s_target_pages,   &s_request_id,
+                          &s_coordinator,    &s_single_type_managers,
+                          &s_req_to_blocks,  &s_get,
+                          &s_free,           &s_num_tokens,
+                          &s_hits,           &s_record,
+                          &s_refused_admission, &s_num_new_computed_tokens};
+    const char *const texts[] = {"_runtime",       "begin_schedule",
+                                 "end_schedule",   "begin_update",
+                                 "end_update",     "in_schedule",
+                                 "cleanup_due",    "num_mapped",
+                                 "_device_full_at", "reserve_pages",
+                                 "target_pages",   "request_id",
+                                 "coordinator",    "single_type_managers",
+                                 "req_to_blocks",  "get",
+                                 "free",           "num_tokens",
+                                 "_hits",          "record",
+                                 "_refused_admission", "num_new_computed_tokens"};
     for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
         *names[i] = PyUnicode_InternFromString(texts[i]);
         if (*names[i] == NULL)
             return NULL;
     }
+    dict_get = PyObject_GetAttr((PyObject *)&PyDict_Type, s_get);
+    if (dict_get == NULL)
+        return NULL;
     one = PyLong_FromLong(1);
     zero = PyLong_FromLong(0);
     if (one == NULL || zero == NULL)

@@ -28,8 +28,12 @@ class BlockFields:
 class RunningAllocate:
     """``KVCacheManager.allocate_slots`` with its running-request path in C: a RUNNING
     request of a ``pool_class`` pool whose ``overdraft`` is up calls ``original`` with the
-    arguments as given (``refusal`` raised becomes None); every other call goes to
-    ``otherwise``. Binds to instances as a function does."""
+    arguments as given (``refusal`` raised becomes None). With ``globals`` (the runtime
+    module's namespace), a plain admission too: ``globals["_runtime"]`` a ``StepState``
+    runtime of this manager's pool, no limit, no output reservation (what
+    ``VllmRuntime.allocating`` does then, a refusal handed to its
+    ``_refused_admission``). Every other call goes to ``otherwise``. Binds to instances
+    as a function does."""
 
     __wrapped__: Callable[..., Any]
     otherwise: Callable[..., Any]
@@ -40,6 +44,7 @@ class RunningAllocate:
         running: object,
         otherwise: Callable[..., Any],
         refusal: type[BaseException],
+        globals: dict[str, Any] = ...,
     ) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
     def __get__(self, obj: object, owner: type | None = None) -> Any: ...

@@ -376,24 +376,35 @@ class VllmRuntime(StepState):
                 result, device = None, True
             if running:
                 return result
-            self._demand_events += 1  # an admission or a refusal: the demand moved
             if result is None:
-                device = device or pool.device_full()
-                if device or pool.blocks_target() is not None:
-                    self._device_refused = device
-                    self._refused_blocks = self._waiting_blocks(
-                        request, args, kwargs, pool.hash_block_size
-                    )
-            else:  # an admission: its prefix lookup feeds prefix_hit_rate
-                hit = args[1] if kwargs is _ALL_POSITIONAL_033 else _hit_tokens(args, kwargs)
-                self._hits.record(hit, request.num_tokens)
-                if reservation is not None:
-                    held_now = manager.coordinator.single_type_managers[0].req_to_blocks
-                    reservation.admitted(request, len(held_now.get(request.request_id, ())))
+                self._refused_admission(request, args, kwargs, device)
+                return result
+            self._demand_events += 1  # an admission: the demand moved
+            # its prefix lookup feeds prefix_hit_rate
+            hit = args[1] if kwargs is _ALL_POSITIONAL_033 else _hit_tokens(args, kwargs)
+            self._hits.record(hit, request.num_tokens)
+            if reservation is not None:
+                held_now = manager.coordinator.single_type_managers[0].req_to_blocks
+                reservation.admitted(request, len(held_now.get(request.request_id, ())))
             return result
         finally:
             pool.overdraft = was_overdraft
             pool.in_schedule = was_in_schedule
+
+    def _refused_admission(
+        self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: bool
+    ) -> None:
+        """``allocate_slots`` refused an admission (returned None; ``device``: a map
+        found the device full): the demand moved, and a refusal by the limit or the
+        device is recorded for the demand fields (``waiting_reason``, ``waiting_bytes``).
+        Also called by the C admission path (``RunningAllocate``) on a refusal."""
+        pool = self.pool
+        assert pool is not None
+        self._demand_events += 1
+        device = device or pool.device_full()
+        if device or pool.blocks_target() is not None:
+            self._device_refused = device
+            self._refused_blocks = self._waiting_blocks(request, args, kwargs, pool.hash_block_size)
 
     def _reserve_refuses(
         self, manager: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -766,7 +777,9 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
         # call goes to ``replacement``. Without the C module, ``replacement`` itself.
         if RunningAllocate is None:
             return replacement
-        return RunningAllocate(original, pool_class, running, replacement, DeviceFullError)
+        return RunningAllocate(
+            original, pool_class, running, replacement, DeviceFullError, globals()
+        )
 
     def general(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         runtime = _runtime
@@ -862,8 +875,9 @@ _ALL_POSITIONAL_033: dict[str, Any] = {}
 
 
 def _external_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """``allocate_slots``' ``num_external_computed_tokens`` (KV connector hits)."""
-    if kwargs is _ALL_POSITIONAL_033:
+    """``allocate_slots``' ``num_external_computed_tokens`` (KV connector hits), passed
+    positionally (the fifth after ``request``) or by keyword."""
+    if len(args) > 4:
         return int(args[4])
     return int(kwargs.get("num_external_computed_tokens", 0))
 

@@ -1,0 +1,351 @@
+"""``allocate_slots``' plain admission in C (``_block_speedups.RunningAllocate``).
+
+An admission (a waiting or preempted request) with no limit and no output
+reservation, the common one, runs in C: the pool's flags for an admission
+around vLLM's method, a device refusal as ``None`` (the prefix hits given back
+when the request held nothing), the demand event and the prefix-hit window.
+A refusal goes to the runtime's ``_refused_admission``; anything else (a
+limit, a reservation, another pool, a running request) to the Python
+replacement. Here the C replacement and the pure-Python one get the same
+runtime over random combinations of every input the admission reads, and must
+leave the same trace: the same calls of vLLM's method (with the flags it saw),
+the same frees, flags, counters, hit window, refusal fields, result or
+exception. vLLM's real manager runs through it in every vLLM test of the suite.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
+
+from vllm.v1.request import RequestStatus
+
+from engine_ext import EngineSettings
+from engine_ext.vllm import _block_speedups, _runtime
+from engine_ext.vllm._pool_backing import DeviceFullError
+from engine_ext.vllm._settings import VllmSettings
+
+RunningAllocate = _block_speedups.RunningAllocate
+
+pytestmark = pytest.mark.vllm
+
+SETTINGS = (EngineSettings(), VllmSettings())
+
+
+class Pages:
+    def __init__(self, target_pages: int | None) -> None:
+        self.target_pages = target_pages
+
+
+class Pool:  # stands for ElasticBlockPool: what allocating reads and writes
+    hash_block_size = 16
+
+    def __init__(self, pages: Pages, overdraft: bool, in_schedule: bool, full: bool) -> None:
+        self.pages = pages
+        self.overdraft = overdraft
+        self.in_schedule = in_schedule
+        self.full = full
+
+    def device_full(self) -> bool:
+        return self.full
+
+    def blocks_target(self) -> int | None:
+        return self.pages.target_pages
+
+
+class Table:  # a mapping that is no dict: its own get()
+    def __init__(self, entries: dict[str, list[Any]]) -> None:
+        self.entries = entries
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.entries.get(key, default)
+
+
+class Single:
+    def __init__(self, table: Any) -> None:
+        self.req_to_blocks = table
+
+
+class Coordinator:
+    def __init__(self, singles: list[Single]) -> None:
+        self.single_type_managers = singles
+
+
+class Request:
+    def __init__(self, status: Any, num_tokens: int) -> None:
+        self.status = status
+        self.request_id = "req"
+        self.num_tokens = num_tokens
+        self.num_computed_tokens = 0
+
+
+class Manager:
+    def __init__(self, pool: Pool, coordinator: Coordinator, outcome: Any) -> None:
+        self.block_pool = pool
+        self.coordinator = coordinator
+        self.outcome = outcome
+        self.log: list[Any] = []
+
+    def free(self, request: Request) -> None:
+        pool = self.block_pool
+        self.log.append(("free", request.request_id, pool.overdraft, pool.in_schedule))
+
+
+class Scheduler:
+    def __init__(self, waiting: list[Request]) -> None:
+        self.waiting = waiting
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+
+def _original(
+    self: Manager,
+    request: Any,
+    num_new_tokens: int,
+    num_new_computed_tokens: int = 0,
+    new_computed_blocks: Any = None,
+    num_lookahead_tokens: int = 0,
+    num_external_computed_tokens: int = 0,
+    delay_cache_blocks: bool = False,
+    num_encoder_tokens: int = 0,
+    full_sequence_must_fit: bool = False,
+    reserved_blocks: int = 0,
+    has_scheduled_reqs: bool = True,
+    skip_zeroing_group_ids: tuple[int, ...] = (),
+) -> Any:
+    """vLLM 0.33's signature: logs its arguments and the pool's flags as it ran."""
+    pool = self.block_pool
+    self.log.append(
+        (
+            "vllm",
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            reserved_blocks,
+            pool.overdraft,
+            pool.in_schedule,
+        )
+    )
+    if isinstance(self.outcome, BaseException):  # a new one each time (a raised instance
+        raise type(self.outcome)(*self.outcome.args)  # keeps every traceback it had)
+    return self.outcome
+
+
+class Runtime(_runtime.VllmRuntime):
+    """The real runtime; ``allocating`` (the Python admission) counted."""
+
+    def __init__(self) -> None:
+        super().__init__(*SETTINGS)
+        self.python_admissions = 0
+
+    def allocating(self, *args: Any, **kwargs: Any) -> Any:
+        self.python_admissions += 1
+        return super().allocating(*args, **kwargs)
+
+
+CALLS = [  # (args after the request, kwargs)
+    (
+        (7,),
+        {
+            "num_new_computed_tokens": 32,
+            "new_computed_blocks": "hits",
+            "num_lookahead_tokens": 0,
+            "num_external_computed_tokens": 0,
+            "delay_cache_blocks": False,
+            "num_encoder_tokens": 0,
+            "full_sequence_must_fit": False,
+            "reserved_blocks": 3,
+        },
+    ),  # vLLM 0.33's waiting loop
+    ((5,), {"num_lookahead_tokens": 2}),  # no hit given: 0
+    ((40, 16, "hits", 0, 8, False, 0, False, 0, True, ()), {}),  # every parameter positional
+    ((40, 16), {"num_external_computed_tokens": 8}),
+    ((), {"num_new_tokens": 4, "num_new_computed_tokens": 48}),
+]
+FIELDS = {
+    "status": ["waiting", "preempted", "running"],
+    "runtime": ["set", "none"],
+    "manager_pool": ["runtime's", "other"],
+    "target": [None, 3],
+    "overdraft": [False, True],
+    "in_schedule": [False, True],
+    "table": ["defaultdict", "dict", "mapping"],
+    "held": ["no entry", "empty", "blocks"],
+    "groups": [1, 2],
+    "outcome": ["blocks", None, "device full", "value error"],
+    "device_full": [False, True],
+    "call": list(range(len(CALLS))),
+    "prior_hits": [0, 3],
+}
+PLAIN = {name: values[0] for name, values in FIELDS.items()}
+
+
+def _build(case: dict[str, Any]) -> tuple[Runtime | None, Manager, Request, tuple, dict]:
+    runtime = Runtime()
+    pool = Pool(Pages(case["target"]), case["overdraft"], case["in_schedule"], case["device_full"])
+    runtime.pool = pool  # type: ignore[assignment]
+    runtime._pages = pool.pages
+    waiting = [Request(RequestStatus.WAITING, 40), Request(RequestStatus.WAITING, 70)]
+    runtime._scheduler = Scheduler(waiting)
+    for _ in range(case["prior_hits"]):
+        runtime._hits.record(10, 100)
+    entries = {"no entry": {}, "empty": {"req": []}, "blocks": {"req": ["b0"]}}[case["held"]]
+    singles = []
+    for group in range(case["groups"]):
+        mine = entries if group == case["groups"] - 1 else {}
+        table: Any = {
+            "defaultdict": lambda e: defaultdict(list, e),
+            "dict": dict,
+            "mapping": Table,
+        }[case["table"]](dict(mine))
+        singles.append(Single(table))
+    outcome: Any = {
+        "blocks": "new blocks",
+        None: None,
+        "device full": DeviceFullError("the device is out of memory"),
+        "value error": ValueError("vLLM's own error"),
+    }[case["outcome"]]
+    manager_pool = (
+        pool if case["manager_pool"] == "runtime's" else Pool(Pages(None), False, False, False)
+    )
+    manager = Manager(manager_pool, Coordinator(singles), outcome)
+    status = {
+        "waiting": RequestStatus.WAITING,
+        "preempted": RequestStatus.PREEMPTED,
+        "running": RequestStatus.RUNNING,
+    }[case["status"]]
+    request = Request(status, 90)
+    args, kwargs = CALLS[case["call"]]
+    return (runtime if case["runtime"] == "set" else None), manager, request, args, kwargs
+
+
+def _observe(runtime: Runtime, manager: Manager) -> tuple[Any, ...]:
+    pool = runtime.pool
+    assert pool is not None
+    return (
+        manager.log,
+        (pool.overdraft, pool.in_schedule),
+        runtime._demand_events,
+        runtime._refused_blocks,
+        runtime._device_refused,
+        runtime._hits.rate,
+        runtime._hits.changes,
+    )
+
+
+def _run(replacement: Any, case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    runtime, manager, request, args, kwargs = _build(case)
+    observed_runtime = runtime or Runtime()
+    if runtime is None:  # the pool the observation reads: the manager's own
+        observed_runtime.pool = manager.block_pool  # type: ignore[assignment]
+    monkeypatch.setattr(_runtime, "_runtime", runtime)
+    try:
+        result: Any = ("returned", replacement(manager, request, *args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 -- compared below
+        result = ("raised", type(exc), str(exc))
+    python = observed_runtime.python_admissions
+    return (result, _observe(observed_runtime, manager)), python
+
+
+def _replacements(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    c_version = _runtime.allocate_slots_patch(_original, Pool)
+    with monkeypatch.context() as m:
+        m.setattr(_runtime, "RunningAllocate", None)
+        python_version = _runtime.allocate_slots_patch(_original, Pool)
+    assert type(c_version) is RunningAllocate
+    assert type(python_version) is not RunningAllocate
+    return c_version, python_version
+
+
+def _plain(case: dict[str, Any]) -> bool:
+    """What the C admission runs for (everything else goes to Python)."""
+    return (
+        case["status"] != "running"
+        and case["runtime"] == "set"
+        and case["manager_pool"] == "runtime's"
+        and case["target"] is None
+    )
+
+
+def test_c_and_python_admissions_do_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    c_version, python_version = _replacements(monkeypatch)
+    rng = random.Random(23)
+    cases = [dict(PLAIN)]
+    for name, values in FIELDS.items():  # each input moved alone
+        for value in values[1:]:
+            cases.append({**PLAIN, name: value})
+    cases += [{name: rng.choice(values) for name, values in FIELDS.items()} for _ in range(3000)]
+    in_c = 0
+    for case in cases:
+        got_c, python_c = _run(c_version, case, monkeypatch)
+        got_python, python_python = _run(python_version, case, monkeypatch)
+        assert got_c == got_python, case
+        running_fast = case["status"] == "running" and case["overdraft"]
+        if _plain(case) and not running_fast:
+            assert python_c == 0, case  # it ran in C
+            in_c += 1
+        elif case["runtime"] == "set" and case["manager_pool"] == "runtime's" and not running_fast:
+            assert python_c == python_python == 1, case  # Python's allocating, as before
+    assert in_c > 200  # (about one random case in twelve is a plain admission)
+
+
+def test_a_plain_admission_records_what_python_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fields themselves (not only their equality): flags while vLLM ran, put back
+    after; one demand event; the hit window fed the hit tokens of the call."""
+    c_version, _ = _replacements(monkeypatch)
+    runtime, manager, request, args, kwargs = _build(dict(PLAIN))
+    assert runtime is not None
+    monkeypatch.setattr(_runtime, "_runtime", runtime)
+    events = runtime._demand_events
+    assert c_version(manager, request, *args, **kwargs) == "new blocks"
+    assert manager.log[0][-2:] == (False, True)  # an admission: no overdraft, in schedule
+    assert (runtime.pool.overdraft, runtime.pool.in_schedule) == (False, False)  # type: ignore[union-attr]
+    assert runtime._demand_events == events + 1
+    assert runtime._hits.changes == 1 and runtime._hits.rate == pytest.approx(32 / 90)
+    assert runtime.python_admissions == 0
+
+
+def test_a_device_refusal_gives_the_hits_back_and_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    c_version, _ = _replacements(monkeypatch)
+    runtime, manager, request, args, kwargs = _build({**PLAIN, "outcome": "device full"})
+    assert runtime is not None
+    monkeypatch.setattr(_runtime, "_runtime", runtime)
+    assert c_version(manager, request, *args, **kwargs) is None
+    assert manager.log[-1] == ("free", "req", False, True)  # inside the call's flags
+    assert runtime._device_refused is True
+    assert runtime._refused_blocks > 0  # the refused request and the waiting queue
+    assert runtime.python_admissions == 0
+
+
+def test_it_leaks_no_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    c_version, _ = _replacements(monkeypatch)
+    for outcome in ("blocks", None, "device full", "value error"):
+        runtime, manager, request, args, kwargs = _build({**PLAIN, "outcome": outcome})
+        monkeypatch.setattr(_runtime, "_runtime", runtime)
+        watched = (runtime, manager, request, manager.block_pool, manager.outcome)
+        for _ in range(3):  # warm: caches and interned objects settle
+            try:
+                c_version(manager, request, *args, **kwargs)
+            except ValueError:
+                pass
+        gc.collect()
+        before = [sys.getrefcount(obj) for obj in watched]
+        for _ in range(200):
+            try:
+                c_version(manager, request, *args, **kwargs)
+            except ValueError:
+                pass
+        manager.log.clear()
+        gc.collect()
+        assert [sys.getrefcount(obj) for obj in watched] == before, outcome
