@@ -25,6 +25,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
+from test_running_allocate import _original
 from vllm.v1.request import RequestStatus
 
 from engine_ext import EngineSettings
@@ -90,12 +91,18 @@ class Manager:
     def __init__(self, pool: Pool, coordinator: Coordinator, outcome: Any) -> None:
         self.block_pool = pool
         self.coordinator = coordinator
-        self.outcome = outcome
-        self.log: list[Any] = []
+        self._outcome = outcome
+        self.log = self.calls = CallLog(pool)  # vLLM's calls and the frees, in order
+
+    @property
+    def outcome(self) -> Any:  # a new exception each call (a raised instance keeps
+        if isinstance(self._outcome, BaseException):  # every traceback it had)
+            return type(self._outcome)(*self._outcome.args)
+        return self._outcome
 
     def free(self, request: Request) -> None:
         pool = self.block_pool
-        self.log.append(("free", request.request_id, pool.overdraft, pool.in_schedule))
+        list.append(self.log, ("free", request.request_id, pool.overdraft, pool.in_schedule))
 
 
 class Scheduler:
@@ -105,39 +112,17 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
 
 
-def _original(
-    self: Manager,
-    request: Any,
-    num_new_tokens: int,
-    num_new_computed_tokens: int = 0,
-    new_computed_blocks: Any = None,
-    num_lookahead_tokens: int = 0,
-    num_external_computed_tokens: int = 0,
-    delay_cache_blocks: bool = False,
-    num_encoder_tokens: int = 0,
-    full_sequence_must_fit: bool = False,
-    reserved_blocks: int = 0,
-    has_scheduled_reqs: bool = True,
-    skip_zeroing_group_ids: tuple[int, ...] = (),
-) -> Any:
-    """vLLM 0.33's signature: logs its arguments and the pool's flags as it ran."""
-    pool = self.block_pool
-    self.log.append(
-        (
-            "vllm",
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            reserved_blocks,
-            pool.overdraft,
-            pool.in_schedule,
-        )
-    )
-    if isinstance(self.outcome, BaseException):  # a new one each time (a raised instance
-        raise type(self.outcome)(*self.outcome.args)  # keeps every traceback it had)
-    return self.outcome
+class CallLog(list[Any]):
+    """``Manager.calls`` for vLLM's method of test_running_allocate (its signature is
+    vLLM 0.33's, so the patch builds its fast Python form): each call's arguments
+    with the pool's two flags as the call saw them."""
+
+    def __init__(self, pool: Pool) -> None:
+        super().__init__()
+        self.pool = pool
+
+    def append(self, call: Any) -> None:
+        super().append(("vllm", call, self.pool.overdraft, self.pool.in_schedule))
 
 
 class Runtime(_runtime.VllmRuntime):
@@ -333,7 +318,7 @@ def test_it_leaks_no_references(monkeypatch: pytest.MonkeyPatch) -> None:
     for outcome in ("blocks", None, "device full", "value error"):
         runtime, manager, request, args, kwargs = _build({**PLAIN, "outcome": outcome})
         monkeypatch.setattr(_runtime, "_runtime", runtime)
-        watched = (runtime, manager, request, manager.block_pool, manager.outcome)
+        watched = (runtime, manager, request, manager.block_pool, manager._outcome)
         for _ in range(3):  # warm: caches and interned objects settle
             try:
                 c_version(manager, request, *args, **kwargs)
