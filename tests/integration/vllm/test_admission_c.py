@@ -25,6 +25,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
+from test_running_allocate import CALLS as RUNNING_CALLS
 from test_running_allocate import _original
 from vllm.v1.request import RequestStatus
 
@@ -137,22 +138,9 @@ class Runtime(_runtime.VllmRuntime):
         return super().allocating(*args, **kwargs)
 
 
-CALLS = [  # (args after the request, kwargs)
-    (
-        (7,),
-        {
-            "num_new_computed_tokens": 32,
-            "new_computed_blocks": "hits",
-            "num_lookahead_tokens": 0,
-            "num_external_computed_tokens": 0,
-            "delay_cache_blocks": False,
-            "num_encoder_tokens": 0,
-            "full_sequence_must_fit": False,
-            "reserved_blocks": 3,
-        },
-    ),  # vLLM 0.33's waiting loop
-    ((5,), {"num_lookahead_tokens": 2}),  # no hit given: 0
-    ((40, 16, "hits", 0, 8, False, 0, False, 0, True, ()), {}),  # every parameter positional
+CALLS = [  # (args after the request, kwargs): test_running_allocate's, and hits passed
+    *RUNNING_CALLS,  # every other way (a prefix hit and KV-connector tokens, positional)
+    ((40, 16, "hits", 0, 8, False, 0, False, 0, True, ()), {}),
     ((40, 16), {"num_external_computed_tokens": 8}),
     ((), {"num_new_tokens": 4, "num_new_computed_tokens": 48}),
 ]
@@ -287,7 +275,7 @@ def test_a_plain_admission_records_what_python_does(monkeypatch: pytest.MonkeyPa
     """The fields themselves (not only their equality): flags while vLLM ran, put back
     after; one demand event; the hit window fed the hit tokens of the call."""
     c_version, _ = _replacements(monkeypatch)
-    runtime, manager, request, args, kwargs = _build(dict(PLAIN))
+    runtime, manager, request, args, kwargs = _build({**PLAIN, "call": 1})  # vLLM's waiting loop
     assert runtime is not None
     monkeypatch.setattr(_runtime, "_runtime", runtime)
     events = runtime._demand_events
@@ -318,7 +306,7 @@ def test_it_leaks_no_references(monkeypatch: pytest.MonkeyPatch) -> None:
     for outcome in ("blocks", None, "device full", "value error"):
         runtime, manager, request, args, kwargs = _build({**PLAIN, "outcome": outcome})
         monkeypatch.setattr(_runtime, "_runtime", runtime)
-        watched = (runtime, manager, request, manager.block_pool, manager._outcome)
+        watched = (runtime, manager, request, manager.block_pool)
         for _ in range(3):  # warm: caches and interned objects settle
             try:
                 c_version(manager, request, *args, **kwargs)
