@@ -16,7 +16,6 @@ exception. vLLM's real manager runs through it in every vLLM test of the suite.
 from __future__ import annotations
 
 import gc
-import random
 import sys
 from collections import defaultdict
 from typing import Any
@@ -25,8 +24,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
+from support.cases import each_moved_and_random
 from test_running_allocate import CALLS as RUNNING_CALLS
 from test_running_allocate import _original
+from test_running_allocate import _replacements as replacements_of
 from vllm.v1.request import RequestStatus
 
 from engine_ext import EngineSettings
@@ -230,13 +231,7 @@ def _run(replacement: Any, case: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 
 
 def _replacements(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
-    c_version = _runtime.allocate_slots_patch(_original, Pool)
-    with monkeypatch.context() as m:
-        m.setattr(_runtime, "RunningAllocate", None)
-        python_version = _runtime.allocate_slots_patch(_original, Pool)
-    assert type(c_version) is RunningAllocate
-    assert type(python_version) is not RunningAllocate
-    return c_version, python_version
+    return replacements_of(_original, monkeypatch, Pool)
 
 
 def _plain(case: dict[str, Any]) -> bool:
@@ -251,12 +246,7 @@ def _plain(case: dict[str, Any]) -> bool:
 
 def test_c_and_python_admissions_do_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     c_version, python_version = _replacements(monkeypatch)
-    rng = random.Random(23)
-    cases = [dict(PLAIN)]
-    for name, values in FIELDS.items():  # each input moved alone
-        for value in values[1:]:
-            cases.append({**PLAIN, name: value})
-    cases += [{name: rng.choice(values) for name, values in FIELDS.items()} for _ in range(3000)]
+    cases = each_moved_and_random(FIELDS, 23, 3000)
     in_c = 0
     for case in cases:
         got_c, python_c = _run(c_version, case, monkeypatch)

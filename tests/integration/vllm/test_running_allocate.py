@@ -96,11 +96,14 @@ def _original_any(self: Manager, request: Any, *args: Any, **kwargs: Any) -> Any
     return _original(self, request, *args, **kwargs)
 
 
-def _replacements(original: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
-    c_version = _runtime.allocate_slots_patch(original, Pool)
+def _replacements(
+    original: Any, monkeypatch: pytest.MonkeyPatch, pool_class: type = Pool
+) -> tuple[Any, Any]:
+    """The patch in C and in pure Python (what runs without the C module)."""
+    c_version = _runtime.allocate_slots_patch(original, pool_class)
     with monkeypatch.context() as m:
         m.setattr(_runtime, "RunningAllocate", None)
-        python_version = _runtime.allocate_slots_patch(original, Pool)
+        python_version = _runtime.allocate_slots_patch(original, pool_class)
     assert type(c_version) is RunningAllocate
     assert type(python_version) is not RunningAllocate
     return c_version, python_version

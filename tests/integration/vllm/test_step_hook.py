@@ -15,7 +15,6 @@ vLLM's real scheduler runs through the C brackets in every vLLM test of the suit
 from __future__ import annotations
 
 import gc
-import random
 import sys
 import time
 import tracemalloc
@@ -27,6 +26,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
+from support.cases import each_moved_and_random
 from test_engine_core_limits import build_core, make_request, plugin_env
 
 from engine_ext import EngineSettings
@@ -245,12 +245,7 @@ def test_c_and_python_brackets_do_the_same(kind: str) -> None:
     c_patch, python_patch = _patches(kind)
     assert type(c_patch(_original([], "returns"))) is StepHook
     assert type(python_patch(_original([], "returns"))) is not StepHook
-    rng = random.Random(17)
-    cases = [dict(QUIET)]
-    for name, values in FIELDS.items():  # each input moved alone
-        for value in values[1:]:
-            cases.append({**QUIET, name: value})
-    cases += [{name: rng.choice(values) for name, values in FIELDS.items()} for _ in range(3000)]
+    cases = each_moved_and_random(FIELDS, 17, 3000)
     argument_sets: list[tuple[Any, ...]] = [(), (True,), ("output", "runner output")]
     for i, case in enumerate(cases):
         args = argument_sets[i % len(argument_sets)]
