@@ -380,9 +380,7 @@ class VllmRuntime(StepState):
                 self._refused_admission(request, args, kwargs, device)
                 return result
             self._demand_events += 1  # an admission: the demand moved
-            # its prefix lookup feeds prefix_hit_rate
-            hit = args[1] if kwargs is _ALL_POSITIONAL_033 else _hit_tokens(args, kwargs)
-            self._hits.record(hit, request.num_tokens)
+            self._hits.record(_hit_tokens(args, kwargs), request.num_tokens)  # prefix_hit_rate
             if reservation is not None:
                 held_now = manager.coordinator.single_type_managers[0].req_to_blocks
                 reservation.admitted(request, len(held_now.get(request.request_id, ())))
@@ -870,7 +868,7 @@ def _holds_blocks(manager: Any, request_id: str) -> bool:
 
 # ``kwargs`` of a call whose ``args`` are all of vLLM 0.33's parameters after ``request``,
 # in signature order (the 0.33 wrapper passes them so: no keyword dict per admission).
-# Compared by identity; never mutated.
+# Shared, never mutated; the readers below take a value positionally when it is there.
 _ALL_POSITIONAL_033: dict[str, Any] = {}
 
 
@@ -904,7 +902,7 @@ def _blocks_needed(
     runs to the end (it is never preempted by a limit), so this is what it maps.
     """
     num_new = int(args[0]) if args else int(kwargs.get("num_new_tokens", 0))
-    num_hit = int(args[1]) if len(args) > 1 else int(kwargs.get("num_new_computed_tokens", 0))
+    num_hit = _hit_tokens(args, kwargs)
     num_ext = _external_tokens(args, kwargs)
     num_tokens, num_computed = int(request.num_tokens), int(request.num_computed_tokens)
     total = max(num_tokens, num_computed + num_hit + num_ext + num_new)
