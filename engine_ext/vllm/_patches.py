@@ -163,7 +163,8 @@ PATCHES: tuple[Patch, ...] = (
         _V033,
         _allocate_slots,
         "liveness: a RUNNING request's blocks may go above the target (never preempted by a "
-        "limit); admissions the limit keeps out are reported as waiting_for_memory",
+        "limit); admissions the limit keeps out are reported as waiting_for_memory; a copy "
+        "of vLLM's method with the running check compiled in (engine_ext/_inline.py)",
     ),
     Patch(
         "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from engine_ext._coordinator import Demand
 from engine_ext._errors import EngineExtConfigError
 from engine_ext._hit_window import PrefixHitWindow
+from engine_ext._inline import guarded_copy
 from engine_ext.protocol import DeferReason, EngineState, Status
 from engine_ext.vllm._kv_memory import claim_kv_memory
 from engine_ext.vllm._pool_backing import DeviceFullError, PoolBacking
@@ -752,7 +753,9 @@ def update_from_output_patch(
     return replacement
 
 
-def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) -> Callable[..., Any]:
+def allocate_slots_patch(
+    original: Callable[..., Any], pool_class: type[Any], *, inline: bool = True
+) -> Callable[..., Any]:
     """The replacement of ``KVCacheManager.allocate_slots`` for pools of ``pool_class``.
 
     The common call, a RUNNING request extending inside ``schedule()``, takes the
@@ -761,6 +764,9 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
     blocks may go above the target: a limit never preempts it), and a device
     found full after the free count is a refusal, as on a full cache. The fast
     path is taken only while the flag is up, so it never runs without it.
+    With vLLM 0.33's signature and its source at hand (``inline``), the fast path
+    is compiled into a copy of vLLM's method (:func:`engine_ext._inline.guarded_copy`),
+    which hands every other call to the wrapper (in C where it is built).
     Admissions and calls outside ``schedule()`` go to
     :meth:`VllmRuntime.allocating`, which sets the flag for the call (up for a
     RUNNING request, down for an admission) and puts it back after.
@@ -855,7 +861,52 @@ def allocate_slots_patch(original: Callable[..., Any], pool_class: type[Any]) ->
         return runtime.allocating(original, self, request, args, _ALL_POSITIONAL_033)
 
     allocate_slots.__wrapped__ = original  # type: ignore[attr-defined]
-    return _in_c(allocate_slots)
+    other = _in_c(allocate_slots)
+    if not inline:
+        return other
+    # The running path compiled into a copy of vLLM's own method (engine_ext._inline):
+    # the same check, then vLLM's body in the same frame, no call in between; every
+    # other call goes to ``other``. Without the source of the running code, ``other``.
+    copy = guarded_copy(
+        original,
+        _RUNNING_GUARD_033,
+        {
+            "_kvs_running": running,
+            "_kvs_pool_class": pool_class,
+            "_kvs_other": other,
+            "_kvs_device_full": DeviceFullError,
+        },
+        catch=("_kvs_device_full", "return None"),
+    )
+    return other if copy is None else copy
+
+
+# The guard of the inlined running path (vLLM 0.33's parameter names): anything but a
+# RUNNING request of an ElasticBlockPool's manager under the overdraft flag goes to the
+# wrapper, with every argument (all positional, in 0.33's order, as it takes them).
+_RUNNING_GUARD_033 = """
+_kvs_pool = self.block_pool
+if (
+    request.status is not _kvs_running
+    or type(_kvs_pool) is not _kvs_pool_class
+    or not _kvs_pool.overdraft
+):
+    return _kvs_other(
+        self,
+        request,
+        num_new_tokens,
+        num_new_computed_tokens,
+        new_computed_blocks,
+        num_lookahead_tokens,
+        num_external_computed_tokens,
+        delay_cache_blocks,
+        num_encoder_tokens,
+        full_sequence_must_fit,
+        reserved_blocks,
+        has_scheduled_reqs,
+        skip_zeroing_group_ids,
+    )
+"""
 
 
 def _holds_blocks(manager: Any, request_id: str) -> bool:

@@ -1,11 +1,13 @@
-"""``allocate_slots``' running-request path in C (``_block_speedups.RunningAllocate``).
+"""``allocate_slots``' running-request path: inlined, in C (``_block_speedups.RunningAllocate``).
 
 The plugin replaces vLLM's ``KVCacheManager.allocate_slots``; the common call (a
-RUNNING request extending while the pool's overdraft flag is up) now runs in C.
-Here the C replacement and the pure-Python one (what runs without the C module)
-get the same calls, every combination of the checks, positional and keyword
-arguments, bound and unbound, and must do the same: call the same function with
-the same arguments, return the same value, raise the same error. vLLM's real
+RUNNING request extending while the pool's overdraft flag is up) runs in a copy
+of vLLM's method with the check compiled in (engine_ext._inline), or, where no
+copy can be made, in C. Here the inlined copy, the C replacement and the
+pure-Python one (what runs without the C module) get the same calls, every
+combination of the checks, positional and keyword arguments, bound and
+unbound, and must do the same: call the same function with the same
+arguments, return the same value, raise the same error. vLLM's real
 manager and scheduler run through it in every vLLM test of the suite.
 """
 
@@ -99,11 +101,12 @@ def _original_any(self: Manager, request: Any, *args: Any, **kwargs: Any) -> Any
 def _replacements(
     original: Any, monkeypatch: pytest.MonkeyPatch, pool_class: type = Pool
 ) -> tuple[Any, Any]:
-    """The patch in C and in pure Python (what runs without the C module)."""
-    c_version = _runtime.allocate_slots_patch(original, pool_class)
+    """The patch in C and in pure Python (what runs without the C module), both as
+    wrappers (``inline=False``: what runs when the source cannot be inlined)."""
+    c_version = _runtime.allocate_slots_patch(original, pool_class, inline=False)
     with monkeypatch.context() as m:
         m.setattr(_runtime, "RunningAllocate", None)
-        python_version = _runtime.allocate_slots_patch(original, pool_class)
+        python_version = _runtime.allocate_slots_patch(original, pool_class, inline=False)
     assert type(c_version) is RunningAllocate
     assert type(python_version) is not RunningAllocate
     return c_version, python_version
@@ -136,12 +139,25 @@ CALLS = [  # (args after the request, kwargs): as vLLM's two call sites pass the
 ]
 
 
+def _inlined(original: Any, pool_class: type = Pool) -> Any:
+    """The patch as the plugin installs it: the running path compiled into a copy of
+    ``original`` (engine_ext._inline) where its signature is vLLM 0.33's, else the C one."""
+    patched = _runtime.allocate_slots_patch(original, pool_class)
+    if original is _original:
+        assert type(patched) is type(original) and patched is not original
+        assert patched.__code__ is not original.__code__ and patched.__wrapped__ is original
+    else:  # another signature: the guard names 0.33's parameters, so no copy
+        assert type(patched) is RunningAllocate
+    return patched
+
+
 @pytest.mark.parametrize("original", [_original, _original_any])
-def test_c_and_python_replacements_do_the_same(
+def test_c_python_and_inlined_replacements_do_the_same(
     original: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_runtime, "_runtime", None)  # no engine: admissions call the original
     c_version, python_version = _replacements(original, monkeypatch)
+    inlined = _inlined(original)
     statuses = [RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED]
     pools = [Pool, OtherPool]
     overdrafts = [True, False, 1, 0]
@@ -151,25 +167,28 @@ def test_c_and_python_replacements_do_the_same(
         statuses, pools, overdrafts, outcomes, CALLS
     ):
         results = []
-        for replacement in (c_version, python_version):
+        for replacement in (c_version, python_version, inlined):
             manager = Manager(pool_cls(overdraft), outcome=outcome)
             request = Request(status)
             got = _outcome(replacement, manager, request, *args, **kwargs)
             results.append((got, manager.calls))
-        assert results[0] == results[1], (status, pool_cls, overdraft, outcome, args, kwargs)
+        case = (status, pool_cls, overdraft, outcome, args, kwargs)
+        assert results[0] == results[1] == results[2], case
         checked += 1
     # the fast path's refusal: a full device is None (vLLM waits or preempts), and only there
-    manager = Manager(Pool(True), outcome=DeviceFullError("full"))
-    assert c_version(manager, Request(RequestStatus.RUNNING), 3) is None
-    manager = Manager(Pool(False), outcome=DeviceFullError("full"))
-    with pytest.raises(DeviceFullError):
-        c_version(manager, Request(RequestStatus.RUNNING), 3)
+    for replacement in (c_version, inlined):
+        manager = Manager(Pool(True), outcome=DeviceFullError("full"))
+        assert replacement(manager, Request(RequestStatus.RUNNING), 3) is None
+        manager = Manager(Pool(False), outcome=DeviceFullError("full"))
+        with pytest.raises(DeviceFullError):
+            replacement(manager, Request(RequestStatus.RUNNING), 3)
     assert checked == len(statuses) * len(pools) * len(overdrafts) * len(outcomes) * len(CALLS)
 
 
 def test_a_broken_call_fails_as_the_python_one_does(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_runtime, "_runtime", None)
     c_version, python_version = _replacements(_original, monkeypatch)
+    inlined = _inlined(_original)
     broken = [
         lambda f: f(Manager(Pool(True)), object(), 3),  # a request without a status
         lambda f: f(object(), Request(RequestStatus.RUNNING), 3),  # a manager without a pool
@@ -179,8 +198,9 @@ def test_a_broken_call_fails_as_the_python_one_does(monkeypatch: pytest.MonkeyPa
     ]
     for call in broken:
         got_c, got_python = _outcome(call, c_version), _outcome(call, python_version)
-        assert got_c[0] == got_python[0] == "raised"
-        assert got_c[1][0] is got_python[1][0]
+        got_inlined = _outcome(call, inlined)
+        assert got_c[0] == got_python[0] == got_inlined[0] == "raised"
+        assert got_c[1][0] is got_python[1][0] is got_inlined[1][0]
 
 
 def test_it_binds_as_vllms_method_did(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,6 +223,32 @@ def test_it_binds_as_vllms_method_did(monkeypatch: pytest.MonkeyPatch) -> None:
     assert c_version.__name__ == "_original"
     c_version.__kvsidecar_patch__ = True  # the patch table marks its replacements so
     assert c_version.__dict__ == {"__kvsidecar_patch__": True}
+
+
+def test_vllms_own_method_is_inlined() -> None:
+    """On vLLM 0.33 the installed patch is the copy (not the C wrapper): a vLLM whose
+    source no longer matches its code, or a change here that breaks the copy, fails
+    this test instead of slowing every step unseen."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from engine_ext.vllm._block_pool import ElasticBlockPool
+
+    original = KVCacheManager.__dict__["allocate_slots"]
+    original = getattr(original, "__wrapped__", original)  # as vLLM has it
+    patched = _runtime.allocate_slots_patch(original, ElasticBlockPool)
+    assert type(patched) is type(original) and patched.__wrapped__ is original
+    code, vllms = patched.__code__, original.__code__
+    assert (code.co_filename, code.co_firstlineno) == (vllms.co_filename, vllms.co_firstlineno)
+    assert set(code.co_freevars) == {
+        "_kvs_running",
+        "_kvs_pool_class",
+        "_kvs_other",
+        "_kvs_device_full",
+    }
+    assert type(patched.__closure__[code.co_freevars.index("_kvs_other")].cell_contents) is (
+        RunningAllocate
+    )  # everything but the running path: the C wrapper, as before
+    assert patched.__qualname__ == original.__qualname__ == "KVCacheManager.allocate_slots"
 
 
 def test_it_refuses_what_it_cannot_call() -> None:
