@@ -881,31 +881,18 @@ def allocate_slots_patch(
     return other if copy is None else copy
 
 
-# The guard of the inlined running path (vLLM 0.33's parameter names): anything but a
-# RUNNING request of an ElasticBlockPool's manager under the overdraft flag goes to the
-# wrapper, with every argument (all positional, in 0.33's order, as it takes them).
-_RUNNING_GUARD_033 = """
+# The guard of the inlined running path (vLLM 0.33's parameters, read off the signature
+# the copy is made for): anything but a RUNNING request of an ElasticBlockPool's manager
+# under the overdraft flag goes to the wrapper, with every argument as it was bound
+# (all positional, in 0.33's order: what the wrapper's admission path takes).
+_RUNNING_GUARD_033 = f"""
 _kvs_pool = self.block_pool
 if (
     request.status is not _kvs_running
     or type(_kvs_pool) is not _kvs_pool_class
     or not _kvs_pool.overdraft
 ):
-    return _kvs_other(
-        self,
-        request,
-        num_new_tokens,
-        num_new_computed_tokens,
-        new_computed_blocks,
-        num_lookahead_tokens,
-        num_external_computed_tokens,
-        delay_cache_blocks,
-        num_encoder_tokens,
-        full_sequence_must_fit,
-        reserved_blocks,
-        has_scheduled_reqs,
-        skip_zeroing_group_ids,
-    )
+    return _kvs_other({", ".join(inspect.signature(_allocate_slots_033).parameters)})
 """
 
 
