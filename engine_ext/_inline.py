@@ -52,7 +52,8 @@ def guarded_copy(
     ``catch``: ``(name, handler)``: the original body runs inside ``try``, and an
     exception of the class ``cells[name]`` runs ``handler`` (statements).
     Returns ``None`` when the copy cannot be proved to be of the running code (no
-    source, a decorator, a nested function, the source differs from the code);
+    source, a decorator, a nested function, a closure or ``super()``, the source
+    differs from the code);
     raises :class:`ValueError` when a cell's name is one the original uses.
     """
     code = getattr(original, "__code__", None)
@@ -61,6 +62,8 @@ def guarded_copy(
     owner, _, name = original.__qualname__.rpartition(".")
     if "<" in original.__qualname__ or "." in owner or name != code.co_name:
         return None  # a nested function or a nested class: not rebuilt here
+    if code.co_freevars:  # a closure, or super()'s __class__ cell: the copy would lose it
+        return None
     ours = {*cells, *_stored(guard), _FACTORY}
     clash = ours & {*code.co_names, *code.co_varnames, *code.co_freevars, *code.co_cellvars}
     if clash or _FACTORY in cells:
@@ -75,6 +78,9 @@ def guarded_copy(
     copy: types.FunctionType = types.FunctionType(factory, original.__globals__)(**cells)
     copy.__qualname__ = original.__qualname__
     copy.__doc__ = original.__doc__
+    copy.__defaults__ = original.__defaults__  # the same objects, not evaluated again
+    copy.__kwdefaults__ = original.__kwdefaults__
+    copy.__annotations__ = original.__annotations__
     copy.__dict__.update(original.__dict__)
     copy.__wrapped__ = original  # type: ignore[attr-defined]
     return copy

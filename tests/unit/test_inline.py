@@ -71,7 +71,7 @@ def test_the_copy_runs_the_original_body_and_the_guard() -> None:
     with pytest.raises(Refused):
         _copy(catch=None)(box, 1, fail=Refused())
     assert copy.__doc__ == Box.take.__doc__ and copy.__qualname__ == "Box.take"
-    assert copy.__wrapped__ is Box.take and copy.__kwdefaults__ == Box.take.__kwdefaults__
+    assert copy.__wrapped__ is Box.take and copy.__kwdefaults__ is Box.take.__kwdefaults__
     box.take = copy.__get__(box)  # binds as a method
     assert box.take(2) == 2
 
@@ -94,6 +94,16 @@ def test_names_the_original_uses_are_refused() -> None:
         guarded_copy(Box.take, "fail = None", {})  # the guard assigns one of its locals
 
 
+class Base:
+    def size(self) -> int:
+        return 1
+
+
+class Child(Base):
+    def size(self) -> int:
+        return super().size() + 1  # its __class__ cell is Child: a copy could not keep it
+
+
 def _decorated(f: Any) -> Any:
     return f
 
@@ -113,6 +123,8 @@ def test_what_cannot_be_proved_is_not_copied(tmp_path: Path) -> None:
         return n
 
     assert guarded_copy(nested, "pass", {}) is None
+    assert guarded_copy(Child.size, "pass", {}) is None  # super(): a __class__ cell
+    assert Child().size() == 2
 
     # the file changed after import: the source on disk is not the running code
     module = tmp_path / "kvs_inline_sample.py"
