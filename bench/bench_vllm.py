@@ -560,8 +560,10 @@ class StepRounds:
     b: list[float] = field(default_factory=list)
     sums: list[float] = field(default_factory=list)
     paired: list[float | None] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # side B's steps per round
 
     def add(self, steps_a: list[float], steps_b: list[float]) -> None:
+        self.steps.append(len(steps_b))
         self.a.append(statistics.median(steps_a))
         self.b.append(statistics.median(steps_b))
         self.sums.append(sum(steps_b) / sum(steps_a))
@@ -794,6 +796,66 @@ def process_step_rounds(
             conn.send(("stop", None))
             process.join(timeout=30)
     return result
+
+
+def _safe_point_kind(runtime: Any, caller: str) -> str:
+    """What let a safe point through (the first that holds, in the gate's order)."""
+    if caller not in ("begin_schedule", "end_schedule"):
+        return caller.lstrip("_")  # _settle (a free outside schedule()), _on_idle, ...
+    pages = runtime._blocks.pages
+    if runtime._woken or not runtime._steady:
+        return "target or deferred"
+    if pages.num_mapped != runtime._seen_mapped or pages.device_full != runtime._seen_device_full:
+        return "pages mapped or unmapped"
+    if runtime.pool is not None and runtime.pool.cleanup_due:
+        return "deferred evictions"
+    if runtime._refused_blocks or runtime._device_refused:
+        return "refusal"
+    if _runtime._monotonic() >= runtime._refresh_due:
+        return "age (DEMAND_MAX_AGE_S)"
+    return "other"
+
+
+def safe_point_costs(
+    model_dir: Path, rounds: int, num_requests: int, warm: bool
+) -> tuple[dict[str, tuple[int, float]], float, int]:
+    """The elastic side's safe points inside the step rounds, as they run there: how
+    many, and the thread CPU time of each, by what let them through (the kinds of
+    :func:`_safe_point_kind`). Between two of them the engines' steps run, so each
+    runs with the caches as the rest of the step left them, not as a loop of calls
+    would (``idle_safe_point_s``). Returns ({kind: (calls, seconds)}, the native
+    side's median step, the elastic side's steps in the kept rounds)."""
+    real = _runtime.VllmRuntime.safe_point
+    costs: dict[str, list[float]] = {}
+
+    def timed(self: Any, scheduler: Any = None) -> Any:
+        kind = _safe_point_kind(self, sys._getframe(1).f_code.co_name)
+        t0 = time.thread_time()
+        try:
+            return real(self, scheduler)
+        finally:
+            costs.setdefault(kind, []).append(time.thread_time() - t0)
+
+    def requests(round_no: int, count: int) -> list[Any]:
+        if round_no == 1 and not kept[0]:  # the warm-up round is over: count from here
+            kept[0] = True
+            costs.clear()
+        return make_requests(round_no, count)
+
+    kept = [False]
+    idle, make_requests = idle_safe_point_s, _step_requests
+    module = globals()
+    module["idle_safe_point_s"] = lambda: 0.0  # its 20000 calls are not in a step
+    module["_step_requests"] = requests
+    _runtime.VllmRuntime.safe_point = timed  # type: ignore[method-assign]
+    try:
+        step = scheduler_rounds(model_dir, rounds, num_requests, warm)
+    finally:
+        _runtime.VllmRuntime.safe_point = real  # type: ignore[method-assign]
+        module["idle_safe_point_s"], module["_step_requests"] = idle, make_requests
+        _idle_safe_point.pop()
+    per_kind = {kind: (len(times), sum(times)) for kind, times in costs.items()}
+    return per_kind, statistics.median(step.a), sum(step.steps)
 
 
 # -- 3. bytecodes executed (load-independent) ------------------------------------------
@@ -1119,6 +1181,12 @@ def main() -> None:
         "state's counts move at every step",
     )
     parser.add_argument(
+        "--safe-point-costs",
+        action="store_true",
+        help="only the step rounds, with the elastic side's safe points timed where they run "
+        "(thread CPU time, by what let each through): the cost a loop of calls does not show",
+    )
+    parser.add_argument(
         "--leave-off",
         default="",
         help="comma-separated per-step patches to leave off the elastic side "
@@ -1135,6 +1203,23 @@ def main() -> None:
             print(
                 f"{name:5s} native {native_cg[name]:>13,}  elastic {elastic_cg[name]:>13,}  "
                 f"ratio {elastic_cg[name] / max(1, native_cg[name]):.4f}"
+            )
+        return
+    if args.safe_point_costs:
+        from engine_ext.cpu_harness import make_tiny_model_dir
+
+        model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
+        kinds, native_step, steps = safe_point_costs(model_dir, args.rounds, 64, args.warm)
+        trace = "--warm" if args.warm else "--churn" if _churn else "default"
+        print(
+            f"safe points of the elastic side, {args.rounds} rounds, {trace} trace, {steps} steps "
+            f"(native median step {1e6 * native_step:.1f} us):"
+        )
+        for kind, (calls, total) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+            print(
+                f"  {kind:26s} {calls:5d} calls  {1e6 * total / calls:7.1f} us each  "
+                f"{100 * calls / steps:5.1f} % of steps  "
+                f"{100 * total / steps / native_step:5.2f} % of a native step, averaged"
             )
         return
     if args.callgrind_lockstep:
