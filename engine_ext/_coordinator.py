@@ -6,7 +6,9 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
+
+from pydantic import BaseModel
 
 from allocator import BackendError, DeviceOutOfMemory
 
@@ -21,6 +23,9 @@ if TYPE_CHECKING:
 __all__ = ["CoordinatorConfig", "Demand", "DemandProbe", "ShrinkCoordinator"]
 
 _log = logging.getLogger("engine_ext.coordinator")
+# The members read at every refresh, as module globals: an enum member read through its
+# class costs ~190 ns in 3.11 (and several microseconds with cold caches after a page map)
+_APPLIED, _DEFERRED = Status.APPLIED, Status.DEFERRED
 Reporter = Callable[[EngineState], None]
 
 
@@ -133,7 +138,7 @@ class ShrinkCoordinator:
         self._tried_key: object = None  # _change_key() at the end of the last pass
         self._figures_key: object = None  # _change_key() when the figures were computed
         self._floor_bytes = self._config.floor_pages * self._bundle_bytes
-        self._rank0: RankState | None = None  # _compute's one-rank state, while it holds
+        self._rank0 = RankState(rank=0, mapped_bytes=0)  # _compute's one-rank state
         # _compute's template, with the fields that never change for this coordinator
         self._blank = EngineState.model_construct().model_copy(
             update={
@@ -359,7 +364,7 @@ class ShrinkCoordinator:
         update = self._demand_fields()
         update["evictable_bytes"] = reclaimable * bundle
         update["pinned_bytes"] = max(0, self._pages.num_in_use - reclaimable) * bundle
-        return self._publish(derive_state(self._state, update))
+        return self._publish(derive_model(self._state, update))
 
     def _probe_demand(self) -> bool:
         """Read the adapter's demand; whether it changed since the last state."""
@@ -374,7 +379,7 @@ class ShrinkCoordinator:
 
     def _refresh_demand(self) -> EngineState:
         """Only the demand moved: the same state with fresh demand fields (no syscall)."""
-        return self._publish(derive_state(self._state, self._demand_fields()))
+        return self._publish(derive_model(self._state, self._demand_fields()))
 
     def _demand_fields(self) -> dict[str, object]:
         demand = self._demand
@@ -447,7 +452,7 @@ class ShrinkCoordinator:
         memory does.
         """
         self._state = state
-        self._settled = state.status is not Status.DEFERRED
+        self._settled = state.status is not _DEFERRED
         self._mailbox.set_state(state)
         key = (state.status, state.revision, state.mapped_bytes, state.waiting_reason)
         if key != self._reported:
@@ -487,11 +492,12 @@ class ShrinkCoordinator:
             mapped = max(r.mapped_bytes for r in ranks)
         else:
             # one rank: its state is kept while its mapped bytes (the kernel's figure,
-            # one fstat) do not move; a validated RankState per refresh cost 1.2 us
+            # one fstat) do not move, and derived from a validated one when they do (a
+            # validation costs 1.2 us hot, about 30 after a page map: cold caches)
             mapped = self._backend.mapped_bytes()
             rank0 = self._rank0
-            if rank0 is None or rank0.mapped_bytes != mapped:
-                rank0 = self._rank0 = RankState(rank=0, mapped_bytes=mapped)
+            if rank0.mapped_bytes != mapped:
+                rank0 = self._rank0 = derive_model(rank0, {"mapped_bytes": mapped})
             ranks = [rank0]
         limit = self._target.limit_bytes
         floor = self._floor_bytes
@@ -515,10 +521,10 @@ class ShrinkCoordinator:
         # from the allocator and the backend (no outside input to validate). A
         # validated model costs tens of microseconds and model_construct (a Python
         # loop over the fields) 2.6x a model_copy, paid at every step that maps or
-        # unmaps; derive_state is half a model_copy. The fields that never change
+        # unmaps; derive_model is half a model_copy. The fields that never change
         # (capacity, bundle, floor) are set in the blank.
         update = self._demand_fields()
-        update["status"] = Status.APPLIED if reason is None else Status.DEFERRED
+        update["status"] = _APPLIED if reason is None else _DEFERRED
         update["revision"] = self._target.revision
         update["limit_bytes"] = limit
         update["effective_limit_bytes"] = effective
@@ -530,7 +536,7 @@ class ShrinkCoordinator:
         update["num_ranks"] = len(ranks)
         update["ranks"] = ranks
         update["passes"] = self.passes
-        return derive_state(self._blank, update)
+        return derive_model(self._blank, update)
 
     def _reason(
         self, over: int, reclaimable: int, barrier: BarrierResult | None, *, limited: bool
@@ -557,23 +563,30 @@ class ShrinkCoordinator:
 
 _new_object = object.__new__
 _set_slot = object.__setattr__
-_ALL_FIELDS = frozenset(EngineState.model_fields)
+_M = TypeVar("_M", bound=BaseModel)
+_FIELDS: dict[type[BaseModel], frozenset[str]] = {}  # each model class's field names
 
 
-def derive_state(state: EngineState, update: dict[str, object]) -> EngineState:
-    """``state.model_copy(update=update)`` in one frame: the values are the coordinator's
+def derive_model(model: _M, update: dict[str, object]) -> _M:
+    """``model.model_copy(update=update)`` in one frame: the values are the coordinator's
     own figures (nothing to validate), and this runs at every safe point where a figure
-    moved, where pydantic's copy (several Python frames) is most of the cost.
+    moved, where pydantic's copy (several Python frames) is most of the cost; a safe
+    point that follows a page map runs with cold caches, where each frame and each
+    call into pydantic's validator costs several microseconds (bench/README.md).
 
     The same object pydantic builds: its values, every field marked set (each value
-    is computed), no extra or private values (EngineState has none).
+    is computed), no extra or private values (the wire models have none).
     ``tests/unit/engine_ext/test_engine_coordinator.py`` compares the two.
     """
-    values = state.__dict__.copy()
+    cls = type(model)
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = frozenset(cls.model_fields)
+    values = model.__dict__.copy()
     values.update(update)
-    new = _new_object(EngineState)
+    new = _new_object(cls)
     _set_slot(new, "__dict__", values)
-    _set_slot(new, "__pydantic_fields_set__", set(_ALL_FIELDS))
+    _set_slot(new, "__pydantic_fields_set__", set(names))
     _set_slot(new, "__pydantic_extra__", None)
     _set_slot(new, "__pydantic_private__", None)
     return new

@@ -74,6 +74,7 @@ __all__ = [
 
 _log = logging.getLogger("engine_ext.vllm.runtime")
 _monotonic = time.monotonic
+_DEFERRED = Status.DEFERRED  # read at every safe point (a module global: no enum lookup)
 
 #: The longest a demand figure vLLM moves without a hook of ours stays unread (s).
 DEMAND_MAX_AGE_S = 0.1
@@ -236,7 +237,7 @@ class VllmRuntime(StepState):
         if coordinator.passes != passes:  # a pass ran: the allocator moved under the pool
             state = self._after_pass(state)
         # what the next safe point compares to skip all of the above when nothing moved
-        self._steady = state.status is not Status.DEFERRED and not self._always_refresh
+        self._steady = state.status is not _DEFERRED and not self._always_refresh
         pages = self._blocks.pages
         self._seen_mapped = pages.num_mapped
         self._seen_device_full = pages.device_full

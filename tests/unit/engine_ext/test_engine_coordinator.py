@@ -469,7 +469,7 @@ def test_derive_state_builds_what_pydantics_copy_builds() -> None:
     import copy
     import random
 
-    from engine_ext._coordinator import derive_state
+    from engine_ext._coordinator import derive_model
 
     rng = random.Random(7)
     source = EngineState(
@@ -499,7 +499,7 @@ def test_derive_state_builds_what_pydantics_copy_builds() -> None:
     for _ in range(200):
         keys = rng.sample(sorted(choices), rng.randrange(len(choices) + 1))
         update = {key: choices[key]() for key in keys}
-        derived = derive_state(source, update)
+        derived = derive_model(source, update)
         expected = source.model_copy(update=update)
         assert derived == expected
         assert derived.model_dump_json() == expected.model_dump_json()
@@ -507,10 +507,47 @@ def test_derive_state_builds_what_pydantics_copy_builds() -> None:
         assert EngineState.model_validate_json(derived.model_dump_json()) == derived
         assert copy.copy(derived) == derived and derived.model_copy() == derived
     assert source.model_dump_json() == before  # the source is never changed
-    derived = derive_state(source, {"mapped_bytes": 1})
+    derived = derive_model(source, {"mapped_bytes": 1})
     derived.revision = 99  # its own values and fields-set, not the source's
     derived.model_fields_set.discard("status")
     assert source.revision == 3 and "status" in source.model_fields_set
+
+
+def test_derive_model_builds_a_rank_state_as_pydantics_copy() -> None:
+    """The one-rank state after a page map is derived, not validated again: the same
+    model pydantic's copy builds, and a source left as it was."""
+    from engine_ext._coordinator import derive_model
+
+    source = RankState(rank=0, mapped_bytes=0)
+    for mapped in (0, BUNDLE, 7 * BUNDLE, 1 << 40):
+        derived = derive_model(source, {"mapped_bytes": mapped})
+        expected = source.model_copy(update={"mapped_bytes": mapped})
+        assert type(derived) is RankState and derived == expected
+        assert derived.model_dump_json() == expected.model_dump_json()
+        assert RankState.model_validate_json(derived.model_dump_json()) == derived
+        assert derived.model_fields_set == set(RankState.model_fields)
+    assert source.mapped_bytes == 0 and source.model_fields_set == {"rank", "mapped_bytes"}
+
+
+def test_one_rank_state_follows_the_kernels_figure(pool: Pool) -> None:
+    """The rank figure is the backend's (fstat) after every map and unmap: a state
+    derived when the figure moves, never the one kept while it held."""
+    mailbox, coord = make(pool)
+    held = []
+    figures = []
+    for pages in (2, 5):
+        while pool.pages.num_mapped < pages:
+            held.append(pool.run(BLOCKS_PER_PAGE))
+        state = coord.step()
+        assert state.ranks[0].mapped_bytes == state.mapped_bytes == pool.backend.mapped_bytes()
+        figures.append(state.ranks[0].mapped_bytes)
+    for req in held:
+        pool.cache.finish(req)
+    assert mailbox.publish(BUNDLE, 1).accepted
+    state = coord.step()  # evicts and unmaps down to the limit
+    assert state.ranks[0].mapped_bytes == state.mapped_bytes == pool.backend.mapped_bytes()
+    figures.append(state.ranks[0].mapped_bytes)
+    assert figures == [2 * BUNDLE, 5 * BUNDLE, BUNDLE]
 
 
 def test_refresh_follows_pages_mapped_and_unmapped_but_takes_no_target(pool: Pool) -> None:
