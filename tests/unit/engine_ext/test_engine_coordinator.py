@@ -463,7 +463,7 @@ def test_waiting_for_memory_is_shown_and_reported_under_an_applied_limit(pool: P
     assert [r.waiting_reason for r in reports] == ["waiting_for_memory", None]
 
 
-def test_derive_state_builds_what_pydantics_copy_builds() -> None:
+def test_derive_model_builds_an_engine_state_as_pydantics_copy() -> None:
     """The coordinator's one-frame copy against ``model_copy``: equal, the same JSON,
     independent of its source, and a model pydantic still handles (validate, copy)."""
     import copy
