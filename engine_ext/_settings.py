@@ -52,6 +52,13 @@ class EngineSettings(BaseSettings):
     #: demand up to the limit. None: the device's total memory.
     virtual_kv_bytes: Annotated[int | None, BeforeValidator(_size)] = Field(default=None, gt=0)
     heartbeat_s: float = Field(default=5.0, gt=0, le=3600)
+    #: The shortest time between two reports to the sidecar that change only figures
+    #: (mapped bytes, evictable/pinned, demand counts): under traffic mapped bytes move
+    #: with nearly every page, and each report costs the engine process a POST (2-3 ms of
+    #: its CPU on the CI host, under the GIL its busy loop needs; bench/bench_reports.py).
+    #: A change of status, revision, reason or waiting reason is reported at once. 0:
+    #: every change at once (docs/limits.md, "Retained limits and start-up").
+    report_interval_s: float = Field(default=0.5, ge=0, le=60)
     #: The device this engine's ranks use, sent at registration (docs/autopilot.md): a GPU
     #: UUID, ``node1-gpu0``, or a named host device on CPU. None: derived from the pool's
     #: backend (the CUDA device UUID on a GPU, ``host-<hostname>`` on CPU; engine_ext._device_id).

@@ -18,6 +18,9 @@ from .protocol import REGISTRATION_HEADER, EngineState, RegisterBody, RegisterRe
 
 __all__ = ["SidecarClient"]
 
+#: What a report must carry at once when it changes (see :meth:`SidecarClient.report`)
+_Key = tuple[Status, int, str | None, str | None]
+
 _log = logging.getLogger("engine_ext.sidecar_client")
 
 _BACKOFF_FIRST_S = 0.05
@@ -76,6 +79,10 @@ class SidecarClient:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._unsent: EngineState | None = None
+        self._interval_s = settings.report_interval_s
+        self._sent_key: _Key | None = None  # _key() of the last state the sidecar took
+        self._sent_at = float("-inf")  # when the last report was sent (monotonic)
+        self._pacing = False  # the client thread waits out the interval for _unsent
         self._registered = False
         self._healthy = True  # last call succeeded (only for logging transitions)
         self._thread: threading.Thread | None = None
@@ -109,10 +116,19 @@ class SidecarClient:
         return False
 
     def report(self, state: EngineState) -> None:
-        """Queue ``state`` for the sidecar (latest wins); never blocks."""
+        """Queue ``state`` for the sidecar (latest wins); never blocks.
+
+        A change of status, revision, reason or waiting reason is sent at once; one
+        of figures alone (mapped bytes, evictable/pinned, demand counts) at most every
+        ``report_interval_s`` after the last report, the latest state then. While
+        the client thread waits out that interval, a figures-only report costs a
+        lock and a compare here (no wake-up of the client thread).
+        """
         with self._lock:
             self._unsent = state
-        self._wake.set()
+            wake = not self._pacing or _key(state) != self._sent_key
+        if wake:
+            self._wake.set()
 
     def start(self) -> None:
         """Start the client thread (registers if not registered, then reports). Idempotent."""
@@ -162,7 +178,30 @@ class SidecarClient:
             delay = _BACKOFF_FIRST_S
             if not self._registered:
                 continue  # the sidecar forgot us (404): register again at once
-            self._wake.wait(self._heartbeat_s)
+            self._wait_for_next_report()
+
+    def _wait_for_next_report(self) -> None:
+        """Until a report is due: a state whose status, revision or reasons moved at once,
+        one whose figures alone moved ``report_interval_s`` after the last report, and
+        the heartbeat after ``heartbeat_s`` without anything to send."""
+        beat_at = time.monotonic() + self._heartbeat_s
+        while not self._stop.is_set():
+            now = time.monotonic()
+            with self._lock:
+                state = self._unsent
+                due = beat_at
+                if state is not None:
+                    due = (
+                        now
+                        if _key(state) != self._sent_key
+                        else min(beat_at, self._sent_at + self._interval_s)
+                    )
+                self._pacing = state is not None and due > now
+            if due <= now:
+                return
+            # a report that arrives now sets the event unless it can wait for ``due``
+            # (_pacing); the loop reads _unsent again after every wake-up
+            self._wake.wait(due - now)
             self._wake.clear()
 
     def _register(self) -> bool:
@@ -183,8 +222,10 @@ class SidecarClient:
     def _report_once(self) -> bool:
         with self._lock:
             state, self._unsent = self._unsent, None
+            self._pacing = False
         if state is None:
             state = self._mailbox.latest_state  # heartbeat: the latest snapshot
+        self._sent_at = time.monotonic()
         response = self._post("/report", state.model_dump_json())
         if response is None or (response.status_code >= 300 and response.status_code != 404):
             if response is not None:
@@ -200,6 +241,8 @@ class SidecarClient:
                 if self._unsent is None:
                     self._unsent = state
             return True
+        with self._lock:
+            self._sent_key = _key(state)
         self._adopt(response)  # the reply carries the desired limit: a pull fallback for pushes
         return True
 
@@ -245,3 +288,8 @@ def _detail(response: httpx.Response) -> str:
     except ValueError:
         detail = None
     return str(detail or response.text[:200])
+
+
+def _key(state: EngineState) -> _Key:
+    """The part of a state the sidecar must see at once (status, revision, reasons)."""
+    return (state.status, state.revision, state.reason, state.waiting_reason)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -17,7 +18,8 @@ from typing import Any
 import pytest
 from engine_pool import BLOCKS_PER_PAGE, BUNDLE, Pool
 
-from engine_ext import ElasticInstance, EngineBinding, Target, load_engine_settings
+from engine_ext import ElasticInstance, EngineBinding, LimitMailbox, Target, load_engine_settings
+from engine_ext._sidecar_client import SidecarClient
 from engine_ext.protocol import EngineState, RegisterBody, RegisterReply, Status
 
 
@@ -234,6 +236,78 @@ def test_sidecar_down_at_start_registers_in_background(pool: Pool, tmp_path: Pat
             late.close()
     finally:
         inst.close()
+
+
+def make_client(standin: StandIn, **settings: Any) -> SidecarClient:
+    """A registered, started client of the stand-in (no engine behind it), its first
+    report (the mailbox's state, sent as the thread starts) taken off the record."""
+    config = load_engine_settings(sidecar_url=standin.url, heartbeat_s=60, **settings)
+    client = SidecarClient(
+        config,
+        LimitMailbox(),
+        lambda: RegisterBody(engine="vllm", engine_version="0.33.0", state=_state(0)),
+        instance_id="eng-1",
+    )
+    assert client.register_blocking(5)
+    client.start()
+    standin.wait("reports", 1)
+    with standin.changed:
+        standin.reports.clear()
+    return client
+
+
+def _state(mapped_pages: int, status: Status = Status.APPLIED, revision: int = 0) -> EngineState:
+    return EngineState(status=status, revision=revision, mapped_bytes=mapped_pages * BUNDLE)
+
+
+def test_figures_only_reports_are_paced_and_the_latest_arrives(standin: StandIn) -> None:
+    """Mapped bytes move with nearly every page under traffic: a POST each would cost the
+    engine process ~1-2 ms of CPU per page (bench/bench_reports.py). At most one report
+    per interval goes out, and the last state always does."""
+    interval = 0.3
+    client = make_client(standin, report_interval_s=interval)
+    try:
+        client.report(_state(0))
+        standin.wait("reports", 1)
+        started = time.monotonic()
+        for pages in range(1, 41):  # a burst of page maps, the status unchanged
+            client.report(_state(pages))
+            time.sleep(0.005)
+        elapsed = time.monotonic() - started
+        standin.wait_report(0, 40 * BUNDLE)  # the trailing report carries the latest figure
+        reports = standin.wait("reports", 1)
+        # one report per interval at most (plus the one that opened the burst's interval)
+        assert len(reports) <= 2 + elapsed / interval, [r.mapped_bytes for r in reports]
+        assert reports[-1].mapped_bytes == 40 * BUNDLE
+    finally:
+        client.stop()
+
+
+def test_a_status_or_revision_change_is_not_held_by_the_interval(standin: StandIn) -> None:
+    client = make_client(standin, report_interval_s=30)  # its first report just went
+    try:
+        client.report(_state(2))  # figures only: waits for the interval (30 s)
+        time.sleep(0.3)
+        assert standin.reports == []
+        client.report(_state(3, Status.DEFERRED, revision=1))  # a new target: at once
+        reports = standin.wait("reports", 1)
+        # latest wins: the figures-only state never went on its own
+        assert [(r.status, r.mapped_bytes) for r in reports] == [(Status.DEFERRED, 3 * BUNDLE)]
+        client.report(_state(2, Status.APPLIED, revision=1))  # the status moved: at once
+        assert standin.wait("reports", 2)[-1].status is Status.APPLIED
+    finally:
+        client.stop()
+
+
+def test_interval_zero_reports_every_change(standin: StandIn) -> None:
+    client = make_client(standin, report_interval_s=0)
+    try:
+        for pages in range(1, 6):
+            client.report(_state(pages))
+            standin.wait_report(0, pages * BUNDLE)
+        assert [r.mapped_bytes for r in standin.reports] == [p * BUNDLE for p in range(1, 6)]
+    finally:
+        client.stop()
 
 
 def test_no_sidecar_uses_configured_limit(pool: Pool, tmp_path: Path) -> None:
