@@ -7,6 +7,7 @@ The stand-in speaks the engine-facing half of the sidecar API
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 import time
@@ -297,6 +298,54 @@ def test_a_status_or_revision_change_is_not_held_by_the_interval(standin: StandI
         assert standin.wait("reports", 2)[-1].status is Status.APPLIED
     finally:
         client.stop()
+
+
+def test_random_reports_from_a_foreign_thread_keep_order_pace_and_the_last_state(
+    standin: StandIn,
+) -> None:
+    """Reports at random moments (the engine thread's page maps, status flips, new
+    revisions) while the client thread sends: what is sent is in the order reported,
+    never older than what was sent before, ends with the last state reported, and two
+    sends whose status, revision and reasons are the same are an interval apart."""
+    import random
+
+    interval = 0.2
+    client = make_client(standin, report_interval_s=interval)
+    sends: list[tuple[float, EngineState]] = []
+    post = client._post
+
+    def recorded(path: str, content: str) -> Any:
+        if path == "/report":  # _sent_at is what the pacing compares with
+            sends.append((client._sent_at, EngineState.model_validate_json(content)))
+        return post(path, content)
+
+    client._post = recorded  # type: ignore[method-assign]
+    rng = random.Random(11)
+    status, revision = Status.APPLIED, 0
+    reported: list[EngineState] = []
+    try:
+        for i in range(1, 301):
+            if rng.random() < 0.04:
+                revision += 1
+            if rng.random() < 0.06:
+                status = Status.DEFERRED if status is Status.APPLIED else Status.APPLIED
+            state = EngineState(status=status, revision=revision, mapped_bytes=i)  # i: its id
+            reported.append(state)
+            client.report(state)
+            time.sleep(rng.choice([0, 0, 0.001, 0.003, 0.01]))
+        standin.wait_report(revision, 300)
+    finally:
+        client.stop()
+    ids = [state.mapped_bytes for _at, state in sends]
+    assert ids == sorted(set(ids)) and ids[-1] == 300  # in order, no repeat, the last one
+    keys = [(state.status, state.revision) for _at, state in sends]
+    for k in range(1, len(sends)):
+        if keys[k] == keys[k - 1]:
+            assert sends[k][0] - sends[k - 1][0] >= interval, (k, keys[k])
+    changes = sum(
+        (a.status, a.revision) != (b.status, b.revision) for a, b in itertools.pairwise(reported)
+    )
+    assert changes >= 10  # the trace did flip statuses and revisions (not only figures)
 
 
 def test_interval_zero_reports_every_change(standin: StandIn) -> None:
