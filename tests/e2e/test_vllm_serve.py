@@ -214,8 +214,7 @@ def test_under_traffic_deferred_then_applied_with_identical_tokens(
         )
         # below what the running batch pins right now (its pages only grow until a request
         # ends), so the limit must wait for requests to finish: deferred, then applied
-        pinned = busy["mapped_bytes"] - busy["evictable_bytes"]
-        limit = min(warm["mapped_bytes"] - 2 * bundle, pinned - bundle)
+        limit = min(warm["mapped_bytes"] - 2 * bundle, busy["pinned_bytes"] - bundle)
         revision = elastic.set_limit(limit)
         first = elastic.wait_state(revision, status="deferred")
         results = [f.result() for f in futures]
