@@ -24,6 +24,7 @@ from ._errors import (
     DeviceMoveError,
     InvalidInputError,
     RequestError,
+    RevisionRejectedError,
     UnknownDeviceError,
     UnknownInstanceError,
 )
@@ -31,7 +32,7 @@ from ._instances import InstanceRecord, limit_held
 from ._metrics import Metrics
 from ._models import DeviceMember, DeviceView, InstanceView, PlannedChange, PolicyView
 from ._policy import UNBOUNDED, Change, Member, Target, committed, compute_targets, plan
-from ._revisions import decide
+from ._revisions import Decision, decide
 from ._service import InstanceService
 from ._settings import SidecarSettings
 from ._store import Store
@@ -294,10 +295,11 @@ class Autopilot:
             return self._decorate(view)
         device_id = self.policy(instance_id).device_id
         assert device_id is not None
-        rec = self._service.records()[instance_id]
-        if revision is not None:
-            decide(rec.row.limit_bytes, rec.row.revision, limit, revision)  # stale/conflict
         async with self._lock:
+            p = self.policy(instance_id)
+            decision = self._pin_decision(p, limit, revision)  # stale/conflict: nothing changes
+            if not decision.changed:
+                return self._service.get(instance_id)  # an idempotent repeat of the pin
             budget = self._devices[device_id].budget_bytes
             assert budget is not None
             if limit is None:
@@ -306,13 +308,27 @@ class Autopilot:
                     "its limit cannot be unlimited. Set a size, or DELETE .../limit to hand "
                     "it back to the autopilot"
                 )
-            new = replace(self.policy(instance_id), pinned=True, pin_bytes=limit)
+            new = replace(p, pinned=True, pin_bytes=limit, pin_revision=decision.revision)
             self._check_budget(device_id, budget, {instance_id: new})
             await self._store.put_policies([new])
             self._policies[instance_id] = new
             self._pin_sources[instance_id] = source
             await self._pass(device_id)
         return self._service.get(instance_id)
+
+    def _pin_decision(self, p: PolicyRow, limit: int | None, revision: int | None) -> Decision:
+        """The revision rule for an operator's pin on a budgeted device (raises to change
+        nothing). The pin may wait for room (shrink before grow) while the instance's stored
+        limit keeps its older revision, so a revision is judged against the pin's own while
+        that is the newer one: a repeat is idempotent, an older one stale."""
+        rec = self._service.records()[p.id]
+        row_limit, row_revision = rec.row.limit_bytes, rec.row.revision
+        if p.pinned and p.pin_revision is not None and p.pin_revision >= row_revision:
+            return decide(p.pin_bytes, p.pin_revision, limit, revision)
+        decision = decide(row_limit, row_revision, limit, revision)
+        if not decision.changed and p.pin_bytes != limit:
+            return Decision(decision.revision, True)  # the stored limit, now pinned
+        return decision
 
     async def unpin(self, instance_id: str, *, source: str) -> InstanceView:
         """``DELETE .../limit``: back to the autopilot on a budgeted device (the current limit
@@ -322,7 +338,7 @@ class Autopilot:
             await self._pin(instance_id, False)
             return self._decorate(view)
         async with self._lock:
-            new = replace(self.policy(instance_id), pinned=False, pin_bytes=None)
+            new = replace(self.policy(instance_id), pinned=False, pin_bytes=None, pin_revision=None)
             await self._store.put_policies([new])
             self._policies[instance_id] = new
             await self._pass(self.policy(instance_id).device_id or "")
@@ -353,7 +369,12 @@ class Autopilot:
                 )
         async with self._lock:
             rows = {
-                iid: replace(self.policy(iid), pinned=True, pin_bytes=size)
+                iid: replace(
+                    self.policy(iid),
+                    pinned=True,
+                    pin_bytes=size,
+                    pin_revision=self._pin_decision(self.policy(iid), size, None).revision,
+                )
                 for iid, size in limits.items()
             }
             self._check_budget(device_id, dev.budget_bytes, rows)
@@ -493,13 +514,25 @@ class Autopilot:
         previous = self.policy(change.id)
         p = replace(previous, source=source, reason=change.reason, changed_at=time.time())
         self._policies[change.id] = p
+        # An operator's pin is written under its own revision (the one the PUT was judged
+        # by), so a client that repeats it reads an idempotent repeat, not a stale one.
+        rec = self._service.records().get(change.id)
+        revision = previous.pin_revision
+        if (
+            change.reason != "operator"
+            or revision is None
+            or change.new != previous.pin_bytes
+            or rec is None
+            or revision <= rec.row.revision
+        ):
+            revision = None
+        what = f"{who} on device {device_id} ({change.reason}; shrink before grow)"
         try:
-            view = await self._service.set_limit(
-                change.id,
-                change.new,
-                None,
-                source=f"{who} on device {device_id} ({change.reason}; shrink before grow)",
-            )
+            try:
+                view = await self._service.set_limit(change.id, change.new, revision, source=what)
+            except RevisionRejectedError:
+                # the engine reported a newer revision meanwhile: the pin takes the next one
+                view = await self._service.set_limit(change.id, change.new, None, source=what)
         except BaseException:
             if self._policies.get(change.id) is p:
                 self._policies[change.id] = previous  # no limit written: nor its source

@@ -18,7 +18,8 @@ __all__ = ["AutopilotStore", "DeviceRow", "PolicyRow"]
 
 _DEVICE_COLUMNS = "id, budget_bytes, revision, updated_at, dry_run"
 _POLICY_COLUMNS = (
-    "id, device_id, min_bytes, max_bytes, weight, pinned, pin_bytes, source, reason, changed_at"
+    "id, device_id, min_bytes, max_bytes, weight, pinned, pin_bytes, source, reason, changed_at, "
+    "pin_revision"
 )
 
 
@@ -47,6 +48,9 @@ class PolicyRow:
     source: str | None = None  # "operator" or "policy": who set the current desired limit
     reason: str | None = None
     changed_at: float | None = None
+    # the revision of the operator's pin on a budgeted device (the client's, or the next one
+    # when it gave none); None: no pin, or a pin that is the instance's own desired limit
+    pin_revision: int | None = None
 
 
 def _device(row: tuple[object, ...]) -> DeviceRow:
@@ -57,7 +61,7 @@ def _device(row: tuple[object, ...]) -> DeviceRow:
 
 
 def _policy(row: tuple[object, ...]) -> PolicyRow:
-    (iid, device, lo, hi, weight, pinned, pin, source, reason, changed) = row
+    (iid, device, lo, hi, weight, pinned, pin, source, reason, changed, pin_rev) = row
     assert isinstance(iid, str) and isinstance(lo, int) and isinstance(weight, float)
     assert device is None or isinstance(device, str)
     assert hi is None or isinstance(hi, int)
@@ -65,12 +69,15 @@ def _policy(row: tuple[object, ...]) -> PolicyRow:
     assert source is None or isinstance(source, str)
     assert reason is None or isinstance(reason, str)
     assert changed is None or isinstance(changed, float)
-    return PolicyRow(iid, device, lo, hi, weight, bool(pinned), pin, source, reason, changed)
+    assert pin_rev is None or isinstance(pin_rev, int)
+    return PolicyRow(
+        iid, device, lo, hi, weight, bool(pinned), pin, source, reason, changed, pin_rev
+    )
 
 
 def _put_policy(conn: sqlite3.Connection, row: PolicyRow) -> PolicyRow:
     conn.execute(
-        f"INSERT OR REPLACE INTO policies ({_POLICY_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        f"INSERT OR REPLACE INTO policies ({_POLICY_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
         (
             row.id,
             row.device_id,
@@ -82,6 +89,7 @@ def _put_policy(conn: sqlite3.Connection, row: PolicyRow) -> PolicyRow:
             row.source,
             row.reason,
             row.changed_at,
+            row.pin_revision,
         ),
     )
     return row

@@ -31,7 +31,8 @@ _log = logging.getLogger("kvsidecar.store")
 
 # 2: stopped_at (clean engine shutdown); 1 is migrated on open
 # 3: the autopilot's tables (devices, policies; docs/autopilot.md); 2 gains them on open
-_SCHEMA_VERSION = 3
+# 4: policies.pin_revision (the revision of an operator's pin on a budgeted device)
+_SCHEMA_VERSION = 4
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS instances (
     id TEXT PRIMARY KEY,
@@ -63,7 +64,8 @@ CREATE TABLE IF NOT EXISTS policies (
     pin_bytes INTEGER,                 -- the operator's limit (NULL = unlimited)
     source TEXT,                       -- who set the current desired limit: operator|policy
     reason TEXT,                       -- why the policy set it
-    changed_at REAL                    -- unix seconds of that change
+    changed_at REAL,                   -- unix seconds of that change
+    pin_revision INTEGER               -- the pin's revision on a budgeted device (NULL: none)
 ) STRICT;
 """
 _COLUMNS = (
@@ -72,6 +74,7 @@ _COLUMNS = (
 )
 _COLUMN_NAMES = tuple(c.strip() for c in _COLUMNS.split(","))
 _MIGRATE_1_TO_2 = "ALTER TABLE instances ADD COLUMN stopped_at REAL"
+_MIGRATE_3_TO_4 = "ALTER TABLE policies ADD COLUMN pin_revision INTEGER"
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +223,7 @@ class Store:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, 2, _SCHEMA_VERSION):
+        if version not in (0, 1, 2, 3, _SCHEMA_VERSION):
             raise SidecarConfigError(
                 f"the database {self.path} has schema version {version}; this sidecar "
                 f"reads version {_SCHEMA_VERSION}: use a newer kvsidecar or another --db"
@@ -230,6 +233,9 @@ class Store:
             conn.execute(_MIGRATE_1_TO_2)
         elif version == 2:  # gains the autopilot's tables below; its own must be ours
             self._check_columns(conn, _COLUMN_NAMES, version)
+        elif version == 3:  # the policies table gains the pin's revision
+            self._check_columns(conn, _COLUMN_NAMES, version)
+            conn.execute(_MIGRATE_3_TO_4)
         conn.executescript(_SCHEMA)
         self._check_columns(conn, _COLUMN_NAMES, _SCHEMA_VERSION)
         conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")

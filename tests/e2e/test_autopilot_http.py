@@ -187,6 +187,61 @@ def test_operator_pin_wins_until_delete(c: httpx.Client) -> None:
     assert c.get("/instances/a").json()["policy"]["pinned"] is False
 
 
+def test_revisions_of_a_pin_on_a_budgeted_device_are_kept(tmp_path: Path) -> None:
+    """A client's revision on a budgeted device is recorded with the pin: an older one is
+    stale, the same one with another limit a conflict, a repeat idempotent, also while the
+    pin waits for room (a grow, shrink before grow) and after a restart."""
+    db = tmp_path / "rev.db"
+    with ThreadedSidecar(_settings(db)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV, mapped=4 * GiB)
+        a.register(), b.register()
+        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+        _settle(c, a, b)
+        r = c.put("/instances/a/limit", json={"limit": "2G", "revision": 100})
+        assert r.status_code == 200, r.text
+        assert r.json()["desired"] == {
+            **r.json()["desired"],
+            "limit_bytes": 2 * GiB,
+            "revision": 100,
+        }
+        for body, verdict in (
+            ({"limit": "1G", "revision": 50}, "stale"),
+            ({"limit": "3G", "revision": 100}, "conflict"),
+        ):
+            r = c.put("/instances/a/limit", json=body)
+            assert r.status_code == 409 and r.json()["revision_status"] == verdict, r.text
+        r = c.put("/instances/a/limit", json={"limit": "2G", "revision": 100})
+        assert r.status_code == 200 and r.json()["desired"]["revision"] == 100  # a repeat
+        assert (
+            _desired(c, "a") == 2 * GiB
+            and c.get("/instances/a").json()["policy"]["pin_bytes"] == 2 * GiB
+        )
+        # a grow into memory B still maps waits (B does not apply): the pin holds its revision
+        for e in (a, b):
+            e.sync(apply=False)
+        r = c.put("/instances/a/limit", json={"limit": "6G", "revision": 200})
+        assert r.status_code == 200, r.text
+        assert _desired(c, "a") < 6 * GiB, "A grew before B gave its memory back"
+        for body, verdict in (
+            ({"limit": "5G", "revision": 150}, "stale"),
+            ({"limit": "5G", "revision": 200}, "conflict"),
+        ):
+            r = c.put("/instances/a/limit", json=body)
+            assert r.status_code == 409 and r.json()["revision_status"] == verdict, r.text
+        assert c.put("/instances/a/limit", json={"limit": "6G", "revision": 200}).status_code == 200
+        assert c.get("/instances/a").json()["policy"]["pin_bytes"] == 6 * GiB
+    with ThreadedSidecar(_settings(db)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a.client = b.client = c
+        r = c.put("/instances/a/limit", json={"limit": "5G", "revision": 200})
+        assert r.status_code == 409 and r.json()["revision_status"] == "conflict", r.text
+        b.sync()  # B applies its shrink: A's pin is written, under the client's revision
+        wait_until(lambda: (a.sync(), b.sync(), _desired(c, "a") == 6 * GiB)[2], what="A grown")
+        assert c.get("/instances/a").json()["desired"]["revision"] == 200
+        assert c.put("/instances/a/limit", json={"limit": "6G", "revision": 200}).status_code == 200
+        r = c.put("/instances/a/limit", json={"limit": "4G"})  # no revision: the next one
+        assert r.status_code == 200 and r.json()["desired"]["revision"] == 201, r.text
+
+
 def test_min_max_and_weight_bound_the_shares(c: httpx.Client) -> None:
     a, b, d = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV), SimEngine(c, "d", DEV)
     for e in (a, b, d):

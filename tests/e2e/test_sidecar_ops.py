@@ -462,3 +462,38 @@ def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
         view = c.get("/instances/old").json()
         assert view["desired"] == {**view["desired"], "limit_bytes": GiB, "revision": 7}
         assert c.get("/readyz").status_code == 200
+
+
+def test_a_version_3_database_gains_the_pins_revision(tmp_path: Path) -> None:
+    """Version 3 (the autopilot's tables, no ``pin_revision``) is migrated on open: its
+    budget and pin are kept, and a pin with a revision is then recorded."""
+    path = tmp_path / "v3.db"
+    conn = sqlite3.connect(path)
+    conn.executescript("""
+        CREATE TABLE instances (id TEXT PRIMARY KEY, limit_bytes INTEGER,
+            revision INTEGER NOT NULL, updated_at REAL NOT NULL, engine TEXT,
+            engine_version TEXT, socket_path TEXT, device_total_bytes INTEGER,
+            registered_at REAL, stopped_at REAL) STRICT;
+        CREATE TABLE devices (id TEXT PRIMARY KEY, budget_bytes INTEGER,
+            revision INTEGER NOT NULL, updated_at REAL NOT NULL,
+            dry_run INTEGER NOT NULL DEFAULT 0) STRICT;
+        CREATE TABLE policies (id TEXT PRIMARY KEY, device_id TEXT,
+            min_bytes INTEGER NOT NULL DEFAULT 0, max_bytes INTEGER,
+            weight REAL NOT NULL DEFAULT 1.0, pinned INTEGER NOT NULL DEFAULT 0,
+            pin_bytes INTEGER, source TEXT, reason TEXT, changed_at REAL) STRICT;
+        INSERT INTO instances VALUES ('old', 1073741824, 7, 1.0, 'vllm', '0.33', NULL,
+            NULL, 1.0, NULL);
+        INSERT INTO devices VALUES ('gpu-9', 8589934592, 2, 1.0, 0);
+        INSERT INTO policies VALUES ('old', 'gpu-9', 0, NULL, 1.0, 1, 1073741824,
+            'operator', 'operator', 1.0);
+        PRAGMA user_version=3;""")
+    conn.close()
+    with _serve(path) as server, httpx.Client(base_url=server.url) as c:
+        view = c.get("/instances/old").json()
+        assert view["desired"] == {**view["desired"], "limit_bytes": GiB, "revision": 7}
+        assert view["policy"]["pinned"] is True and view["policy"]["pin_bytes"] == GiB
+        assert c.get("/devices/gpu-9").json()["budget_bytes"] == 8 * GiB
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
+    assert conn.execute("SELECT pin_revision FROM policies").fetchall() == [(None,)]
+    conn.close()
