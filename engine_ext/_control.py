@@ -24,7 +24,14 @@ from pydantic import ValidationError
 
 from ._errors import EngineExtConfigError
 from ._mailbox import LimitMailbox
-from .protocol import MAX_SOCKET_PATH_BYTES, EngineState, LimitBody, socket_path_fits
+from .protocol import (
+    MAX_SOCKET_PATH_BYTES,
+    EngineState,
+    LimitBody,
+    duplicate_json_key,
+    duplicate_key_message,
+    socket_path_fits,
+)
 
 __all__ = ["MAX_BODY_BYTES", "ControlServer"]
 
@@ -83,6 +90,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if self.path != "/limit":
             self._not_found()
+            return
+        repeated = duplicate_json_key(body)
+        if repeated is not None:
+            self._problem(HTTPStatus.UNPROCESSABLE_ENTITY, duplicate_key_message(repeated))
             return
         try:
             req = LimitBody.model_validate_json(body)

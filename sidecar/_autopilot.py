@@ -449,16 +449,23 @@ class Autopilot:
             except TimeoutError:
                 pass
             self._wake.clear()
-            try:
-                async with self._lock:
-                    for device_id in self.device_ids():
+            async with self._lock:
+                for device_id in self.device_ids():
+                    # one device's failure must not hold the others' passes back
+                    try:
                         await self._pass(device_id)
-            except asyncio.CancelledError:
-                raise
-            except RequestError as exc:
-                _log.warning("autopilot pass: %s; retrying next pass", exc.detail)
-            except Exception:  # noqa: BLE001  (a bug must not end the loop)
-                _log.exception("autopilot pass failed; retrying next pass")
+                    except asyncio.CancelledError:
+                        raise
+                    except RequestError as exc:
+                        _log.warning(
+                            "autopilot pass on device %s: %s; retrying next pass",
+                            device_id,
+                            exc.detail,
+                        )
+                    except Exception:  # noqa: BLE001  (a bug must not end the loop)
+                        _log.exception(
+                            "autopilot pass on device %s failed; retrying next pass", device_id
+                        )
             self._observe_applied()
 
     async def _pass(self, device_id: str) -> None:

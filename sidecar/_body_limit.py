@@ -1,4 +1,5 @@
-"""ASGI middleware that checks the token, then caps the body (401/413 before the app)."""
+"""ASGI middleware that checks the token, then caps the body (401/413 before the app) and
+refuses a JSON body that gives one key twice (422)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import secrets
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine_ext.protocol import duplicate_json_key, duplicate_key_message
 
 __all__ = ["BodyLimitMiddleware"]
 
@@ -66,6 +69,10 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)
+        repeated = duplicate_json_key(body)
+        if repeated is not None:  # json.loads would keep the last one: refuse the ambiguity
+            await self._send(send, 422, "Invalid input", f"body: {duplicate_key_message(repeated)}")
+            return
         replayed = False
 
         async def replay() -> Message:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
+import httpx
 import typer
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -98,10 +99,19 @@ def sidecar_url(raw: str) -> str:
     if "://" not in url:
         url = f"http://{url}"
     scheme, _, rest = url.partition("://")
+    problem = None
     if scheme.lower() not in ("http", "https") or not rest.strip("/"):
+        problem = "it must be host:port or an http(s) URL"
+    else:
+        try:
+            if not httpx.URL(url).host:
+                problem = "it names no host"
+        except httpx.InvalidURL as exc:
+            problem = str(exc)
+    if problem is not None:
         raise _fail(
-            f"--url/KVSIDECAR_URL must be host:port or an http(s) URL; got {raw!r} "
-            "(e.g. --url 127.0.0.1:8570)",
+            f"--url/KVSIDECAR_URL {raw!r} cannot be used: {problem} "
+            "(e.g. --url 127.0.0.1:8570 or http://sidecar.example:8570)",
             EXIT_USAGE,
         )
     return url

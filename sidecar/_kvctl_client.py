@@ -60,10 +60,26 @@ def _raise_for(resp: httpx.Response) -> None:
     try:
         problem = resp.json()
         detail = problem.get("detail") or problem.get("title") or resp.text
-    except ValueError:
-        detail = resp.text.strip() or resp.reason_phrase
+    except (ValueError, AttributeError):  # not JSON, or JSON but not a problem object
+        detail = resp.text.strip()[:200] or resp.reason_phrase
     code = EXIT_USAGE if resp.status_code == 422 else EXIT_ERROR
     raise CtlError(f"{detail} (HTTP {resp.status_code})", code)
+
+
+def _json(resp: httpx.Response, what: str) -> Any:
+    """The body of a successful answer; one that is not JSON is an error that names the
+    likely cause (the URL or socket points at something other than kvsidecar)."""
+    if not resp.content:
+        return None
+    try:
+        return resp.json()
+    except ValueError:
+        kind = resp.headers.get("content-type") or "no content type"
+        raise CtlError(
+            f"{what} answered HTTP {resp.status_code} with a body that is not JSON ({kind}); "
+            "is that kvsidecar? Check --url/KVSIDECAR_URL (or --socket)",
+            EXIT_ERROR,
+        ) from None
 
 
 class SidecarApi:
@@ -95,7 +111,7 @@ class SidecarApi:
                 EXIT_UNREACHABLE,
             ) from None
         _raise_for(resp)
-        return Reply(resp.json() if resp.content else None, resp.status_code)
+        return Reply(_json(resp, f"the sidecar at {self.url}"), resp.status_code)
 
     def set_limit(self, instance_id: str, limit: int | None, wait: float | None) -> Reply:
         return self._call(
@@ -170,10 +186,13 @@ class SocketApi:
                 "KVSIDECAR_ENABLE=1?",
                 EXIT_UNREACHABLE,
             ) from None
+        where = f"the engine control socket {self.socket_path}"
         if resp.status_code == 409:  # stale/conflict: the body is the engine state + message
-            raise CtlError(str(resp.json().get("message") or "revision rejected"), EXIT_ERROR)
+            body = _json(resp, where)
+            message = body.get("message") if isinstance(body, dict) else None
+            raise CtlError(str(message or "revision rejected"), EXIT_ERROR)
         _raise_for(resp)
-        return Reply(resp.json(), resp.status_code)
+        return Reply(_json(resp, where), resp.status_code)
 
     def set_limit(self, limit: int | None, wait: float | None) -> Reply:
         body = LimitBody(limit=limit).model_dump(mode="json")

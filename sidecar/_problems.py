@@ -77,12 +77,32 @@ def _clean(msg: str) -> str:
     return msg.removeprefix("Value error, ")
 
 
+def _is_json(content_type: str | None) -> bool:
+    kind = (content_type or "").split(";")[0].strip().lower()
+    return kind == "application/json" or (
+        kind.startswith("application/") and kind.endswith("+json")
+    )
+
+
+def _one_error(err: dict[str, Any], content_type: str | None) -> dict[str, str]:
+    loc = tuple(err.get("loc", ()))
+    if err.get("type") == "json_invalid":  # FastAPI puts the character offset in loc
+        reason = (err.get("ctx") or {}).get("error") or "malformed"
+        at = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return {"field": "body", "message": f"not valid JSON ({reason}{at})"}
+    message = _clean(err["msg"])
+    if loc == ("body",) and not _is_json(content_type):
+        message += (
+            f" (the body was sent as {content_type or 'no content type'}: send JSON with "
+            "'content-type: application/json', e.g. curl -H 'content-type: application/json')"
+        )
+    return {"field": _field_name(loc), "message": message}
+
+
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    errors = [
-        {"field": _field_name(tuple(err.get("loc", ()))), "message": _clean(err["msg"])}
-        for err in exc.errors()
-    ]
+    content_type = request.headers.get("content-type")
+    errors = [_one_error(err, content_type) for err in exc.errors()]
     detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
     return problem_response(422, "Invalid input", detail, errors=errors)
 

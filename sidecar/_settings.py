@@ -44,7 +44,7 @@ class SidecarSettings(BaseSettings):
     # (5 s) so each engine keeps one connection (idle ones are closed first at the cap)
     keepalive_timeout_s: int = Field(default=75, ge=1)
     max_connections: int = Field(default=256, ge=8)  # open connections; more are closed at once
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     # on SIGTERM/SIGINT: how long open long-polls and event streams may go on before they
     # are cut (without it a connected dashboard keeps the process up for max_wait_s)
     shutdown_grace_s: int = Field(default=5, ge=0, le=300)  # seconds (uvicorn takes an int)
@@ -57,6 +57,11 @@ class SidecarSettings(BaseSettings):
     # running or waiting request, so a short gap between requests does not move memory
     autopilot_busy_hold_s: float = Field(default=3.0, ge=0, le=3600)
     autopilot_dry_run: bool = False  # every device: compute and show, write nothing
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_in_any_case(cls, value: object) -> object:
+        return value.strip().lower() if isinstance(value, str) else value
 
     @field_validator("token")
     @classmethod

@@ -76,8 +76,11 @@ def serve(
     try:
         settings = SidecarSettings(**overrides)
     except ValidationError as exc:
+        first = exc.errors()[0]
+        name = ".".join(str(part) for part in first["loc"]) or "settings"
         typer.echo(
-            f"kvsidecar: bad setting: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", err=True
+            f"kvsidecar: bad setting KVSIDECAR_{name.upper()} (or its flag): {first['msg']}",
+            err=True,
         )
         raise typer.Exit(2) from None
     try:

@@ -9,7 +9,8 @@ Both sides import it, so the two can never disagree on a field, a word or a rule
 * revisions -- :func:`judge_revision`, the one revision rule (the sidecar's store and the
   engine's mailbox), and its bounds;
 * paths -- instance ids and unix-socket path limits;
-* the JSON bodies exchanged over HTTP (pydantic models).
+* the JSON bodies exchanged over HTTP (pydantic models), and the rule that a key given
+  twice in one object is refused (:func:`duplicate_json_key`).
 
 Dependency rule: this package imports only pydantic and the standard library (a test
 holds it to that), so the sidecar imports it without any engine, allocator or
@@ -18,6 +19,7 @@ engine-core module. Import it as ``engine_ext.protocol``; its submodules are pri
 
 from __future__ import annotations
 
+from ._json import duplicate_json_key, duplicate_key_message
 from ._paths import DEVICE_ID_PATTERN, ID_PATTERN, MAX_SOCKET_PATH_BYTES, socket_path_fits
 from ._revisions import (
     MAX_CLIENT_REVISION,
@@ -29,6 +31,7 @@ from ._revisions import (
 from ._sizes import MAX_LIMIT_BYTES, SizeError, format_size, parse_limit, parse_size
 from ._status import DeferReason, InstanceReason, Status, WaitReason
 from ._wire import (
+    MAX_FIGURE,
     MAX_MESSAGE_CHARS,
     MAX_NAME_CHARS,
     MAX_RANKS,
@@ -37,6 +40,7 @@ from ._wire import (
     REGISTRATION_HEADER,
     REGISTRATION_TOKEN_PATTERN,
     ByteCount,
+    Count,
     EngineState,
     LimitBody,
     LimitSize,
@@ -50,6 +54,7 @@ __all__ = [
     "DEVICE_ID_PATTERN",
     "ID_PATTERN",
     "MAX_CLIENT_REVISION",
+    "MAX_FIGURE",
     "MAX_LIMIT_BYTES",
     "MAX_MESSAGE_CHARS",
     "MAX_NAME_CHARS",
@@ -61,6 +66,7 @@ __all__ = [
     "REGISTRATION_HEADER",
     "REGISTRATION_TOKEN_PATTERN",
     "ByteCount",
+    "Count",
     "DeferReason",
     "EngineState",
     "InstanceReason",
@@ -75,6 +81,8 @@ __all__ = [
     "SizeError",
     "Status",
     "WaitReason",
+    "duplicate_json_key",
+    "duplicate_key_message",
     "format_size",
     "judge_revision",
     "parse_limit",

@@ -12,6 +12,7 @@ from ._sizes import MAX_LIMIT_BYTES, parse_limit
 from ._status import Status
 
 __all__ = [
+    "MAX_FIGURE",
     "MAX_MESSAGE_CHARS",
     "MAX_NAME_CHARS",
     "MAX_RANKS",
@@ -20,6 +21,7 @@ __all__ = [
     "REGISTRATION_HEADER",
     "REGISTRATION_TOKEN_PATTERN",
     "ByteCount",
+    "Count",
     "EngineState",
     "LimitBody",
     "LimitSize",
@@ -36,11 +38,29 @@ def _size_or_none(value: Any) -> int | None:
 
 LimitSize = Annotated[int | None, BeforeValidator(_size_or_none)]
 
-#: A revision on the wire: 0 (none yet) up to :data:`MAX_REVISION`.
-Revision = Annotated[int, Field(ge=0, le=MAX_REVISION)]
 
-#: A byte count the engine measured: never negative.
-ByteCount = Annotated[int, Field(ge=0)]
+def _a_number(value: Any) -> Any:
+    """A count on the wire is a JSON number: ``true`` or ``"5"`` is a mistake, not 1 or 5
+    (pydantic's lax mode would take both). An integral float still reads as its int."""
+    if isinstance(value, bool | str):
+        raise ValueError(  # noqa: TRY004  (pydantic turns only ValueError into a 422)
+            f"must be a whole number, not {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+#: A revision on the wire: 0 (none yet) up to :data:`MAX_REVISION`.
+Revision = Annotated[int, Field(ge=0, le=MAX_REVISION), BeforeValidator(_a_number)]
+
+#: Largest count or byte figure a report may carry (4 EiB): far above anything measured,
+#: and it keeps every figure exact as a float (metrics, the autopilot's shares).
+MAX_FIGURE = 1 << 62
+
+#: A byte count the engine measured: never negative, at most :data:`MAX_FIGURE`.
+ByteCount = Annotated[int, Field(ge=0, le=MAX_FIGURE), BeforeValidator(_a_number)]
+
+#: A count the engine keeps (requests, passes, preemptions): the same bounds.
+Count = Annotated[int, Field(ge=0, le=MAX_FIGURE), BeforeValidator(_a_number)]
 
 #: Per-process registration token: sent in ``RegisterBody.registration_token`` and in this
 #: header on reports and deregistration, so the sidecar can tell two live processes that
@@ -70,7 +90,7 @@ class LimitBody(_Strict):
 class RankState(BaseModel):
     """What one TP/PP rank maps."""
 
-    rank: int = Field(ge=0)
+    rank: Annotated[int, Field(ge=0, lt=MAX_RANKS), BeforeValidator(_a_number)]
     mapped_bytes: ByteCount
     alive: bool = True
 
@@ -80,6 +100,9 @@ class EngineState(BaseModel):
 
     Returned by the control socket's ``GET /state`` and ``PUT /limit``, and
     sent to the sidecar in ``/report`` (which doubles as the heartbeat).
+    Fields it does not know are ignored (not refused), so an engine on a newer
+    kvsidecar can report to an older sidecar during a rolling upgrade; the
+    fields it knows are checked strictly (a count is a JSON number).
     """
 
     status: Status
@@ -96,15 +119,13 @@ class EngineState(BaseModel):
     page_bundle_bytes: ByteCount = 0  # bytes one page costs (all layers and K/V buffers)
     evictable_bytes: ByteCount = 0  # prefix-cache pages that could be given back now
     pinned_bytes: ByteCount = 0  # pages held by running requests
-    num_ranks: int = Field(default=1, ge=1, le=MAX_RANKS)
+    num_ranks: Annotated[int, Field(ge=1, le=MAX_RANKS), BeforeValidator(_a_number)] = 1
     ranks: list[RankState] = Field(default_factory=list, max_length=MAX_RANKS)
-    passes: int = Field(
-        default=0, ge=0
-    )  # engine passes (step() calls that took or worked on a target)
+    passes: Count = 0  # engine passes (step() calls that took or worked on a target)
     message: str | None = Field(default=None, max_length=MAX_MESSAGE_CHARS)  # stale/conflict
     # -- demand: what the engine's requests need (refreshed at every scheduler step) --
-    num_running_requests: int = Field(default=0, ge=0)
-    num_waiting_requests: int = Field(default=0, ge=0)
+    num_running_requests: Count = 0
+    num_waiting_requests: Count = 0
     waiting_bytes: ByteCount = 0  # KV bytes the waiting requests still need to start
     # KV bytes the running requests may still add (their output up to max_tokens), counted
     # with KVSIDECAR_RESERVE_OUTPUT=1 (docs/limits.md, "Output reservation"); 0 otherwise
@@ -113,7 +134,7 @@ class EngineState(BaseModel):
     # engine's own batch limits) keeps at least one of them out; None otherwise. Independent
     # of ``status``: a limit can be applied while requests wait for memory under it.
     waiting_reason: str | None = Field(default=None, max_length=MAX_REASON_CHARS)
-    num_preemptions: int = Field(default=0, ge=0)  # running requests preempted since start
+    num_preemptions: Count = 0  # running requests preempted since start
     prefix_hit_rate: float | None = Field(default=None, ge=0.0, le=1.0)  # recent window
 
 

@@ -242,6 +242,33 @@ def test_revisions_of_a_pin_on_a_budgeted_device_are_kept(tmp_path: Path) -> Non
         assert r.status_code == 200 and r.json()["desired"]["revision"] == 201, r.text
 
 
+def test_a_device_whose_pass_fails_does_not_hold_the_others_back(
+    server: ThreadedSidecar, c: httpx.Client
+) -> None:
+    """A pass that raises on one device (a bug, a bad figure) is logged and retried; the
+    loop still runs every other device's pass, also those sorted after it."""
+    autopilot = server.server.config.app.state.autopilot
+    real_pass = autopilot._pass
+    failed: list[str] = []
+
+    async def failing_pass(device_id: str) -> None:
+        if device_id == "a-broken-dev":
+            failed.append(device_id)
+            raise RuntimeError("a bug in one device's pass")
+        await real_pass(device_id)
+
+    autopilot._pass = failing_pass
+    broken = SimEngine(c, "z", "a-broken-dev")
+    a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+    for e in (broken, a, b):
+        assert e.register().status_code == 200
+    assert c.put("/devices/a-broken-dev/budget", json={"budget": "4G"}).status_code == 200
+    assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+    _settle(c, a, b)
+    assert _desired(c, "a") == _desired(c, "b") == 4 * GiB
+    assert failed, "the broken device's pass never ran"
+
+
 def test_min_max_and_weight_bound_the_shares(c: httpx.Client) -> None:
     a, b, d = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV), SimEngine(c, "d", DEV)
     for e in (a, b, d):

@@ -232,3 +232,57 @@ def test_a_token_with_whitespace_from_the_environment_works(
     monkeypatch.setenv("KVSIDECAR_TOKEN", "tok\n")  # e.g. read from a file with a newline
     result = runner.invoke(app, ["--url", sidecar.url, "limit", "llama-b", "1G"])
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(
+    "url", ["127.0.0.1:abc", "localhost:8570x", "http://[::1", "http://:8570", "ftp://x"]
+)
+def test_a_malformed_url_is_a_usage_error(url: str) -> None:
+    for how in ("flag", "env"):
+        args = ["--url", url, "list"] if how == "flag" else ["list"]
+        result = runner.invoke(app, args, env={"KVSIDECAR_URL": url})
+        assert result.exit_code == 2, (how, result.output, result.exception)
+        assert "KVSIDECAR_URL" in result.output and "cannot be used" in result.output
+
+
+def test_a_server_that_is_not_kvsidecar_is_a_clear_error(tmp_path: Path) -> None:
+    """A wrong port or a proxy's login page answers 200 with HTML: one line, exit 1."""
+    import http.server
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            body = b"<html><body>please log in</body></html>"
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_PUT = do_DELETE = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Html)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for args in (["list"], ["status", "a"], ["limit", "a", "1G"]):
+            result = runner.invoke(app, ["--url", url, *args])
+            assert result.exit_code == 1, (args, result.output, result.exception)
+            assert "not JSON (text/html)" in result.output and "--url" in result.output
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_sizes_are_read_exactly(sidecar: ThreadedSidecar) -> None:
+    """'0.3' is not 0 bytes (which would drain the cache): a fraction of a byte is refused,
+    as are other scripts' digits; a unit's fraction is exact."""
+    for size in ("0.3", "1.5", "\u0661\u0662G", "9" * 400):
+        code, out = kvctl(sidecar, "limit", "llama-a", size)
+        assert code == 2, (size, out)
+    assert kvctl(sidecar, "status", "llama-a")[0] == 1  # nothing was stored
+    code, out = kvctl(sidecar, "limit", "llama-a", "1.5G", "--json")
+    assert code == 0 and json.loads(out)["desired"]["limit_bytes"] == 3 * GiB // 2

@@ -320,26 +320,27 @@ def test_serve_keeps_its_read_timeouts_under_json_logs(tmp_path: Path) -> None:
     )
 
 
-def test_serve_refuses_an_unknown_log_format(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (["--log-format", "xml"], {}, "KVSIDECAR_LOG_FORMAT"),
+        ([], {"KVSIDECAR_LOG_LEVEL": "bogus"}, "KVSIDECAR_LOG_LEVEL"),
+    ],
+)
+def test_serve_refuses_an_unknown_log_format_or_level(
+    tmp_path: Path, args: list[str], env: dict[str, str], named: str
+) -> None:
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sidecar.cli",
-            "serve",
-            "--db",
-            str(tmp_path / "s.db"),
-            "--log-format",
-            "xml",
-        ],
+        [sys.executable, "-m", "sidecar.cli", "serve", "--db", str(tmp_path / "s.db"), *args],
         cwd=ROOT,
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
-    assert proc.returncode == 2 and "log_format" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_kvctl_watch_writes_flushed_lines_to_a_pipe(sidecar: ThreadedSidecar) -> None:

@@ -84,6 +84,13 @@ BAD_INPUTS: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
     ("huge", "PUT", "/instances/a/limit", {"limit": "99999999T"}, {}, 422, "larger than 1 EiB"),
     ("huge-int", "PUT", "/instances/a/limit", {"limit": 10**30}, {}, 422, "larger than 1 EiB"),
     ("fraction", "PUT", "/instances/a/limit", {"limit": 1.5}, {}, 422, "whole"),
+    ("fraction-str", "PUT", "/instances/a/limit", {"limit": "0.5"}, {}, 422, "whole"),
+    ("sub-byte", "PUT", "/instances/a/limit", {"limit": "0.0001K"}, {}, 422, "less than one"),
+    ("past-float", "PUT", "/instances/a/limit", {"limit": "9" * 400}, {}, 422, "too many digits"),
+    ("past-float-T", "PUT", "/instances/a/limit", {"limit": "9" * 300 + "T"}, {}, 422, "digits"),
+    ("just-over", "PUT", "/instances/a/limit", {"limit": str((1 << 60) + 1)}, {}, 422, "1 EiB"),
+    ("arabic-digits", "PUT", "/instances/a/limit", {"limit": "\u0661\u0662G"}, {}, 422, "read"),
+    ("wide-digits", "PUT", "/instances/a/limit", {"limit": "\uff19G"}, {}, 422, "cannot read"),
     ("bool", "PUT", "/instances/a/limit", {"limit": True}, {}, 422, "boolean"),
     ("list", "PUT", "/instances/a/limit", {"limit": [1]}, {}, 422, "got list"),
     (
@@ -115,8 +122,44 @@ BAD_INPUTS: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
         "lmit: Extra inputs are not permitted",
     ),
     ("missing", "PUT", "/instances/a/limit", {}, {}, 422, "limit: Field required"),
-    ("not-json", "PUT", "/instances/a/limit", b'{"limit": ', {}, 422, "JSON"),
+    ("not-json", "PUT", "/instances/a/limit", b'{"limit": ', {}, 422, "body: not valid JSON ("),
     ("not-object", "PUT", "/instances/a/limit", b'"4G"', {}, 422, "valid dictionary"),
+    (
+        "text-plain",
+        "PUT",
+        "/instances/a/limit",
+        b'{"limit": "1G"}',
+        {"content-type": "text/plain"},
+        422,
+        "sent as text/plain: send JSON with 'content-type: application/json'",
+    ),
+    (
+        "dup-key",
+        "PUT",
+        "/instances/a/limit",
+        b'{"limit": "1G", "limit": "2G"}',
+        {},
+        422,
+        "body: the key 'limit' appears twice",
+    ),
+    (
+        "dup-revision",
+        "PUT",
+        "/instances/a/limit",
+        b'{"limit": "3G", "revision": 9, "revision": 6}',
+        {},
+        422,
+        "'revision' appears twice",
+    ),
+    (
+        "dup-nested",
+        "POST",
+        "/instances/a/report",
+        b'{"status": "applied", "ranks": [{"rank": 0, "rank": 1, "mapped_bytes": 0}]}',
+        {},
+        422,
+        "'rank' appears twice",
+    ),
     (
         "oversized",
         "PUT",
@@ -350,6 +393,49 @@ BAD_INPUTS: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
             "passes",
         )
     ],
+    *[
+        (
+            f"report-{name}-huge",
+            "POST",
+            "/instances/a/report",
+            {"status": "deferred", name: 10**400},
+            {},
+            422,
+            f"{name}: Input should be less than or equal to 4611686018427387904",
+        )
+        for name in (
+            "mapped_bytes",
+            "capacity_bytes",
+            "waiting_bytes",
+            "reserved_bytes",
+            "pinned_bytes",
+            "passes",
+            "num_running_requests",
+            "num_waiting_requests",
+            "num_preemptions",
+        )
+    ],
+    *[
+        (
+            f"report-mapped-{name}",
+            "POST",
+            "/instances/a/report",
+            {"status": "applied", "mapped_bytes": value},
+            {},
+            422,
+            "mapped_bytes: must be a whole number",
+        )
+        for name, value in (("true", True), ("string", "5"))
+    ],
+    (
+        "report-rank-huge",
+        "POST",
+        "/instances/a/report",
+        {"status": "applied", "ranks": [{"rank": 10**30, "mapped_bytes": 0}]},
+        {},
+        422,
+        "ranks.0.rank: Input should be less than 1024",
+    ),
     ("no-route", "POST", "/instances/a/limit", {"limit": 1}, {}, 405, "Method Not Allowed"),
     # issue 14: revision bound, forget/deregister, field caps, report consistency
     (

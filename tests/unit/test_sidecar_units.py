@@ -184,6 +184,7 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
         ("KVSIDECAR_SHUTDOWN_GRACE_S", "-1"),
         ("KVSIDECAR_SHUTDOWN_GRACE_S", "soon"),
         ("KVSIDECAR_LOG_FORMAT", "xml"),
+        ("KVSIDECAR_LOG_LEVEL", "verbose"),
         ("KVSIDECAR_KEEPALIVE_TIMEOUT_S", "0"),
     ],
 )

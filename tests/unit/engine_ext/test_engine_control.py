@@ -115,6 +115,8 @@ def test_stale_and_conflict_are_409(served: tuple[str, LimitMailbox, ShrinkCoord
         ("PUT", "/limit", b'{"limit": 5, "colour": 1}', 422, "colour"),
         ("PUT", "/limit", b'{"revision": 3}', 422, "limit"),
         ("PUT", "/limit", b"not json", 422, "body"),
+        ("PUT", "/limit", b'{"limit": 5, "limit": 0}', 422, "'limit' appears twice"),
+        ("PUT", "/limit", b'{"limit": "0.5"}', 422, "whole"),
         ("PUT", "/nope", b"{}", 404, "/nope"),
         ("GET", "/metrics", None, 404, "/metrics"),
         ("GET", "/limit", None, 405, "PUT /limit"),
