@@ -275,9 +275,10 @@ class RankGroup:
         return self.step
 
     def states(self) -> tuple[RankState, ...]:
-        """Each rank's last measured mapped bytes and whether it is alive."""
+        """Each rank's last measured mapped bytes and whether it is alive. A dead rank maps
+        nothing: its address space (on a GPU, its context and allocations) went with it."""
         with self._lock:
-            key = tuple((r.mapped_bytes, r.alive) for r in self._ranks)
+            key = tuple((r.mapped_bytes if r.alive else 0, r.alive) for r in self._ranks)
         if key != self._states_key:  # built (validated) only when a figure changed
             self._states = tuple(
                 RankState(rank=r.rank, mapped_bytes=mapped, alive=alive)

@@ -194,6 +194,10 @@ def test_dead_rank_never_applied_rank_failed_rank0_consistent(make_engine) -> No
     assert engine.rank_pages(engine.group.pids[0]) == want  # rank 0 agrees with the scheduler
     assert engine.backend.mapped_bytes() == len(want) * BUNDLE  # rank 0 acked: memory returned
     assert len(want) * BUNDLE <= limit
+    # the figures follow what is mapped, not the dead rank's last report: it maps nothing
+    state = engine.instance.step()
+    assert [(r.rank, r.mapped_bytes) for r in state.ranks] == [(0, len(want) * BUNDLE), (1, 0)]
+    assert state.mapped_bytes == engine.backend.mapped_bytes() and state.overage_bytes == 0
     engine.instance.set_limit(None)
     engine.instance.step()
     with pytest.raises(BackendError, match="rank 1"):  # no step can run without rank 1
