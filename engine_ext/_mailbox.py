@@ -159,12 +159,17 @@ class LimitMailbox:
         """The snapshot, re-labelled for a target the engine has not taken yet."""
         target = self._desired
         mapped = self._state.mapped_bytes
-        over = 0 if target.limit_bytes is None else max(0, mapped - target.limit_bytes)
+        # what the engine will work towards: the limit, or the floor it can never give back
+        effective = (
+            None if target.limit_bytes is None else max(target.limit_bytes, self._state.floor_bytes)
+        )
+        over = 0 if effective is None else max(0, mapped - effective)
         return self._state.model_copy(
             update={
                 "status": Status.DEFERRED,
                 "revision": target.revision,
                 "limit_bytes": target.limit_bytes,
+                "effective_limit_bytes": effective,
                 "overage_bytes": over,
                 "reason": DeferReason.ENGINE_PASS.value,
                 "message": None,

@@ -94,6 +94,27 @@ def test_pending_state_overage_from_snapshot() -> None:
     assert box.publish_next(None).state.overage_bytes == 0
 
 
+def test_pending_state_works_towards_the_floor() -> None:
+    """A limit under the floor (memory the engine never gives back): the reply's effective
+    limit is the floor, and its overage is measured against it, as after the pass."""
+    box = LimitMailbox()
+    box.set_state(
+        EngineState(
+            status=Status.APPLIED,
+            limit_bytes=3000,
+            effective_limit_bytes=3000,
+            floor_bytes=100,
+            mapped_bytes=1000,
+        )
+    )
+    state = box.publish_next(0).state
+    assert (state.limit_bytes, state.effective_limit_bytes, state.overage_bytes) == (0, 100, 900)
+    state = box.publish_next(500).state
+    assert (state.effective_limit_bytes, state.overage_bytes) == (500, 500)
+    state = box.publish_next(None).state
+    assert (state.effective_limit_bytes, state.overage_bytes) == (None, 0)
+
+
 @pytest.mark.parametrize(
     ("limit", "revision"),
     [(-1, 1), (True, 1), (1.5, 1), (1 << 61, 1), (1, 0), (1, -3), (1, True), (1, "2")],
