@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import signal
 import stat
 import tempfile
@@ -67,28 +68,37 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else None
 
 
-def write_owner(runtime_dir: Path, pid: int | None = None) -> None:
-    """Record this process (or ``pid``) as the owner of ``runtime_dir`` (atomic replace)."""
+def write_owner(runtime_dir: Path, pid: int | None = None, token: str = "-") -> None:
+    """Record this process (or ``pid``) as the owner of ``runtime_dir`` (atomic replace).
+
+    ``token`` tells two owners in one process apart (each :class:`RuntimeDir` has its own),
+    so one that failed to start never removes the record of the one that runs."""
     pid = os.getpid() if pid is None else pid
     started = _start_time(pid)
     tmp = runtime_dir / f"{OWNER_FILE}.{pid}.tmp"
-    tmp.write_text(f"{pid} {started}\n", encoding="ascii")
+    tmp.write_text(f"{pid} {started} {token}\n", encoding="ascii")
     os.chmod(tmp, 0o600)
     os.replace(tmp, runtime_dir / OWNER_FILE)
 
 
-def clear_owner(runtime_dir: Path) -> None:
-    """Remove the owner record if this process wrote it."""
-    path = runtime_dir / OWNER_FILE
+def _owner_record(runtime_dir: Path) -> tuple[int, str] | None:
+    """(pid, token) of the recorded owner; None if there is no readable record."""
     try:
-        pid = int(path.read_text(encoding="ascii").split()[0])
+        fields = (runtime_dir / OWNER_FILE).read_text(encoding="ascii").split()
+        return int(fields[0]), fields[2] if len(fields) > 2 else "-"
     except (OSError, ValueError, IndexError):
+        return None
+
+
+def clear_owner(runtime_dir: Path, token: str | None = None) -> None:
+    """Remove the owner record if this process wrote it (with ``token``, if one is given)."""
+    record = _owner_record(runtime_dir)
+    if record is None or record[0] != os.getpid() or (token is not None and record[1] != token):
         return
-    if pid == os.getpid():
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+    try:
+        (runtime_dir / OWNER_FILE).unlink()
+    except FileNotFoundError:
+        pass
 
 
 def owner_alive(runtime_dir: Path) -> bool | None:
@@ -183,15 +193,32 @@ class RuntimeDir:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._token = secrets.token_hex(8)  # this object's mark in ``.owner``
 
     def file(self, name: str) -> Path:
         """A file in the dir (``SOCKET_FILE``, ``RANK_SOCKET_FILE``)."""
         return self.path / name
 
     def create(self) -> RuntimeDir:
-        """Create the dir (and the root) privately and record this process as its owner."""
+        """Create the dir (and the root) privately and record this process as its owner.
+
+        A dir a live owner holds (another engine with this instance id, in another
+        process or this one) is refused and left as it is: taking over its record would
+        let this one's cleanup, or a neighbour's sweep after a crash, remove the live
+        engine's socket."""
         _make_private_dir(self.path)
-        write_owner(self.path)  # lets a later start tell this dir from a crash's leftover
+        record = _owner_record(self.path)
+        if (
+            record is not None
+            and record[1] != self._token
+            and owner_alive(self.path)
+            and not (record[0] == os.getpid() and record[1] == "-")
+        ):
+            raise EngineExtConfigError(
+                f"another engine (pid {record[0]}) already owns the runtime dir {self.path}; "
+                "give this instance its own KVSIDECAR_INSTANCE_ID (or stop the other engine)"
+            )
+        write_owner(self.path, token=self._token)  # tells a later start this from a crash's
         return self
 
     @classmethod
@@ -204,8 +231,9 @@ class RuntimeDir:
             raise EngineExtConfigError(
                 f"cannot create a runtime dir under {root}: {exc}; set KVSIDECAR_RUNTIME_DIR"
             ) from exc
-        write_owner(path)
-        return cls(path)
+        made = cls(path)
+        write_owner(path, token=made._token)
+        return made
 
     def sweep_siblings(self) -> list[Path]:
         """Remove the dirs next to this one whose owner is dead (see the module doc)."""
@@ -214,7 +242,7 @@ class RuntimeDir:
     def remove(self) -> None:
         """Close: drop the owner record (if this process wrote it) and the dir, once the
         socket owners removed their files. Anything else left in it keeps it (logged)."""
-        clear_owner(self.path)
+        clear_owner(self.path, self._token)
         try:
             self.path.rmdir()
         except FileNotFoundError:
@@ -225,12 +253,17 @@ class RuntimeDir:
     def remove_now(self) -> None:
         """For a process about to be killed: the sockets, the owner record and the dir,
         each with one syscall or two, errors ignored, no lock and no logging (safe in a
-        signal handler, whatever the interrupted code holds)."""
+        signal handler, whatever the interrupted code holds). Only in a dir this object
+        owns: the sockets of another engine that holds the dir stay."""
+        if _owner_record(self.path) != (os.getpid(), self._token):
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path)  # only if empty: a dir this process made but never owned
+            return
         for name in _SOCKETS:
             with contextlib.suppress(OSError):
                 os.unlink(self.path / name)
         with contextlib.suppress(OSError):
-            clear_owner(self.path)
+            clear_owner(self.path, self._token)
         with contextlib.suppress(OSError):
             os.rmdir(self.path)
 

@@ -165,3 +165,47 @@ def test_a_runtime_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
         RuntimeDir.create_unique(tmp_path / "root", ".ranks-")
     with pytest.raises(EngineExtConfigError, match="KVSIDECAR_RUNTIME_DIR"):
         RuntimeDir(tmp_path / "root" / "inst").create()
+
+
+def test_a_live_owners_dir_is_refused_and_left_as_it_is(tmp_path: Path) -> None:
+    """A second engine with the same id must fail without touching the first's files:
+    taking over ``.owner`` let its cleanup remove the live engine's record, after which a
+    crash of the live engine left a dir no sweep would ever remove."""
+    from engine_ext import EngineExtConfigError
+
+    live = _owner(tmp_path, "dup")
+    try:
+        record = (tmp_path / "dup" / OWNER_FILE).read_text()
+        second = RuntimeDir(tmp_path / "dup")
+        with pytest.raises(EngineExtConfigError, match=rf"pid {live.pid}.*KVSIDECAR_INSTANCE_ID"):
+            second.create()
+        second.remove()  # what a failed start's close does
+        assert (tmp_path / "dup" / OWNER_FILE).read_text() == record
+        assert (tmp_path / "dup" / SOCKET_FILE).is_socket()
+        live.kill()  # the live engine crashes: its dir is a leftover the next start sweeps
+        live.wait(timeout=30)
+        assert RuntimeDir(tmp_path / "next").create().sweep_siblings() == [tmp_path / "dup"]
+    finally:
+        _stop(live)
+
+
+def test_two_owners_in_one_process_are_told_apart(tmp_path: Path) -> None:
+    from engine_ext import EngineExtConfigError
+
+    first = RuntimeDir(tmp_path / "inst").create()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(first.file(SOCKET_FILE)))
+    second = RuntimeDir(tmp_path / "inst")
+    with pytest.raises(EngineExtConfigError, match="already owns"):
+        second.create()
+    second.remove()
+    second.remove_now()  # a signal in the failed one: the first one's socket stays
+    assert owner_alive(first.path) is True  # the first one's record is still there
+    assert first.file(SOCKET_FILE).is_socket()
+    sock.close()
+    first.remove_now()
+    assert not first.path.exists()
+    first.remove()
+    assert not first.path.exists()
+    assert second.create().path.exists()  # free again: the second may take it
+    second.remove()
