@@ -199,6 +199,12 @@ class InstanceService:
         rec.notify()
         self._metrics.observed(rec.view(self._now, self._settings.heartbeat_timeout_s))
         self.on_observed(instance_id, None, body.state)
+        if rec.needs_push():
+            # The reply carries the limit, but it may never arrive (an engine that gave up
+            # waiting for a slow answer): the push worker delivers it too (a repeat of the
+            # same revision is idempotent on the engine), and a backoff from pushes to a
+            # dead predecessor ends here.
+            self._pusher.wake(instance_id)
         return RegisterReply(limit=rec.row.limit_bytes, revision=rec.row.revision)
 
     async def report(

@@ -126,6 +126,20 @@ def test_registration_returns_the_retained_limit(
     assert reply == {"limit": 3 * GiB, "revision": 2}
 
 
+def test_a_retained_limit_is_pushed_when_the_registration_reply_is_lost(
+    client: httpx.Client, engine: SocketEngine
+) -> None:
+    """An engine that gave up waiting for a slow registration reply still gets the retained
+    limit: the registration wakes the push worker, which delivers it over the socket."""
+    client.put("/instances/llama-a/limit", json={"limit": "2G"})
+    client.post("/instances/llama-a/register", json=engine.register_body())  # reply dropped
+    assert engine.mailbox.pushed.wait(10), "the retained limit was never pushed"
+    assert engine.mailbox.pushes[-1] == (2 * GiB, 1)
+    _report(client, "llama-a", engine, mapped_bytes=GiB)
+    view = client.get("/instances/llama-a").json()
+    assert view["status"] == "applied" and view["observed"]["revision"] == 1
+
+
 def test_a_newer_engine_revision_is_adopted(client: httpx.Client, engine: SocketEngine) -> None:
     engine.mailbox.publish(5 * GiB, 7)  # set on the socket directly (kvctl --socket)
     engine.engine_pass()
