@@ -1,7 +1,8 @@
 """The control socket: HTTP/1.1 over a unix socket inside the engine process.
 
 ``PUT /limit`` publishes into the :class:`LimitMailbox`; ``GET /state``
-returns the engine's latest snapshot; ``GET /healthz`` says the socket is up.
+returns the engine's latest snapshot; ``GET /healthz`` says the socket is up (and, with a
+sidecar, which registered process serves it: ``registration``).
 The server touches nothing else: no allocator, no prefix cache (the thread
 guard would raise if it did). Errors are ``application/problem+json``.
 """
@@ -46,6 +47,7 @@ _CLIENT_TIMEOUT_S = 10.0
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     mailbox: LimitMailbox
+    registration_mark: str | None = None
 
     def process_request(self, request: Any, client_address: Any) -> None:
         thread = threading.Thread(
@@ -78,7 +80,11 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/state":
             self._send_json(HTTPStatus.OK, self.server.mailbox.latest_state.model_dump(mode="json"))
         elif self.path == "/healthz":
-            self._send_json(HTTPStatus.OK, {"status": "ok"})
+            mark = self.server.registration_mark
+            self._send_json(
+                HTTPStatus.OK,
+                {"status": "ok"} if mark is None else {"status": "ok", "registration": mark},
+            )
         elif self.path == "/limit":
             self._problem(HTTPStatus.METHOD_NOT_ALLOWED, "use PUT /limit to set a limit")
         else:
@@ -202,7 +208,9 @@ class ControlServer:
     the mailbox.
     """
 
-    def __init__(self, socket_path: str, mailbox: LimitMailbox) -> None:
+    def __init__(
+        self, socket_path: str, mailbox: LimitMailbox, registration_mark: str | None = None
+    ) -> None:
         if not socket_path_fits(socket_path):
             raise EngineExtConfigError(
                 f"control socket path {socket_path!r} is longer than {MAX_SOCKET_PATH_BYTES} bytes; "
@@ -210,6 +218,9 @@ class ControlServer:
             )
         self.socket_path = socket_path
         self._mailbox = mailbox
+        #: shown by ``GET /healthz``: which registered process serves this socket
+        #: (:func:`~engine_ext.protocol.registration_mark`); None without a sidecar
+        self.registration_mark = registration_mark
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._wake_w = -1  # write end of the shutdown pipe (-1: not serving)
@@ -221,6 +232,7 @@ class ControlServer:
         _clear_stale_socket(self.socket_path)
         server = _Server(self.socket_path, _Handler, bind_and_activate=False)
         server.mailbox = self._mailbox
+        server.registration_mark = self.registration_mark
         try:
             server.server_bind()
             os.chmod(self.socket_path, 0o600)

@@ -21,7 +21,7 @@ from ._reclaim import Reclaimer
 from ._runtime_dir import SOCKET_FILE, RuntimeDir
 from ._settings import EngineSettings
 from ._sidecar_client import SidecarClient
-from .protocol import EngineState, RegisterBody
+from .protocol import EngineState, RegisterBody, registration_mark
 
 if TYPE_CHECKING:
     from allocator import BlockAllocator
@@ -96,6 +96,9 @@ class ElasticInstance:
                 transport=sidecar_transport,
             )
             self.coordinator.set_reporter(self.sidecar.report)
+            # the socket says which process serves it, so a restart after a kill -9 can take
+            # the id over at once (the sidecar asks it before refusing a second holder)
+            self.control.registration_mark = registration_mark(self.sidecar.registration_token)
         self._started = False
         self._closed = False
         self._close_lock = threading.Lock()

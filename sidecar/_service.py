@@ -19,6 +19,7 @@ from engine_ext.protocol import (
     RegisterBody,
     RegisterReply,
     Status,
+    registration_mark,
     socket_path_fits,
 )
 
@@ -182,8 +183,12 @@ class InstanceService:
         _check_socket_path(body.socket_path)
         self._check_report(instance_id, body.state)
         held = self._records.get(instance_id)
-        if held is not None:
-            self._check_holder(held, body.registration_token, "register")
+        if (
+            held is not None
+            and self._second_holder(held, body.registration_token, "register")
+            and not await self._took_over_the_socket(held, body)
+        ):
+            self._refuse_holder(held, "register")
         reg = Registration(
             body.engine, body.engine_version, body.socket_path, body.device_total_bytes
         )
@@ -223,7 +228,8 @@ class InstanceService:
             # e.g. the sidecar's database was replaced, or the id was forgotten or stopped:
             # a 404 makes the engine register again
             raise UnknownInstanceError(instance_id)
-        self._check_holder(rec, token, "report")
+        if self._second_holder(rec, token, "report"):
+            self._refuse_holder(rec, "report")
         self._check_report(instance_id, state)
         if rec.reg_token is None:
             rec.reg_token = token  # the sidecar restarted: the first process to report holds it
@@ -270,13 +276,44 @@ class InstanceService:
         finally:
             self._creating.discard(instance_id)
 
-    def _check_holder(self, rec: InstanceRecord, token: str | None, what: str) -> None:
-        """Refuse a second live engine process on one id (tokens differ, the holder lives)."""
+    def _second_holder(self, rec: InstanceRecord, token: str | None, what: str) -> bool:
+        """Whether another live engine process holds the id (tokens differ, it lives)."""
         if token is None or rec.reg_token is None or token == rec.reg_token:
-            return
+            return False
+        # a holder that stopped or went silent does not hold a registration: a restart takes
+        # the id over (reports are refused until the holder registers again)
+        return what != "register" or rec.live(self._now, self._settings.heartbeat_timeout_s)
+
+    async def _took_over_the_socket(self, rec: InstanceRecord, body: RegisterBody) -> bool:
+        """Whether the registering process now serves the holder's own control socket: then
+        the holder is gone (an engine binds its socket only when nobody answers on it), e.g.
+        an engine killed with kill -9 and started again at once, before its heartbeat timed
+        out. Its socket's ``/healthz`` shows the mark of the token of the process serving it."""
+        path, token = body.socket_path, body.registration_token
+        if path is None or token is None or path != rec.row.socket_path:
+            return False
+        try:  # a connection of its own: a pooled one may still lead to the dead process
+            async with httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(uds=path),
+                timeout=min(self._settings.push_timeout_s, 2.0),
+            ) as probe:
+                resp = await probe.get("http://engine/healthz")
+            mark = resp.json().get("registration")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False  # no answer (another host's path, a stopped process): not proven
+        if mark != registration_mark(token):
+            return False
+        _log.info(
+            "instance %s: a new engine process serves its control socket %s; the previous "
+            "one is gone (killed?) and the new one takes the id over",
+            rec.row.id,
+            path,
+        )
+        return True
+
+    def _refuse_holder(self, rec: InstanceRecord, what: str) -> None:
+        """Refuse a second live engine process on one id."""
         timeout = self._settings.heartbeat_timeout_s
-        if what == "register" and not rec.live(self._now, timeout):
-            return  # the holder stopped or went silent: a restart takes the id over
         socket = rec.row.socket_path or "no socket"
         _log.warning(
             "instance %s: refused a %s from a second engine process (the id is held "

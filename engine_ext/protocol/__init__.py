@@ -48,6 +48,7 @@ from ._wire import (
     RegisterBody,
     RegisterReply,
     Revision,
+    registration_mark,
 )
 
 __all__ = [
@@ -87,5 +88,6 @@ __all__ = [
     "judge_revision",
     "parse_limit",
     "parse_size",
+    "registration_mark",
     "socket_path_fits",
 ]

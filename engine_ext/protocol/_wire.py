@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -29,6 +30,7 @@ __all__ = [
     "RegisterBody",
     "RegisterReply",
     "Revision",
+    "registration_mark",
 ]
 
 
@@ -67,6 +69,14 @@ Count = Annotated[int, Field(ge=0, le=MAX_FIGURE), BeforeValidator(_a_number)]
 #: claim one instance id apart (the second is refused with 409).
 REGISTRATION_HEADER = "X-KVSidecar-Registration"
 REGISTRATION_TOKEN_PATTERN = r"^[A-Za-z0-9_-]{16,64}$"
+
+
+def registration_mark(token: str) -> str:
+    """What the engine's control socket shows of its registration token (``GET /healthz``,
+    ``registration``): a digest, so the socket tells the sidecar which process serves it
+    without handing out the token that process's reports carry."""
+    return hashlib.sha256(token.encode()).hexdigest()[:32]
+
 
 #: Caps on free-text fields (a report is small; larger is a bug or an attack).
 MAX_NAME_CHARS = 64  # engine name

@@ -353,6 +353,51 @@ def test_a_silent_holder_is_released_after_the_heartbeat_timeout(db: Path) -> No
         assert _register(c, token=TOKEN_B).status_code == 200
 
 
+def test_a_restart_that_serves_the_holders_socket_takes_the_id_over_at_once(
+    client: httpx.Client, tmp_path: Path
+) -> None:
+    """kill -9 and a restart before the heartbeat times out: the new process serves the same
+    control socket (an engine binds it only when nobody answers), and its /healthz shows the
+    mark of its own registration token, so the sidecar hands it the id, and the retained
+    limit, at once. A live holder's socket answers with the holder's mark: still refused."""
+    from engine_ext import ControlServer, LimitMailbox
+    from engine_ext.protocol import registration_mark
+
+    path = str(tmp_path / "control.sock")
+
+    def register(token: str, socket_path: str = path) -> httpx.Response:
+        body = {
+            "engine": "vllm",
+            "engine_version": "0.33.0",
+            "socket_path": socket_path,
+            "registration_token": token,
+            "state": {"status": "applied"},
+        }
+        return client.post("/instances/a/register", json=body)
+
+    holder = ControlServer(path, LimitMailbox(), registration_mark(TOKEN_A))
+    holder.start()
+    assert register(TOKEN_A).status_code == 200
+    assert client.put("/instances/a/limit", json={"limit": "1M"}).status_code == 200
+    # a second engine while the holder lives: on its own socket, or claiming the holder's
+    assert register(TOKEN_B, str(tmp_path / "other.sock")).status_code == 409
+    assert register(TOKEN_B).status_code == 409
+    holder.stop()  # the holder dies (its socket file stays after a kill -9: recreate one)
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(path)
+    dead.close()
+    assert register(TOKEN_B).status_code == 409  # nobody answers: nothing is proven
+    restarted = ControlServer(path, LimitMailbox(), registration_mark(TOKEN_B))
+    restarted.start()  # the restarted engine clears the dead socket and serves it
+    try:
+        r = register(TOKEN_B)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"limit": MiB, "revision": 1}  # the retained limit, at once
+        assert _report(client, token=TOKEN_A).status_code == 409  # the old holder is out
+    finally:
+        restarted.stop()
+
+
 # --- 6. reports are checked --------------------------------------------------------------
 
 
