@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ._errors import AllocatorConfigError, AllocatorContractError, AllocatorError
+from ._errors import AllocatorConfigError, AllocatorContractError, AllocatorError, BackendError
 from ._guard import ThreadGuard
 from ._pages import PageAllocator
+
+_log = logging.getLogger("allocator.blocks")
 
 try:  # the C hot paths (allocator/_speedups.c), built by scripts/dev.sh or pip
     from . import _speedups
@@ -210,11 +213,22 @@ class _BlockBook:
         """
         pages = self.pages
         saved = pages.target_pages
-        pages.set_target(None)
+        ids: list[int] | None = None
         try:
-            return self.alloc(n)  # type: ignore[attr-defined,no-any-return]  # C or Python
+            try:
+                pages.set_target(None)
+            except BackendError as exc:  # the target is lifted; a stuck page still fails
+                _log.warning("alloc_above_target: %s", exc)
+            ids = self.alloc(n)  # type: ignore[attr-defined]  # C or Python
         finally:
-            pages.set_target(saved)
+            # Put the target back, whatever happened: a failed unmap while doing so (a page
+            # that stays out of service, retried later) must neither lose the blocks just
+            # handed out nor leave the limit lifted.
+            try:
+                pages.set_target(saved)
+            except BackendError as exc:
+                _log.warning("alloc_above_target: the target is back, but %s", exc)
+        return ids
 
     def track_evictable(self) -> None:
         """From now on the cache above marks its evictable blocks (nothing marked yet).

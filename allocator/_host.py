@@ -86,7 +86,14 @@ class HostBackend:
         except OSError as exc:
             raise BackendError(f"memfd_create({name!r}) failed: {exc}", errno=exc.errno) from exc
         try:
-            os.ftruncate(fd, layout.total_bytes)
+            try:
+                os.ftruncate(fd, layout.total_bytes)
+            except OSError as exc:  # e.g. EFBIG under RLIMIT_FSIZE
+                raise BackendError(
+                    f"cannot size the memfd {name!r} to {layout.total_bytes} bytes: {exc} "
+                    "(check the file size limit, ulimit -f)",
+                    errno=exc.errno,
+                ) from exc
             return cls(layout, fd, owner=True)
         except BaseException:
             os.close(fd)

@@ -235,7 +235,9 @@ class PageAllocator:
     def acquire(self) -> int | None:
         """A mapped page for new blocks, mapping one if the target allows; else ``None``.
 
-        After a ``None``, :attr:`refused_by_device` says whether the device refused the map.
+        After a ``None``, :attr:`refused_by_device` says whether the device refused the map
+        (out of memory, or any other map failure: the engine's allocation path must not
+        raise; the cap then holds at what is mapped for ``DEVICE_RETRY_S``).
         """
         if self.guard.enabled:  # a call only when the guard is on (hot path)
             self.guard.check()
@@ -246,7 +248,11 @@ class PageAllocator:
             page = self._unmapped[-1]
             try:
                 self.backend.map(page)
-            except DeviceOutOfMemory as exc:
+            except BackendError as exc:
+                # Out of memory, or another failure of the driver/OS (the backend rolled the
+                # map back): no page now either way. Raising here would end the engine (its
+                # allocation path); the cap holds at what is mapped and the device is tried
+                # again after DEVICE_RETRY_S or at the next limit change.
                 self.refused_by_device = True
                 self._hold_at_mapped(f"for page {page}", exc)
                 return None
@@ -287,7 +293,7 @@ class PageAllocator:
             )
         return self.num_mapped - before
 
-    def _hold_at_mapped(self, what: str, exc: DeviceOutOfMemory) -> None:
+    def _hold_at_mapped(self, what: str, exc: BackendError) -> None:
         """The device had no memory for one more page: hold the cap at what is mapped
         for ``DEVICE_RETRY_S`` (:attr:`device_full`), and say so once."""
         self._device_full_at = time.monotonic()

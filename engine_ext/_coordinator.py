@@ -129,6 +129,7 @@ class ShrinkCoordinator:
         self.passes = 0  # shrink passes run so far (read-only outside: adapters compare it)
         self._seen_num_mapped = -1  # allocator's mapped-page count at the last state
         self._seen_device_full = False  # the allocator's device_full at the last state
+        self._seen_unmap_failed = 0  # ... and its pages out of service (failed unmaps)
         self._seen_shortfall = 0  # the demand's reserve_shortfall_blocks at the last state
         self._reclaimable_pages = 0  # from the last scan
         self._scanned_at = float("-inf")
@@ -234,6 +235,7 @@ class ShrinkCoordinator:
                 self._pages.num_mapped != self._seen_num_mapped
                 or self._pages.device_full != self._seen_device_full
                 or self._demand.reserve_shortfall_blocks != self._seen_shortfall
+                or self._pages.num_unmap_failed != self._seen_unmap_failed
             )
             barrier_due = self._barrier is not None and (
                 self._barrier.epoch != self._barrier_epoch  # a rank died
@@ -264,6 +266,10 @@ class ShrinkCoordinator:
                 self._apply_target(target)
                 if self._demand.reserved_blocks:
                     self._probe_demand()  # the reservation's shortfall is against the new target
+            if self._pages.num_unmap_failed:
+                # pages emptied whose unmap failed (out of service, counted as mapped):
+                # nothing else retries them while no page moves
+                self._pages.retry_unmaps()
             done = self._shrink()
             self._backend_failed = False
         except BackendError as exc:
@@ -335,6 +341,8 @@ class ShrinkCoordinator:
 
     def _retry_can_wait(self) -> bool:
         """Deferred, no page moved, no new target: whether a new pass can wait (O(1))."""
+        if self._pages.num_unmap_failed:  # retried by a pass, at most every deferred_retry_s
+            return time.monotonic() - self._tried_at < self._config.deferred_retry_s
         reason = self._state.reason
         if reason == DeferReason.EVICTING.value:
             return False  # a capped pass: continue at once
@@ -487,6 +495,7 @@ class ShrinkCoordinator:
         pages = self._pages
         self._seen_num_mapped = pages.num_mapped
         self._seen_device_full = pages.device_full
+        self._seen_unmap_failed = pages.num_unmap_failed
         if barrier is not None and barrier.ranks:
             ranks = list(barrier.ranks)
             mapped = max(r.mapped_bytes for r in ranks)
@@ -554,6 +563,8 @@ class ShrinkCoordinator:
             return (
                 DeferReason.DEVICE_OUT_OF_MEMORY if self._device_oom else DeferReason.BACKEND_ERROR
             )
+        if self._pages.num_unmap_failed:
+            return DeferReason.BACKEND_ERROR  # emptied pages the backend failed to unmap
         if not self._config.reclaim:
             return DeferReason.RECLAIM_DISABLED
         if reclaimable > 0:

@@ -48,6 +48,8 @@ import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.utils.common import get_num_new_pages
 
+from allocator import BackendError
+
 from .._hit_window import PrefixHitWindow
 
 if TYPE_CHECKING:
@@ -441,7 +443,13 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
 
     def _free_blocks(self, ids: list[int]) -> None:
         if ids:
-            self.blocks.free(ids)
+            try:
+                self.blocks.free(ids)
+            except BackendError as exc:
+                # the blocks are free; a page that failed to unmap is out of service,
+                # counted as mapped and retried by the limit pass (raising here would end
+                # SGLang's scheduler)
+                _log.warning("kvsidecar: %s", exc)
             self.num_frees += 1
 
     def _take(self, num_pages: int) -> torch.Tensor | None:

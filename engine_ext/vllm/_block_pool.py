@@ -36,6 +36,7 @@ from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
+from allocator import BackendError
 from engine_ext._errors import EngineExtConfigError
 from engine_ext.vllm._pool_backing import DeviceFullError, PoolBacking
 
@@ -269,6 +270,17 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
                 collector.on_block_allocated(block)
         return ret
 
+    def _give_back(self, ids: list[int]) -> None:
+        """Free ``ids`` in the allocator. A page that empties and then fails to unmap is
+        out of service (counted as mapped; the limit pass retries it and reports
+        ``backend_error``): the blocks are free either way, and raising here would end
+        the engine (vLLM's ``KVCacheManager.free``)."""
+        try:
+            self._blocks.free(ids)
+        except BackendError as exc:
+            _log.warning("kvsidecar: %s", exc)
+            self._hooks.after_change()
+
     def _alloc_over_target(self, count: int) -> list[KVCacheBlock]:
         """Map ``count`` blocks above the target for a running request (rare: over a limit).
 
@@ -334,7 +346,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             self._blocks.mark_evictable(cache_ids)
         if to_free:
             self._fresh_free = -1
-            self._blocks.free(to_free)
+            self._give_back(to_free)
         if foreign:  # blocks of other pools (deferred frees), each pool's in one call
             others: dict[BlockPool, list[KVCacheBlock]] = {}
             for block in foreign:
@@ -401,7 +413,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             freed.append(block_id)
         if freed:
             self._fresh_free = -1
-            self._blocks.free(freed)
+            self._give_back(freed)
         return len(freed)
 
     def evict_on_retired_pages(self) -> int:
@@ -438,7 +450,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]  # vLLM is untyped here
             self.kv_event_queue.append(AllBlocksCleared())
         if evictable:
             self._fresh_free = -1
-            self._blocks.free(evictable)
+            self._give_back(evictable)
         _log.info("Reset the prefix cache: %d cached blocks freed", len(evictable))
         self._hooks.after_change()
         return True

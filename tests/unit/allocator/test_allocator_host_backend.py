@@ -180,3 +180,28 @@ def test_a_dropped_backend_gives_everything_back_but_not_under_a_live_tensor() -
         assert os.fstat(fd).st_blocks == 0  # memory punched out, range and fd released
     finally:
         os.close(fd)
+
+
+def test_a_memfd_the_os_will_not_size_is_a_backend_error() -> None:
+    """Under a file size limit (RLIMIT_FSIZE) the memfd cannot be sized: a BackendError
+    that names the limit, not a raw OSError (in a child: the limit is per process)."""
+    code = (
+        "import mmap, resource\n"
+        "from allocator import BackendError, HostBackend, PageLayout\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    HostBackend.reserve(PageLayout(mmap.PAGESIZE, 1024))\n"
+        "except BackendError as exc:\n"
+        "    print('BackendError', exc)\n"
+    )
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("BackendError") and "ulimit -f" in out.stdout

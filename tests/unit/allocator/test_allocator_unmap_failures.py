@@ -256,3 +256,66 @@ def test_cuda_random_unmap_faults_on_the_free_path_never_split_the_books(
     backend.trim_spares()
     assert pages.num_mapped == 0 and pages.num_unmap_failed == 0
     assert fc.num_mappings() == base_maps and fc.used_bytes() == base_used  # nothing leaked
+
+
+def _failing_close_at(
+    monkeypatch: pytest.MonkeyPatch, backend: HostBackend, page: int, page_bytes: int
+) -> None:
+    """``close_range`` (mprotect PROT_NONE) refuses every span holding ``page``."""
+    bad = backend.base_address + page * page_bytes
+    real = libc.close_range
+
+    def close_range(addr: int, length: int) -> None:
+        if addr <= bad < addr + length:
+            raise BackendError("injected: mprotect(PROT_NONE) failed (errno 12)", errno=12)
+        real(addr, length)
+
+    monkeypatch.setattr(libc, "close_range", close_range)
+
+
+def test_alloc_above_target_keeps_its_blocks_when_putting_the_target_back_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Putting the target back drops a reserve page whose unmap fails: the blocks handed
+    out are still returned (they were lost: allocated, on a retired page, never freed)."""
+    import mmap
+
+    backend = HostBackend.reserve(PageLayout(mmap.PAGESIZE, 8), name="kvs-test-above")
+    pages = PageAllocator(backend, reserve_pages=2)
+    blocks = BlockAllocator(pages, 1)
+    assert blocks.alloc(3) == [0, 1, 2]  # pages 0, 1, 2; the reserve refilled (3, 4)
+    pages.set_target(3)
+    _failing_close_at(monkeypatch, backend, 4, mmap.PAGESIZE)
+    ids = blocks.alloc_above_target(1)
+    assert ids is not None and len(ids) == 1
+    live = [b for b in range(blocks.num_blocks) if blocks.is_allocated(b)]
+    assert sorted(live) == sorted([0, 1, 2, *ids])  # every allocated block is the caller's
+    assert pages.target_pages == 3
+    monkeypatch.undo()
+    blocks.free([0, 1, 2, *ids])
+    pages.set_target(0)
+    assert pages.num_mapped == 0 and backend.mapped_bytes() == 0
+
+
+def test_alloc_above_target_puts_the_target_back_when_lifting_it_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A page out of service (its unmap failed) makes lifting the target raise: the
+    target must come back all the same (it stayed lifted, and later allocations mapped
+    past the limit)."""
+    import mmap
+
+    backend = HostBackend.reserve(PageLayout(mmap.PAGESIZE, 8), name="kvs-test-above")
+    pages = PageAllocator(backend)
+    blocks = BlockAllocator(pages, 1)
+    assert blocks.alloc(3) == [0, 1, 2]
+    pages.set_target(3)
+    _failing_close_at(monkeypatch, backend, 1, mmap.PAGESIZE)
+    with pytest.raises(BackendError):
+        blocks.free([1])  # page 1 empties; its unmap fails: out of service
+    assert pages.num_unmap_failed == 1
+    ids = blocks.alloc_above_target(1)
+    assert ids is not None and pages.target_pages == 3
+    monkeypatch.undo()
+    assert blocks.alloc(4) is None  # under the target: no page past the limit
+    assert pages.target_pages == 3 and pages.num_mapped <= 4
