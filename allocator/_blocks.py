@@ -287,6 +287,16 @@ class _BlockBook:
             delta += (occ > 1 and on == occ - 1) - was
         self.num_reclaimable_pages += delta
 
+    def _roll_back(self, out: list[int]) -> None:
+        """Undo a partial ``alloc``: the blocks taken go back, and so does the evictable
+        accounting ``_take`` changed (a page whose live blocks were all evictable before
+        the take is reclaimable again). The C ``alloc`` calls this too."""
+        if not out:
+            return
+        if self.tracks_evictable:
+            self._untrack_freed(out)
+        self._free_checked(out)
+
     def _free_checked(self, batch: list[int]) -> None:
         """Free blocks already known to be allocated and distinct.
 
@@ -396,14 +406,14 @@ class PyBlockAllocator(_BlockBook):
                 if fresh is None:
                     if self.pages.refused_by_device:  # no device memory: all or nothing
                         self.refused_by_device = True
-                        self._free_checked(out)
+                        self._roll_back(out)
                         return None
                     raise AllocatorContractError("PageAllocator refused a page within headroom")
                 self._slots[fresh] = list(range(self.blocks_per_page - 1, -1, -1))
                 self._partial_free += self.blocks_per_page
                 need -= self._take(fresh, need, out)
         except AllocatorError:
-            self._free_checked(out)
+            self._roll_back(out)
             raise
         self.num_allocated_blocks += n
         self.changes += 1

@@ -73,7 +73,7 @@ store_n(PyObject **slot, Py_ssize_t value)
 static PyObject *ContractError = NULL; /* allocator.AllocatorContractError (configure()) */
 static PyObject *BaseError = NULL;     /* allocator.AllocatorError */
 static PyObject *s_enabled, *s_check, *s_acquire, *s_release, *s_refused_by_device,
-    *s_free_checked, *s_untrack_freed, *s_num_free_blocks;
+    *s_free_checked, *s_untrack_freed, *s_num_free_blocks, *s_roll_back;
 
 /* ------------------------------------------------------------------ helpers */
 static int
@@ -283,6 +283,18 @@ call_free_checked(BlockCore *self, PyObject *batch)
     return 0;
 }
 
+/* Undo a partial alloc (the Python _roll_back): the blocks taken go back, with the
+ * evictable accounting take() changed (a page that was all evictable is so again). */
+static int
+call_roll_back(BlockCore *self, PyObject *out)
+{
+    PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, s_roll_back, out);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
 static PyObject *
 new_slots(Py_ssize_t bpp)
 {
@@ -366,7 +378,7 @@ BlockCore_alloc(BlockCore *self, PyObject *arg)
                 goto error;
             if (is) { /* no device memory: all or nothing */
                 SET_FLAG(refused_by_device, 1);
-                if (call_free_checked(self, out) < 0) {
+                if (call_roll_back(self, out) < 0) {
                     Py_DECREF(out);
                     return NULL;
                 }
@@ -404,7 +416,7 @@ error:
     if (PyErr_ExceptionMatches(BaseError)) {
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        if (call_free_checked(self, out) < 0) {
+        if (call_roll_back(self, out) < 0) {
             Py_XDECREF(type);
             Py_XDECREF(value);
             Py_XDECREF(tb);
@@ -900,6 +912,7 @@ PyInit__speedups(void)
     INTERN(s_free_checked, "_free_checked");
     INTERN(s_untrack_freed, "_untrack_freed");
     INTERN(s_num_free_blocks, "num_free_blocks");
+    INTERN(s_roll_back, "_roll_back");
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;

@@ -356,3 +356,28 @@ def test_everything_works_without_the_c_module() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("cls", [BlockAllocator, PyBlockAllocator], ids=["c", "python"])
+def test_a_refused_alloc_gives_the_evictable_accounting_back(cls: type[Any]) -> None:
+    """alloc() takes the free slots of a page whose live blocks are all evictable, then
+    the device refuses a fresh page: the rollback must leave that page reclaimable again
+    (the count stayed one lower, and the coordinator then saw nothing to evict)."""
+    backend = HostBackend.reserve(PageLayout(mmap.PAGESIZE, 8), name="kvs-test-rollback")
+    pages = PageAllocator(backend)
+    blocks = cls(pages, 4)
+    blocks.track_evictable()
+    held = blocks.alloc(2)
+    blocks.mark_evictable(held)  # page 0: half full, every live block evictable
+    assert blocks.num_reclaimable_pages == 1
+
+    def refuse(page: int) -> None:
+        raise DeviceOutOfMemory("injected: the device is full")
+
+    backend.map = refuse  # type: ignore[method-assign]
+    for _ in range(3):  # each refusal used to lower the count once more
+        assert blocks.alloc(3) is None and blocks.refused_by_device
+        pages.set_target(None)  # try the device again at once
+    truth = sum(1 for p in range(8) if 0 < blocks.occupancy(p) == blocks.evictable_on(p))
+    assert blocks.num_reclaimable_pages == truth == 1
+    assert blocks.num_allocated_blocks == 2 and blocks.occupancy(0) == 2
