@@ -34,9 +34,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: SidecarSettings = app.state.settings
     store = Store(settings.db_path)
     await store.open()
-    client = httpx.AsyncClient(transport=UnixSocketRouter(), timeout=settings.push_timeout_s)
+    router = UnixSocketRouter()
+    client = httpx.AsyncClient(transport=router, timeout=settings.push_timeout_s)
     metrics = Metrics()
-    service = InstanceService(store, client, settings, metrics)
+    service = InstanceService(store, client, settings, metrics, router=router)
     autopilot = Autopilot(store, service, settings, metrics)
     try:
         await service.start()

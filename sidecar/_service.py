@@ -38,6 +38,7 @@ from ._pusher import PushManager
 from ._reports import report_problem
 from ._settings import SidecarSettings
 from ._store import InstanceRow, Registration, Store
+from ._transport import UnixSocketRouter, unix_transport
 
 __all__ = ["InstanceService"]
 
@@ -53,9 +54,16 @@ class InstanceService:
     """
 
     def __init__(
-        self, store: Store, client: httpx.AsyncClient, settings: SidecarSettings, metrics: Metrics
+        self,
+        store: Store,
+        client: httpx.AsyncClient,
+        settings: SidecarSettings,
+        metrics: Metrics,
+        *,
+        router: UnixSocketRouter | None = None,
     ) -> None:
         self._store = store
+        self._router = router  # the client's transports: closed when an engine is forgotten
         self._settings = settings
         self._records: dict[str, InstanceRecord] = {}
         self._creating: set[str] = set()  # new ids whose first write is in flight (the cap)
@@ -168,6 +176,8 @@ class InstanceService:
         await self._store.forget(instance_id)
         rec = self._records.pop(instance_id, None)
         self._pusher.forget(instance_id)
+        if self._router is not None and old.row.socket_path is not None:
+            await self._router.forget(old.row.socket_path)  # its connection to the engine
         self._metrics.forget(instance_id)
         audit_forget(
             instance_id, source=source, old_limit=old.row.limit_bytes, old_revision=old.row.revision
@@ -294,7 +304,7 @@ class InstanceService:
             return False
         try:  # a connection of its own: a pooled one may still lead to the dead process
             async with httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(uds=path),
+                transport=unix_transport(path),
                 timeout=min(self._settings.push_timeout_s, 2.0),
             ) as probe:
                 resp = await probe.get("http://engine/healthz")

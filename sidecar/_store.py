@@ -9,6 +9,7 @@ coroutine returns, which is before the HTTP response is sent.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import sqlite3
@@ -118,6 +119,26 @@ class InstanceRow:
         )
 
 
+def _lock_exclusively(path: Path) -> int:
+    """Open ``path`` and take an exclusive ``flock`` on it, or refuse: two sidecars on one
+    database would each serve the rows they loaded at start, answer from stale revisions
+    and hand out revision numbers the other already used. (SQLite's own locks are POSIX
+    record locks, which a flock does not touch.) Returns the fd that holds the lock."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SidecarConfigError(f"cannot open the database {path}: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        raise SidecarConfigError(
+            f"another kvsidecar serves the database {path} ({exc.strerror}); run one sidecar "
+            "per database file, or give this one its own KVSIDECAR_DB_PATH (or --db)"
+        ) from exc
+    return fd
+
+
 class Store:
     """Owns the SQLite connection and the writer thread.
 
@@ -132,6 +153,7 @@ class Store:
         self._conn: sqlite3.Connection | None = None
         self._seq = 0  # writes so far; writer thread only
         self._file_id: tuple[int, int] | None = None  # (st_dev, st_ino) at open
+        self._lock_fd = -1  # the database file, flock()ed: one sidecar per file
 
     async def open(self) -> None:
         await self._run(self._open_sync)
@@ -215,7 +237,12 @@ class Store:
         except SidecarConfigError:
             conn.close()
             raise
-        info = os.stat(self.path)
+        try:
+            self._lock_fd = _lock_exclusively(self.path)
+        except SidecarConfigError:
+            conn.close()
+            raise
+        info = os.fstat(self._lock_fd)
         self._file_id = (info.st_dev, info.st_ino)
         self._conn = conn
 
@@ -255,6 +282,9 @@ class Store:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
 
     def _load_all_sync(self) -> list[InstanceRow]:
         rows = self._db().execute(f"SELECT {_COLUMNS} FROM instances ORDER BY id").fetchall()
@@ -292,11 +322,27 @@ class Store:
         db.execute("BEGIN IMMEDIATE")
         try:
             result = body()
+            # a commit to a file deleted or replaced under us would be answered 200 and lost
+            # at the next start: refuse it (one stat per write)
+            self._check_same_file()
         except BaseException:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
         return result
+
+    def _check_same_file(self) -> None:
+        try:
+            info = os.stat(self.path)
+            same = (info.st_dev, info.st_ino) == self._file_id
+        except OSError:
+            same = False
+        if not same:
+            raise StoreError(
+                f"the database file {self.path} was deleted or replaced while the sidecar "
+                "runs; writes go to a file no one will read: restore it, or restart the "
+                "sidecar (desired limits are re-registered by the engines)"
+            )
 
     def _set_desired_sync(
         self, instance_id: str, limit: int | None, revision: int | None
@@ -357,17 +403,7 @@ class Store:
         return self._transaction(body)
 
     def _check_writable_sync(self) -> None:
-        try:
-            info = os.stat(self.path)
-            same = (info.st_dev, info.st_ino) == self._file_id
-        except OSError:
-            same = False
-        if not same:
-            raise StoreError(
-                f"the database file {self.path} was deleted or replaced while the sidecar "
-                "runs; writes go to a file no one will read: restore it, or restart the "
-                "sidecar (desired limits are re-registered by the engines)"
-            )
+        self._check_same_file()
         self._transaction(
             lambda: self._db().execute(
                 "INSERT OR REPLACE INTO ready_probe (k, at) VALUES (1, ?)", (time.time(),)

@@ -3,24 +3,41 @@
 One shared :class:`httpx.AsyncClient` serves every engine: the request names
 its engine's control socket in ``extensions[SOCKET_EXTENSION]`` and this
 router hands it to a per-socket :class:`httpx.AsyncHTTPTransport` (kept, so
-connections are reused).
+connections are reused). The transports share one SSL context (a unix socket
+never speaks TLS, and each context costs ~0.8 MiB), and only the most recently
+used ones are kept: engines come and go (a new pod, a new socket path), and a
+kept transport holds its connection to a dead engine open.
 """
 
 from __future__ import annotations
 
+import ssl
+from collections import OrderedDict
+from functools import cache
+
 import httpx
 
-__all__ = ["SOCKET_EXTENSION", "UnixSocketRouter"]
+__all__ = ["SOCKET_EXTENSION", "UnixSocketRouter", "unix_transport"]
 
 SOCKET_EXTENSION = "kvsidecar.unix_socket"
-_MAX_SOCKETS = 1024  # forget the oldest transports beyond this many sockets
+_MAX_SOCKETS = 64  # close the least recently used transports beyond this many sockets
+
+
+@cache
+def _ssl_context() -> ssl.SSLContext:
+    return ssl.create_default_context()
+
+
+def unix_transport(path: str) -> httpx.AsyncHTTPTransport:
+    """A transport to the unix socket ``path`` (sharing the one SSL context)."""
+    return httpx.AsyncHTTPTransport(uds=path, verify=_ssl_context())
 
 
 class UnixSocketRouter(httpx.AsyncBaseTransport):
     """Owns one transport per socket path. Event-loop thread only."""
 
     def __init__(self) -> None:
-        self._transports: dict[str, httpx.AsyncHTTPTransport] = {}
+        self._transports: OrderedDict[str, httpx.AsyncHTTPTransport] = OrderedDict()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         path = request.extensions.get(SOCKET_EXTENSION)
@@ -33,12 +50,20 @@ class UnixSocketRouter(httpx.AsyncBaseTransport):
         transport = self._transports.get(path)
         if transport is None:
             if len(self._transports) >= _MAX_SOCKETS:
-                oldest = next(iter(self._transports))
-                await self._transports.pop(oldest).aclose()
-            transport = self._transports[path] = httpx.AsyncHTTPTransport(uds=path)
+                _, oldest = self._transports.popitem(last=False)
+                await oldest.aclose()
+            transport = self._transports[path] = unix_transport(path)
+        else:
+            self._transports.move_to_end(path)
         return await transport.handle_async_request(request)
 
+    async def forget(self, path: str) -> None:
+        """Close the transport to ``path`` (its engine was forgotten or moved)."""
+        transport = self._transports.pop(path, None)
+        if transport is not None:
+            await transport.aclose()
+
     async def aclose(self) -> None:
-        transports, self._transports = list(self._transports.values()), {}
+        transports, self._transports = list(self._transports.values()), OrderedDict()
         for transport in transports:
             await transport.aclose()

@@ -236,3 +236,19 @@ def test_same_revision_other_limit_in_a_report_is_overtaken(
         2,
         2 * GiB,
     )
+
+
+def test_forgetting_an_instance_closes_the_connection_to_its_engine(
+    sidecar: ThreadedSidecar, client: httpx.Client, engine: SocketEngine
+) -> None:
+    """Engines come and go (a new pod, a new socket path): the sidecar keeps no transport,
+    and no connection, to a forgotten engine's socket (each held an fd and, before, its own
+    SSL context of ~0.8 MiB)."""
+    router = sidecar.server.config.app.state.service._router
+    client.post("/instances/llama-a/register", json=engine.register_body())
+    client.put("/instances/llama-a/limit", json={"limit": "2G"})
+    wait_until(lambda: (2 * GiB, 1) in engine.mailbox.pushes)
+    path = str(engine.socket_path)
+    assert path in router._transports  # the push went over a kept transport
+    assert client.delete("/instances/llama-a").status_code == 204
+    assert path not in router._transports

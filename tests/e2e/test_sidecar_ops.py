@@ -459,9 +459,41 @@ def test_the_instance_count_is_capped(db: Path) -> None:
 def test_readyz_fails_once_the_database_file_is_deleted(db: Path) -> None:
     with _serve(db) as server, httpx.Client(base_url=server.url) as c:
         assert c.get("/readyz").status_code == 200
+        assert c.put("/instances/kept/limit", json={"limit": "1G"}).status_code == 200
         db.unlink()
         r = c.get("/readyz")
         assert r.status_code == 503 and "deleted or replaced" in r.json()["detail"]
+        # a write would go to a file no one reads: refused, never a 200 that is lost
+        r = c.put("/instances/lost/limit", json={"limit": "2G"})
+        assert r.status_code == 503 and "deleted or replaced" in r.json()["detail"], r.text
+        assert c.get("/instances/lost").status_code == 404
+
+
+def test_a_second_sidecar_on_one_database_is_refused(db: Path) -> None:
+    """Two sidecars on one file would serve the rows each loaded at start and hand out
+    revisions the other already used: the second is refused, in one line, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    from test_sidecar_support import ROOT
+
+    with _serve(db) as server, httpx.Client(base_url=server.url) as c:
+        assert c.put("/instances/a/limit", json={"limit": "1G"}).status_code == 200
+        proc = subprocess.run(
+            [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--db", str(db)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "another kvsidecar serves the database" in proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert c.put("/instances/a/limit", json={"limit": "2G"}).status_code == 200
+    with _serve(db) as server, httpx.Client(base_url=server.url) as c:  # released at close
+        assert c.get("/instances/a").json()["desired"]["limit_bytes"] == 2 * GiB
         assert c.get("/healthz").status_code == 200  # alive, not ready
 
 
