@@ -8,10 +8,11 @@ that is sent slowly or not at all, and takes every connection it is offered.
   ``header_timeout_s`` after its first byte (or after it was opened), and one
   whose body has not all arrived ``body_timeout_s`` after the headers;
 * keeps at most ``max_connections`` open: one more evicts (with 408) the
-  connection that has waited longest for its request headers, so a client
-  holding half-sent requests cannot lock others out (``/healthz`` keeps
-  answering); when every connection is busy in the app, the new one gets 503
-  and is closed at once.
+  connection that has waited longest on its client (request headers or body
+  still arriving, idle keep-alive, or an answer the client does not read), so
+  a client holding half-sent requests or unread answers cannot lock others
+  out (``/healthz`` keeps answering); when every connection is busy in the
+  app, the new one gets 503 and is closed at once.
 
 On SIGTERM/SIGINT, open long-polls and event streams are cut after
 ``shutdown_grace_s`` (a connected dashboard would otherwise keep the process
@@ -82,17 +83,30 @@ class _GuardedH11(H11Protocol):
                 victim.client,
                 self.max_connections,
             )
-            victim._expired("header")
+            victim._expired(victim._stall_kind())
+
+    def _stall_kind(self) -> str:
+        """What this connection waits for: "header", "body" (the client's request), or
+        "read" (the client does not read the answer: uvicorn paused the writes)."""
+        if self._timer_kind is not None:
+            return self._timer_kind
+        return "read" if self.flow.write_paused else "header"
 
     def _longest_waiting(self) -> _GuardedH11 | None:
-        """The open connection (not this one) waiting longest for a request: one whose
-        headers are arriving, or an idle keep-alive one. None when all are busy."""
+        """The open connection (not this one) waiting longest on its client: headers or a
+        body still arriving, an idle keep-alive one, or one whose client does not read
+        its answer (a half-sent body or an unread response must not lock others out).
+        None when all are busy in the app."""
         waiting = [
             c
             for c in self.connections
             if c is not self
             and isinstance(c, _GuardedH11)
-            and (c._timer_kind == "header" or c.timeout_keep_alive_task is not None)
+            and (
+                c._timer_kind is not None
+                or c.timeout_keep_alive_task is not None
+                or c.flow.write_paused
+            )
             and not c.transport.is_closing()
         ]
         return min(waiting, key=lambda c: c._waiting_since, default=None)
@@ -139,11 +153,16 @@ class _GuardedH11(H11Protocol):
         self._timer_kind = None
         if self.transport.is_closing():
             return
-        _log.info(
-            "closed a connection from %s: its request %s did not arrive in time",
-            self.client,
-            "headers" if kind == "header" else "body",
-        )
+        if kind == "read":
+            _log.info(
+                "closed a connection from %s: its client did not read the answer", self.client
+            )
+        else:
+            _log.info(
+                "closed a connection from %s: its request %s did not arrive in time",
+                self.client,
+                "headers" if kind == "header" else "body",
+            )
         cycle = self.cycle
         answering = cycle is not None and cycle.response_started and not cycle.response_complete
         if not answering:

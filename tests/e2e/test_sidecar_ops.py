@@ -186,6 +186,34 @@ def test_half_sent_requests_beyond_the_cap_are_evicted_and_health_answers(db: Pa
             sock.close()
 
 
+def test_half_sent_bodies_beyond_the_cap_are_evicted_and_health_answers(db: Path) -> None:
+    """Bodies that never finish (headers complete, the app waits on the body) count as
+    waiting on their client, not as busy: they are evicted like half-sent headers (GET
+    needs no token, so a token does not keep them out)."""
+    with _serve(db, max_connections=8, body_timeout_s=60) as server:
+        held = [_raw(server.url) for _ in range(30)]
+        for sock in held:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\ncontent-length: 100\r\n\r\n{}")
+        for _ in range(5):
+            assert httpx.get(f"{server.url}/healthz", timeout=30).status_code == 200
+        for sock in held:
+            sock.close()
+
+
+def test_clients_that_do_not_read_their_answers_are_evicted_beyond_the_cap(db: Path) -> None:
+    """A client that pipelines requests for a large answer and never reads it holds its
+    connection while uvicorn's writes are paused: under the cap it is evicted."""
+    with _serve(db, max_connections=8) as server:
+        held = [_raw(server.url) for _ in range(8)]
+        for sock in held:
+            sock.sendall(b"GET /docs-assets/swagger-ui-bundle.js HTTP/1.1\r\nHost: x\r\n\r\n" * 16)
+        time.sleep(0.5)  # the server fills their socket buffers and pauses its writes
+        for _ in range(5):
+            assert httpx.get(f"{server.url}/healthz", timeout=30).status_code == 200
+        for sock in held:
+            sock.close()
+
+
 def test_connections_beyond_the_cap_are_refused_when_all_are_busy(db: Path) -> None:
     with (
         _serve(db, max_connections=8, max_wait_s=30) as server,
