@@ -119,6 +119,10 @@ class InstanceRow:
         )
 
 
+_BUSY_TIMEOUT_MS = 5000  # how long a statement waits for another process's lock
+_LOCKED_HURRY_S = 1.0  # after such a wait failed, queued statements try once for this long
+
+
 def _lock_exclusively(path: Path) -> int:
     """Open ``path`` and take an exclusive ``flock`` on it, or refuse: two sidecars on one
     database would each serve the rows they loaded at start, answer from stale revisions
@@ -154,6 +158,7 @@ class Store:
         self._seq = 0  # writes so far; writer thread only
         self._file_id: tuple[int, int] | None = None  # (st_dev, st_ino) at open
         self._lock_fd = -1  # the database file, flock()ed: one sidecar per file
+        self._locked_until = 0.0  # writer thread: another process held the lock until then
 
     async def open(self) -> None:
         await self._run(self._open_sync)
@@ -204,7 +209,7 @@ class Store:
     async def _run(self, fn: Callable[[], _T]) -> _T:
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, fn)
+            return await loop.run_in_executor(self._executor, lambda: self._patiently(fn))
         except sqlite3.Error as exc:
             raise StoreError(
                 f"the database {self.path} refused the operation ({exc}); check that the "
@@ -213,6 +218,25 @@ class Store:
 
     # --- writer thread only below ---------------------------------------------------------
 
+    def _patiently(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn``; while another process holds the database locked, only the first
+        statement waits the busy timeout (5 s): those queued behind it, for the next
+        second, try once and fail at once, so N queued requests (and ``/readyz`` behind
+        them) get their 503 after 5 s, not after N times 5 s."""
+        conn = self._conn
+        hurry = conn is not None and time.monotonic() < self._locked_until
+        if hurry:
+            conn.execute("PRAGMA busy_timeout = 0")  # type: ignore[union-attr]
+        try:
+            return fn()
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                self._locked_until = time.monotonic() + _LOCKED_HURRY_S
+            raise
+        finally:
+            if hurry and self._conn is not None:
+                self._conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+
     def _db(self) -> sqlite3.Connection:
         assert self._conn is not None, "Store.open() was not awaited"
         return self._conn
@@ -220,7 +244,7 @@ class Store:
     def _open_sync(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, isolation_level=None, timeout=5.0)
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=_BUSY_TIMEOUT_MS / 1000)
         except (OSError, sqlite3.Error) as exc:
             raise SidecarConfigError(
                 f"cannot open the database {self.path}: {exc}; set KVSIDECAR_DB_PATH "
