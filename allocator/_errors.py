@@ -29,11 +29,14 @@ class BackendError(AllocatorError):
 
     ``errno`` is set when the failure came from libc (``ENOMEM``/``ENOSPC``
     mean the memory is not there right now: retry later or lower a limit).
+    ``fatal`` says that no retry can succeed (e.g. a TP/PP rank died): the
+    allocation path raises it instead of treating it as a refusal.
     """
 
-    def __init__(self, message: str, *, errno: int | None = None) -> None:
+    def __init__(self, message: str, *, errno: int | None = None, fatal: bool = False) -> None:
         super().__init__(message)
         self.errno = errno
+        self.fatal = fatal
 
 
 class DeviceOutOfMemory(BackendError):

@@ -252,7 +252,10 @@ class PageAllocator:
                 # Out of memory, or another failure of the driver/OS (the backend rolled the
                 # map back): no page now either way. Raising here would end the engine (its
                 # allocation path); the cap holds at what is mapped and the device is tried
-                # again after DEVICE_RETRY_S or at the next limit change.
+                # again after DEVICE_RETRY_S or at the next limit change. A fatal error (a
+                # dead TP/PP rank) is raised: the engine cannot go on, and says so loudly.
+                if exc.fatal:
+                    raise
                 self.refused_by_device = True
                 self._hold_at_mapped(f"for page {page}", exc)
                 return None

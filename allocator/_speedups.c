@@ -323,13 +323,17 @@ BlockCore_alloc(BlockCore *self, PyObject *arg)
         PyErr_Format(ContractError, "alloc(n) needs an int >= 0; got %R", arg);
         return NULL;
     }
-    Py_ssize_t n = PyLong_AsSsize_t(arg);
-    if (n == -1 && PyErr_Occurred())
+    int overflow = 0;
+    long long wide = PyLong_AsLongLongAndOverflow(arg, &overflow);
+    if (wide == -1 && PyErr_Occurred())
         return NULL;
-    if (n < 0) {
+    if (overflow > 0 || (overflow == 0 && wide > PY_SSIZE_T_MAX))
+        Py_RETURN_NONE; /* more than any pool holds: None, as the Python reference */
+    if (overflow < 0 || wide < 0) { /* as the Python reference: a contract error */
         PyErr_Format(ContractError, "alloc(n) needs an int >= 0; got %R", arg);
         return NULL;
     }
+    Py_ssize_t n = (Py_ssize_t)wide;
     if (n > N(partial_free)) {
         PyObject *free_obj = PyObject_GetAttr((PyObject *)self, s_num_free_blocks);
         if (free_obj == NULL)

@@ -134,7 +134,8 @@ class RankedBackend:
         if outcome is not BarrierOutcome.CONFIRMED:
             self._undo(pages, owned=pages)
             raise BackendError(
-                f"mapping pages {pages} on every rank failed: {self.group.describe(outcome)}"
+                f"mapping pages {pages} on every rank failed: {self.group.describe(outcome)}",
+                fatal=outcome is BarrierOutcome.FAILED,  # a dead rank: no retry can succeed
             )
 
     def _undo(self, pages: list[int], *, owned: list[int]) -> None:

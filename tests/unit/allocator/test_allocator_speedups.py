@@ -381,3 +381,15 @@ def test_a_refused_alloc_gives_the_evictable_accounting_back(cls: type[Any]) -> 
     truth = sum(1 for p in range(8) if 0 < blocks.occupancy(p) == blocks.evictable_on(p))
     assert blocks.num_reclaimable_pages == truth == 1
     assert blocks.num_allocated_blocks == 2 and blocks.occupancy(0) == 2
+
+
+@pytest.mark.parametrize("cls", [BlockAllocator, PyBlockAllocator], ids=["c", "python"])
+def test_huge_or_very_negative_counts_read_as_in_python(cls: type[Any]) -> None:
+    """alloc(n) past a machine word: more than any pool holds is None, a negative one a
+    contract error (the C path raised OverflowError for both)."""
+    blocks = cls(PageAllocator(HostBackend.reserve(PageLayout(mmap.PAGESIZE, 4))), 4)
+    assert blocks.alloc(2**63) is None and blocks.alloc(10**30) is None
+    for n in (-1, -(2**63) - 1, -(2**70)):
+        with pytest.raises(AllocatorContractError):
+            blocks.alloc(n)
+    assert blocks.num_allocated_blocks == 0
