@@ -495,43 +495,43 @@ def test_readyz_fails_once_the_database_file_is_deleted(db: Path) -> None:
         r = c.put("/instances/lost/limit", json={"limit": "2G"})
         assert r.status_code == 503 and "deleted or replaced" in r.json()["detail"], r.text
         assert c.get("/instances/lost").status_code == 404
+        assert c.get("/healthz").status_code == 200  # alive, not ready
+
+
+def _refused_at_start(db: Path) -> str:
+    """``kvsidecar serve --db DB`` in a child, which must refuse to start: exit 2 and one
+    line on stderr (no traceback). Returns that line."""
+    import os
+    import subprocess
+    import sys
+
+    from test_sidecar_support import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--db", str(db)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    return proc.stderr
 
 
 def test_a_second_sidecar_on_one_database_is_refused(db: Path) -> None:
     """Two sidecars on one file would serve the rows each loaded at start and hand out
     revisions the other already used: the second is refused, in one line, exit 2."""
-    import os
-    import subprocess
-    import sys
-
-    from test_sidecar_support import ROOT
-
     with _serve(db) as server, httpx.Client(base_url=server.url) as c:
         assert c.put("/instances/a/limit", json={"limit": "1G"}).status_code == 200
-        proc = subprocess.run(
-            [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--db", str(db)],
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert proc.returncode == 2, proc.stderr
-        assert "another kvsidecar serves the database" in proc.stderr
-        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert "another kvsidecar serves the database" in _refused_at_start(db)
         assert c.put("/instances/a/limit", json={"limit": "2G"}).status_code == 200
     with _serve(db) as server, httpx.Client(base_url=server.url) as c:  # released at close
         assert c.get("/instances/a").json()["desired"]["limit_bytes"] == 2 * GiB
-        assert c.get("/healthz").status_code == 200  # alive, not ready
 
 
 def test_a_database_with_foreign_columns_is_one_line(tmp_path: Path) -> None:
-    import os
-    import subprocess
-    import sys
-
-    from test_sidecar_support import ROOT
-
     for version in (1, 2):
         path = tmp_path / f"v{version}.db"
         conn = sqlite3.connect(path)
@@ -539,17 +539,8 @@ def test_a_database_with_foreign_columns_is_one_line(tmp_path: Path) -> None:
         conn.execute(f"PRAGMA user_version={version}")
         conn.commit()
         conn.close()
-        proc = subprocess.run(
-            [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--db", str(path)],
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert proc.returncode == 2, proc.stderr
-        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-        assert "has the columns (id, lim)" in proc.stderr and "--db" in proc.stderr
+        line = _refused_at_start(path)
+        assert "has the columns (id, lim)" in line and "--db" in line
 
 
 def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
