@@ -66,6 +66,11 @@ class HostBackend:
         self.owner = owner
         self._mapped = bytearray(layout.num_pages)  # 1 where this process maps the page
         self._num_mapped = 0  # sum(self._mapped), kept per call
+        # Pages whose map failed and whose rollback failed too: some region may still be
+        # open (and, for the owner, committed) although the page is *not* mapped for the
+        # caller (a failed map maps nothing). The next map of the page, trim_spares() and
+        # release() drop what is left.
+        self._stuck: set[int] = set()
         self._released = False
         self.base_address = _libc.reserve_file(fd, layout.total_bytes)
         # Frees the range, the memory and the fd if the backend is dropped without
@@ -134,6 +139,7 @@ class HostBackend:
         self._released = True
         self._mapped = bytearray(self.layout.num_pages)
         self._num_mapped = 0
+        self._stuck.clear()  # the whole range and its memory go back below
         self._finalizer()
 
     def __enter__(self) -> Self:
@@ -150,6 +156,8 @@ class HostBackend:
             raise AllocatorContractError(f"page {page} is outside 0..{self.layout.num_pages - 1}")
         if self._mapped[page]:
             raise AllocatorContractError(f"page {page} is already mapped")
+        if self._stuck:
+            self._finish_rollbacks([page])
         self._map_run(page, 1)
         self._mapped[page] = 1
         self._num_mapped += 1
@@ -169,6 +177,8 @@ class HostBackend:
         """Map several pages; each run of consecutive pages is one commit + one mmap per region."""
         self._check_live()
         ordered = check_pages(pages, self.layout.num_pages, self._mapped, False)
+        if self._stuck:
+            self._finish_rollbacks(ordered)
         done: list[tuple[int, int]] = []
         try:
             for first, count in runs(ordered):
@@ -176,7 +186,10 @@ class HostBackend:
                 done.append((first, count))
         except BackendError:
             for first, count in done:
-                self._unmap_run(first, count)
+                try:
+                    self._unmap_run(first, count)
+                except BackendError:  # the map's own error is the one to raise
+                    self._stuck.update(range(first, first + count))
             raise
         for page in ordered:
             self._mapped[page] = 1
@@ -228,6 +241,21 @@ class HostBackend:
             return 0
         return os.fstat(self.fd).st_blocks * 512
 
+    def trim_spares(self, keep_pages: int = 0) -> None:
+        """Drop what failed map rollbacks left open (the host backend keeps no spares).
+
+        ``PageAllocator`` calls this after each unmap. Raises the first
+        :class:`BackendError`; the pages that still fail stay stuck for the next try.
+        """
+        del keep_pages  # nothing is kept spare on the host
+        if self._stuck and not self._released:
+            self._finish_rollbacks(None)
+
+    @property
+    def num_stuck_pages(self) -> int:
+        """Pages a failed map could not roll back (not mapped; some region may be open)."""
+        return len(self._stuck)
+
     # ------------------------------------------------------------------ views
     def tensor(self, region: int | None = None) -> torch.Tensor:
         """A flat ``torch.uint8`` CPU tensor viewing the whole range or one region.
@@ -263,9 +291,29 @@ class HostBackend:
                 _libc.open_range(base + offset, length)
                 offset += layout.region_bytes
         except BackendError:
-            for offset in done:
-                self._drop(offset, length)
+            rollback_failed = False
+            for offset in done:  # every region is tried; the map's own error is raised
+                try:
+                    self._drop(offset, length)
+                except BackendError:
+                    rollback_failed = True
+            if rollback_failed:
+                self._stuck.update(range(first, first + count))
             raise
+
+    def _finish_rollbacks(self, pages: Sequence[int] | None) -> None:
+        """Drop every region of the stuck pages among ``pages`` (``None``: all of them)."""
+        todo = sorted(self._stuck if pages is None else self._stuck.intersection(pages))
+        first_error: BackendError | None = None
+        for page in todo:
+            try:
+                self._unmap_run(page, 1)
+            except BackendError as exc:
+                first_error = first_error or exc
+                continue
+            self._stuck.discard(page)
+        if first_error is not None:
+            raise first_error
 
     def _unmap_run(self, first: int, count: int) -> None:
         """Drop the run in every region (each tried even after a failure); raise the first."""

@@ -606,7 +606,55 @@ bad:
 
 /* ------------------------------------------------------------------ evictable marks */
 /* mark (from 1 to 2) or unmark (from 2 to 1) every block of `blocks`; on a bad id
- * the blocks before it stay changed, the counts agree, and ContractError is raised. */
+ * (or an iterator that raises part-way) the blocks before it stay changed, the counts
+ * agree, and the error is raised -- as the Python path does. */
+struct mark_run {
+    const char *name;
+    char *flags;
+    PyObject *ev_on, *occupancy;
+    Py_ssize_t bpp, limit, changed_pages, count;
+    int mark;
+};
+
+/* one block: 0, or -1 with an exception set */
+static int
+change_one(struct mark_run *r, PyObject *o)
+{
+    Py_ssize_t block = PyLong_CheckExact(o) ? PyLong_AsSsize_t(o) : -1;
+    if (block == -1 && PyErr_Occurred())
+        PyErr_Clear();
+    if (!PyLong_CheckExact(o) || block < 0 || block >= r->limit) {
+        PyErr_Format(ContractError, "%s(): %R is not a block id in 0..%zd", r->name, o,
+                     r->limit - 1);
+        return -1;
+    }
+    char from = r->mark ? 1 : 2, to = r->mark ? 2 : 1;
+    if (r->flags[block] != from) {
+        if (r->mark)
+            PyErr_Format(ContractError, "mark_evictable(): block %zd is %s", block,
+                         r->flags[block] ? "already marked" : "not allocated");
+        else
+            PyErr_Format(ContractError, "unmark_evictable(): block %zd is not marked", block);
+        return -1;
+    }
+    r->flags[block] = to;
+    r->count += 1;
+    Py_ssize_t page = block / r->bpp;
+    Py_ssize_t on = item(r->ev_on, page);
+    Py_ssize_t occ = item(r->occupancy, page);
+    if (r->mark) {
+        on += 1;
+        if (on == occ)
+            r->changed_pages += 1;
+    }
+    else {
+        if (on == occ)
+            r->changed_pages += 1;
+        on -= 1;
+    }
+    return set_item(r->ev_on, page, on);
+}
+
 static PyObject *
 change_marks(BlockCore *self, PyObject *blocks, int mark)
 {
@@ -617,66 +665,52 @@ change_marks(BlockCore *self, PyObject *blocks, int mark)
         PyErr_Format(ContractError, "%s(): call track_evictable() first", name);
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(blocks, "blocks must be iterable");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    char *flags = PyByteArray_AS_STRING(self->allocated);
-    PyObject *ev_on = self->ev_on, *occupancy = self->occupancy;
-    Py_ssize_t bpp = N(blocks_per_page), limit = N(num_blocks);
-    char from = mark ? 1 : 2, to = mark ? 2 : 1;
-    Py_ssize_t changed_pages = 0, count = 0;
+    struct mark_run r = {name, PyByteArray_AS_STRING(self->allocated), self->ev_on,
+                         self->occupancy, N(blocks_per_page), N(num_blocks), 0, 0, mark};
     int failed = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = items[i];
-        Py_ssize_t block = PyLong_CheckExact(o) ? PyLong_AsSsize_t(o) : -1;
-        if (block == -1 && PyErr_Occurred())
-            PyErr_Clear();
-        if (!PyLong_CheckExact(o) || block < 0 || block >= limit) {
-            PyErr_Format(ContractError, "%s(): %R is not a block id in 0..%zd", name, o,
-                         limit - 1);
-            failed = 1;
-            break;
+    if (PyList_CheckExact(blocks) || PyTuple_CheckExact(blocks)) {
+        /* the hot path: no iterator (nothing below runs Python code before a break) */
+        PyObject *seq = blocks;
+        Py_INCREF(seq);
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (change_one(&r, items[i]) < 0) {
+                failed = 1;
+                break;
+            }
         }
-        if (flags[block] != from) {
-            if (mark)
-                PyErr_Format(ContractError, "mark_evictable(): block %zd is %s", block,
-                             flags[block] ? "already marked" : "not allocated");
-            else
-                PyErr_Format(ContractError, "unmark_evictable(): block %zd is not marked",
-                             block);
-            failed = 1;
-            break;
-        }
-        flags[block] = to;
-        count += 1;
-        Py_ssize_t page = block / bpp;
-        Py_ssize_t on = item(ev_on, page);
-        Py_ssize_t occ = item(occupancy, page);
-        if (mark) {
-            on += 1;
-            if (on == occ)
-                changed_pages += 1;
-        }
-        else {
-            if (on == occ)
-                changed_pages += 1;
-            on -= 1;
-        }
-        if (set_item(ev_on, page, on) < 0) {
-            failed = 1;
-            break;
-        }
-    }
-    Py_DECREF(seq);
-    if (mark) {
-        ADD_N(num_reclaimable_pages, changed_pages);
-        ADD_N(num_evictable_blocks, count);
+        Py_DECREF(seq);
     }
     else {
-        ADD_N(num_reclaimable_pages, -(changed_pages));
-        ADD_N(num_evictable_blocks, -(count));
+        PyObject *it = PyObject_GetIter(blocks);
+        if (it == NULL) {
+            if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyErr_Clear();
+                PyErr_SetString(PyExc_TypeError, "blocks must be iterable");
+            }
+            return NULL;
+        }
+        PyObject *o;
+        while ((o = PyIter_Next(it)) != NULL) {
+            int rc = change_one(&r, o);
+            Py_DECREF(o);
+            if (rc < 0) {
+                failed = 1;
+                break;
+            }
+        }
+        Py_DECREF(it);
+        if (PyErr_Occurred())
+            failed = 1; /* the iterator raised part-way: what came before stays changed */
+    }
+    if (mark) {
+        ADD_N(num_reclaimable_pages, r.changed_pages);
+        ADD_N(num_evictable_blocks, r.count);
+    }
+    else {
+        ADD_N(num_reclaimable_pages, -(r.changed_pages));
+        ADD_N(num_evictable_blocks, -(r.count));
     }
     ADD_N(changes, 1);
     if (failed || PyErr_Occurred())

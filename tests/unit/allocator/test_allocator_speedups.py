@@ -393,3 +393,42 @@ def test_huge_or_very_negative_counts_read_as_in_python(cls: type[Any]) -> None:
         with pytest.raises(AllocatorContractError):
             blocks.alloc(n)
     assert blocks.num_allocated_blocks == 0
+
+
+@pytest.mark.parametrize("mark", [True, False], ids=["mark", "unmark"])
+def test_an_iterator_that_raises_part_way_changes_the_same_blocks_in_c_and_python(
+    mark: bool,
+) -> None:
+    """mark/unmark_evictable with a generator that yields two good ids, then raises: the
+    C path materialised the whole iterable first and changed nothing, Python changes the two
+    before the error. Both must leave the same flags and counts (the documented contract:
+    the blocks before the failure stay changed, the counts agree)."""
+
+    def ids(good: list[int]) -> Iterator[int]:
+        yield from good
+        raise KeyError("the caller's generator failed")
+
+    results = []
+    for cls in (BlockAllocator, PyBlockAllocator):
+        blocks = cls(PageAllocator(HostBackend.reserve(PageLayout(mmap.PAGESIZE, 4))), 2)
+        blocks.track_evictable()
+        held = blocks.alloc(4)  # pages 0 and 1, full
+        assert held is not None
+        if not mark:
+            blocks.mark_evictable(held)
+        change = blocks.mark_evictable if mark else blocks.unmark_evictable
+        with pytest.raises(KeyError):
+            change(ids(held[:2]))
+        with pytest.raises(AllocatorContractError):  # a bad id after a good one, as a tuple
+            change((held[2], 10**6))
+        results.append(
+            (
+                [blocks.is_marked_evictable(b) for b in held],
+                blocks.num_evictable_blocks,
+                blocks.num_reclaimable_pages,
+                [blocks.evictable_on(p) for p in range(2)],
+            )
+        )
+    assert results[0] == results[1]
+    flags = results[1][0]
+    assert flags == ([True, True, True, False] if mark else [False, False, False, True])

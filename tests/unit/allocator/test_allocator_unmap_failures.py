@@ -319,3 +319,85 @@ def test_alloc_above_target_puts_the_target_back_when_lifting_it_fails(
     monkeypatch.undo()
     assert blocks.alloc(4) is None  # under the target: no page past the limit
     assert pages.target_pages == 3 and pages.num_mapped <= 4
+
+
+# ------------------------------------------------- a failed map whose rollback fails too
+def _fail_open_at(monkeypatch: pytest.MonkeyPatch, address: int) -> None:
+    """Make ``mprotect(READ|WRITE)`` of any range covering ``address`` fail (ENOMEM)."""
+    real = libc.open_range
+
+    def open_range(addr: int, length: int) -> None:
+        if addr <= address < addr + length:
+            raise BackendError(f"injected: mprotect({addr:#x}, RW) failed (errno 12)", errno=12)
+        real(addr, length)
+
+    monkeypatch.setattr(libc, "open_range", open_range)
+
+
+def test_host_a_map_whose_rollback_fails_is_dropped_later_and_never_booked(
+    make_host: MakeHost, fail_close_at: Callable[[int], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Region 1 of a fresh page will not open, and the rollback cannot close region 0: the
+    map's own error is the one raised, the page is not mapped for anybody (the page allocator
+    saw a refusal), and what the rollback left open and committed (measured in /proc and in
+    the memfd) is dropped by the next trim, with no leftover after the faults heal."""
+    backend = make_host(num_pages=4, num_regions=2)
+    layout = backend.layout
+    pages = PageAllocator(backend)
+    _fail_open_at(monkeypatch, backend.base_address + layout.page_offset(1, 0))
+    fail_close_at(backend.base_address + layout.page_offset(0, 0))
+    with pytest.raises(BackendError, match=r"RW\) failed"):  # the map's error, not the rollback's
+        backend.map(0)
+    assert not backend.is_mapped(0) and backend.num_mapped_pages == 0
+    assert backend.num_stuck_pages == 1
+    assert host_regions_open(backend, 0) == [True, False]  # what the rollback could not close
+    assert backend.mapped_bytes() >= layout.page_bytes  # region 0 is still committed
+    assert pages.acquire() is None and pages.refused_by_device  # a refusal, nothing booked
+    assert pages.num_mapped == 0
+    monkeypatch.undo()  # the faults heal
+    backend.trim_spares()  # what PageAllocator calls after each unmap
+    assert backend.num_stuck_pages == 0
+    assert host_regions_open(backend, 0) == [False, False] and backend.mapped_bytes() == 0
+    pages.set_target(None)  # try the device again now
+    page = pages.acquire()
+    assert page is not None and all(host_regions_open(backend, page))
+    pages.release(page)
+    assert backend.mapped_bytes() == 0 and not any(host_regions_open(backend, 0))
+
+
+def test_host_a_stuck_page_is_dropped_before_it_is_mapped_again(
+    make_host: MakeHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """map_many over two runs: the second run's map fails and rolling back the first run
+    fails too. Those pages are stuck, not mapped; mapping one of them again first drops what
+    was left, then maps it whole."""
+    backend = make_host(num_pages=6, num_regions=1)
+    layout = backend.layout
+    real_close = libc.close_range
+    closes = {"fail": True}
+
+    def close_range(addr: int, length: int) -> None:
+        if closes["fail"]:
+            raise BackendError("injected: mprotect(PROT_NONE) failed (errno 22)", errno=22)
+        real_close(addr, length)
+
+    _fail_open_at(monkeypatch, backend.base_address + layout.page_offset(0, 4))
+    monkeypatch.setattr(libc, "close_range", close_range)
+    with pytest.raises(BackendError, match=r"RW\) failed"):
+        backend.map_many([0, 1, 4])  # runs [0, 1] (opened) and [4] (fails to open)
+    assert [backend.is_mapped(p) for p in range(6)] == [False] * 6
+    assert backend.num_stuck_pages == 3  # [0, 1] could not close; 4 was committed, not closed
+    assert host_regions_open(backend, 0) == [True] and host_regions_open(backend, 1) == [True]
+    closes["fail"] = False
+    backend.map(1)  # page 1's leftovers are dropped first, then it is mapped whole
+    assert backend.is_mapped(1) and backend.num_mapped_pages == 1
+    assert backend.num_stuck_pages == 2
+    monkeypatch.undo()
+    backend.trim_spares()
+    assert backend.num_stuck_pages == 0
+    assert [any(host_regions_open(backend, p)) for p in range(6)] == [
+        False, True, False, False, False, False
+    ]  # fmt: skip
+    assert backend.mapped_bytes() == layout.bundle_bytes  # only page 1 is committed
+    backend.unmap(1)
+    assert backend.mapped_bytes() == 0
