@@ -76,6 +76,7 @@ def build_core(
     page_bytes: int = PAGE_BYTES,
     max_model_len: int = 2048,
     max_num_batched_tokens: int = 512,
+    enable_prefix_caching: bool = True,
 ) -> EngineCore:
     bundle = page_bytes * 4  # 2 layers x (K, V) regions
     args = EngineArgs(
@@ -84,7 +85,7 @@ def build_core(
         dtype="float16",
         block_size=BLOCK_TOKENS,
         max_model_len=max_model_len,
-        enable_prefix_caching=True,
+        enable_prefix_caching=enable_prefix_caching,
         kv_cache_memory_bytes=num_pages * bundle,
         distributed_executor_backend=StubExecutor,
         max_num_seqs=6,
@@ -228,6 +229,33 @@ def test_limits_from_a_foreign_thread_never_break_the_engine_core(
         core.shutdown()
     assert stressed.races > 50 and stressed.publishes > 300 and stressed.applied_checks > 100
     assert_same_outcomes(baseline, stressed, min_compared=200)
+
+
+def test_limits_without_prefix_caching_never_break_the_engine_core(
+    plugin_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same storm with vLLM's prefix caching off (``--no-enable-prefix-caching``):
+    nothing is ever evictable, so a limit frees memory only as requests end, and every
+    freed block must go back to the device when its page empties."""
+    core = build_core(plugin_env, enable_prefix_caching=False)
+    try:
+        baseline = drive(core, 11, num_steps=800, limits=False, monkeypatch=monkeypatch)
+        stressed = drive(core, 11, num_steps=800, limits=True, monkeypatch=monkeypatch)
+        runtime = _runtime.current_runtime()
+        assert runtime is not None and runtime.instance is not None and runtime.pool is not None
+        instance = runtime.instance
+        backend = runtime.pool._blocks.pages.backend
+        in_foreign_thread(lambda: instance.set_limit(0))  # idle: everything goes back
+        for _ in range(3):
+            core.step()
+        state, measured = instance.state(), backend.mapped_bytes()
+    finally:
+        core.shutdown()
+    # only the floor stays: the page of vLLM's null block
+    assert state.status is Status.APPLIED and state.effective_limit_bytes == state.floor_bytes
+    assert measured == state.mapped_bytes == state.floor_bytes, (measured, state)
+    assert stressed.publishes > 100 and stressed.applied_checks > 50
+    assert_same_outcomes(baseline, stressed, min_compared=100)
 
 
 def assert_same_outcomes(baseline: Run, stressed: Run, *, min_compared: int) -> None:
