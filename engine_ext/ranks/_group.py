@@ -3,18 +3,21 @@
 Threads: the engine thread calls everything except :meth:`RankGroup.close`
 (any thread, idempotent). The engine thread reads the acks it waits for
 itself, under the read lock (a direct receive, no hand-off through another
-thread). One daemon watcher thread sleeps in ``select`` on each rank's
+thread). One daemon watcher thread sleeps in ``poll`` on each rank's
 *pidfd* (readable when the process exits) and on a kick pipe, so an ack the
 engine waits for wakes only the engine; the watcher adds the rank sockets to
-its ``select`` only while a :meth:`RankGroup.watch` is outstanding (acks that
+its ``poll`` only while a :meth:`RankGroup.watch` is outstanding (acks that
 arrive while the engine does not wait: it reads them and wakes the engine).
 Where no pidfd can be opened the watcher watches that rank's socket always
-(correct, just a second wake-up per ack).
+(correct, just a second wake-up per ack). Every wait is a ``poll``, never a
+``select``: an engine process may hold more than 1024 descriptors, and
+``select`` cannot take a descriptor numbered 1024 or above.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import socket
@@ -244,9 +247,8 @@ class RankGroup:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                try:
-                    ready = select.select([*(r.fd for r in pending), self._stop_r], [], [], left)[0]
-                except (OSError, ValueError):  # a socket closed under us: close() is running
+                ready = _poll([*(r.fd for r in pending), self._stop_r], left)
+                if ready is None:  # a socket closed under us: close() is running
                     break
                 for rank in pending:
                     if rank.fd in ready:
@@ -396,9 +398,8 @@ class RankGroup:
                 live = [r for r in self._ranks if r.alive]
             exits = {r.pidfd: r for r in live if r.pidfd is not None}
             socks = {r.fd: r for r in live if armed or r.pidfd is None}
-            try:
-                ready = select.select([self._stop_r, self._kick_r, *exits, *socks], [], [])[0]
-            except (OSError, ValueError):
+            ready = _poll([self._stop_r, self._kick_r, *exits, *socks], None)
+            if ready is None:  # a descriptor closed under us: close() is running
                 if self._closed:
                     return
                 continue
@@ -423,10 +424,7 @@ class RankGroup:
     def _drain(self, rank: _Rank) -> None:
         """Read whatever the socket holds now, without blocking (under ``_read_lock``)."""
         while rank.alive:
-            try:
-                if not select.select([rank.sock], [], [], 0)[0]:
-                    return
-            except (OSError, ValueError):  # closed under us: close() is running
+            if not _poll([rank.fd], 0.0):  # nothing there, or closed under us (close() runs)
                 return
             self._read_one(rank)
 
@@ -449,6 +447,28 @@ class RankGroup:
                 wake()
             except Exception:  # noqa: BLE001 -- a wake must never kill the watcher thread
                 _log.exception("waking the engine after a rank event failed")
+
+
+_READY = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+
+
+def _poll(fds: Sequence[int], timeout_s: float | None) -> set[int] | None:
+    """The descriptors of ``fds`` that are readable or ended, waiting at most ``timeout_s``
+    (None: no limit); None if one of them is closed (``close()`` is running).
+
+    ``poll``, not ``select``: ``select`` refuses any descriptor numbered 1024 or above
+    (FD_SETSIZE), which an engine process with many files or connections reaches."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+    timeout = None if timeout_s is None else max(0, math.ceil(timeout_s * 1000))
+    try:
+        events = poller.poll(timeout)
+    except OSError:  # EINTR is retried by Python; anything else: treat as closed under us
+        return None
+    if any(event & select.POLLNVAL for _, event in events):
+        return None
+    return {fd for fd, event in events if event & _READY}
 
 
 def _kick(fd: int) -> None:
