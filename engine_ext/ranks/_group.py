@@ -33,7 +33,7 @@ from typing import Any
 
 from engine_ext._barrier import BarrierOutcome
 from engine_ext._runtime_dir import RANK_SOCKET_FILE, RuntimeDir
-from engine_ext.protocol import RankState
+from engine_ext.protocol import MAX_SOCKET_PATH_BYTES, RankState
 
 from ._wire import FrameReader, RankChannelError, decode_ack, encode_op, recv_message
 
@@ -157,9 +157,12 @@ class RankGroup:
         """:meth:`spawn` with the rank socket in a fresh private dir under ``runtime_root``.
 
         The dir (mode 0700, with an owner record so a crash's leftover is
-        swept) and the socket exist only while the ranks connect.
+        swept) and the socket exist only while the ranks connect. ``label``
+        (the instance id) only names the dir: it is cut short where the whole
+        socket path would not fit in ``sun_path``, so any instance whose
+        control socket fits can start its ranks too.
         """
-        private = RuntimeDir.create_unique(runtime_root, f".ranks-{label}-")
+        private = RuntimeDir.create_unique(runtime_root, _private_prefix(runtime_root, label))
         try:
             return cls.spawn(
                 str(private.file(RANK_SOCKET_FILE)),
@@ -469,6 +472,19 @@ def _poll(fds: Sequence[int], timeout_s: float | None) -> set[int] | None:
     if any(event & select.POLLNVAL for _, event in events):
         return None
     return {fd for fd, event in events if event & _READY}
+
+
+_RANKS_PREFIX = ".ranks-"
+_UNIQUE_SUFFIX_BYTES = 8  # the random part ``tempfile.mkdtemp`` appends to a prefix
+
+
+def _private_prefix(runtime_root: Path, label: str) -> str:
+    """``.ranks-<label>-``, the label cut so ``<root>/<prefix><random>/r.sock`` fits."""
+    fixed = len(os.fsencode(runtime_root.absolute())) + len(f"/{_RANKS_PREFIX}-/{RANK_SOCKET_FILE}")
+    room = MAX_SOCKET_PATH_BYTES - fixed - _UNIQUE_SUFFIX_BYTES
+    while label and len(os.fsencode(label)) > room:  # too long a root: _listen says so
+        label = label[:-1]
+    return f"{_RANKS_PREFIX}{label}-"
 
 
 def _kick(fd: int) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -14,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from allocator import AllocatorContractError, HostBackend, PageLayout
-from engine_ext._runtime_dir import OWNER_FILE, owner_alive, sweep_stale_runtime_dirs, write_owner
+from engine_ext._runtime_dir import (
+    OWNER_FILE,
+    SOCKET_FILE,
+    owner_alive,
+    sweep_stale_runtime_dirs,
+    write_owner,
+)
+from engine_ext.protocol import socket_path_fits
 from engine_ext.ranks import RankChannelError, RankedBackend, RankGroup
 from engine_ext.ranks._wire import recv_message, send_message
 
@@ -163,3 +172,22 @@ def test_commit_is_the_owners_job_an_attached_view_commits_nothing() -> None:
     finally:
         view.release()
         owner.release()
+
+
+def test_ranks_start_for_any_instance_whose_control_socket_fits() -> None:
+    # a runtime root as long as /run/user/1000/kvsidecar and the longest instance id (63):
+    # the control socket fits in sun_path (107 bytes), so the rank socket must fit too
+    base = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
+    root = base / ("k" * (24 - len(str(base)) - 1)) if len(str(base)) < 23 else base
+    instance_id = "i" * 63
+    assert socket_path_fits(str(root / instance_id / SOCKET_FILE))
+    try:
+        group = RankGroup.spawn_private(root, instance_id, 2, timeout_s=30)
+        try:
+            assert group.world_size == 2
+            group.call("probe", 30)  # both ranks connected and answer
+        finally:
+            group.close()
+        assert os.listdir(root) == []  # the private socket dir went once the ranks connected
+    finally:
+        shutil.rmtree(base)
