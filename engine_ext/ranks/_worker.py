@@ -136,6 +136,8 @@ class RankWorker:
     def _write(self, blocks: list[int], offsets: list[int], values: list[int]) -> None:
         backend, geometry = self._require_backend(), self._geometry
         assert geometry is not None
+        if blocks:
+            self._check_slots(backend, geometry, blocks, offsets)
         base = backend.base_address + self._word * 4
         region_bytes = backend.layout.region_bytes
         for region in self._regions:
@@ -143,6 +145,36 @@ class RankWorker:
             for block, offset, value in zip(blocks, offsets, values, strict=True):
                 address = region_base + block * geometry.block_bytes + offset * geometry.slot_bytes
                 ctypes.c_int32.from_address(address).value = value
+
+    @staticmethod
+    def _check_slots(
+        backend: HostBackend, geometry: SlotGeometry, blocks: list[int], offsets: list[int]
+    ) -> None:
+        """Every slot of a step lies in its block, in the region, in pages this rank maps.
+
+        A bad index would write another block's KV (another request's), another
+        stage's layer, or fault on a page this rank does not map: refused (the rank
+        stops with the reason) instead of written or killed by SIGSEGV."""
+        layout = backend.layout
+        slots = geometry.block_bytes // geometry.slot_bytes
+        if min(offsets) < 0 or max(offsets) >= slots:
+            raise RankChannelError(
+                f"a step writes slot {min(offsets)}..{max(offsets)} of blocks of {slots} slots"
+            )
+        per_region = layout.region_bytes // geometry.block_bytes
+        if min(blocks) < 0 or max(blocks) >= per_region:
+            raise RankChannelError(
+                f"a step writes block {min(blocks)}..{max(blocks)} of {per_region} per region"
+            )
+        block_bytes, page_bytes = geometry.block_bytes, layout.page_bytes
+        for block in set(blocks):
+            first = block * block_bytes // page_bytes
+            last = ((block + 1) * block_bytes - 1) // page_bytes
+            for page in range(first, last + 1):
+                if not backend.is_mapped(page):
+                    raise RankChannelError(
+                        f"a step writes block {block} in page {page}, which this rank does not map"
+                    )
 
     def _ack(self, seq: int, *, measure: bool = False) -> Ack:
         backend = self.backend

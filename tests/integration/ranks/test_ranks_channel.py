@@ -8,6 +8,7 @@ not wake the watcher thread.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import signal
@@ -294,3 +295,48 @@ def test_a_pending_rank_dying_during_a_wait_is_noticed_in_that_wait(
     finally:
         group.close()
         owner.release()
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "blocks", "offsets"),
+    [
+        (2, 1, [0], [16]),  # one slot past a 16-slot block: block 1's first slot
+        (2, 1, [1], [-16]),  # before the block: block 0's first slot
+        (1, 2, [16], [0]),  # past the region: the next stage's layer, or past the view
+        (2, 1, [4], [0]),  # block 4 lies in page 1, which no rank maps
+    ],
+    ids=["offset-past-block", "negative-offset", "block-past-region", "unmapped-page"],
+)
+def test_a_step_writing_outside_its_slots_stops_the_rank_and_writes_nothing(
+    tmp_path: Path, tp: int, pp: int, blocks: list[int], offsets: list[int]
+) -> None:
+    group = RankGroup.spawn(str(tmp_path / "r.sock"), tp * pp, timeout_s=30)
+    layout = PageLayout(page_bytes=4096, num_pages=4, num_regions=2)
+    owner = HostBackend.reserve(layout, name="kvs-bad-step")
+    try:
+        backend = RankedBackend.start(owner, group, tp=tp, pp=pp, block_bytes=1024, slot_bytes=64)
+        backend.map_many([0, 2, 3])
+        group.run_step({"blocks": [8], "offsets": [3], "values": [5]}, timeout_s=10)  # valid
+
+        def mapped_memory() -> list[
+            bytes
+        ]:  # every mapped page of every region, as the owner reads it
+            return [
+                ctypes.string_at(
+                    owner.base_address + region * layout.region_bytes + page * layout.page_bytes,
+                    layout.page_bytes,
+                )
+                for region in range(layout.num_regions)
+                for page in (0, 2, 3)
+            ]
+
+        before = mapped_memory()
+        assert any(any(page) for page in before)  # the valid step's writes are there
+        with pytest.raises(RankChannelError, match="dead"):
+            group.run_step({"blocks": blocks, "offsets": offsets, "values": [777]}, timeout_s=10)
+        assert mapped_memory() == before  # no word changed anywhere in the memfd
+    finally:
+        group.close()
+        owner.release()
+    # each rank refused the step and exited (status 1), none died of a fault on the page
+    assert [proc.returncode for proc in group._procs] == [1] * (tp * pp)
