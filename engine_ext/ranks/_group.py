@@ -372,6 +372,10 @@ class RankGroup:
                 if ack[0] <= seq:
                     raise RankChannelError(f"ack #{ack[0]} arrived after #{seq}")
                 seq = ack[0]
+            if seq > self._seq:  # it would confirm ops (unmaps) the rank never received
+                raise RankChannelError(
+                    f"ack #{seq} for an op never sent (the last is #{self._seq})"
+                )
             _, finished, mapped, pages = messages[-1]  # only the last one's figures matter
         except (OSError, RankChannelError) as exc:
             self._mark_dead(rank, f"channel error: {exc}")

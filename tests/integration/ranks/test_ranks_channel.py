@@ -154,6 +154,35 @@ def test_out_of_order_or_garbage_ack_fails_the_rank() -> None:
             theirs.close()
 
 
+def test_an_ack_for_an_op_never_sent_fails_the_rank_and_confirms_nothing() -> None:
+    """A well-formed ack whose seq is ahead of every op sent would confirm unmaps the rank
+    never received: the owner would punch pages the rank may still read."""
+    ours, theirs = socket.socketpair()
+    owner = HostBackend.reserve(LAYOUT, name="kvs-ack-ahead")
+    group = RankGroup([_Rank(rank=0, pid=os.getpid(), sock=ours)])
+    peer = FrameReader(theirs, decode_op)
+    try:
+        backend = RankedBackend(owner, group, map_timeout_s=10.0)
+        thread = threading.Thread(target=backend.map_many, args=([1, 2],))
+        thread.start()
+        (op,) = peer.read() or []
+        assert op["op"] == "map"
+        theirs.sendall(encode_ack(Ack(op["seq"], -1, 2 * LAYOUT.bundle_bytes, 2)))
+        thread.join()
+        backend.unmap_many([1])
+        assert backend.settle(0.0).outcome.value == "rank_timeout"  # sent, not acked
+        (op,) = peer.read() or []
+        assert op["op"] == "unmap"
+        theirs.sendall(encode_ack(Ack(op["seq"] + 5, -1, 0, 0)))  # claims five ops more
+        result = backend.settle(10.0)
+        assert result.outcome.value == "rank_failed" and group.any_dead()
+        assert "never sent" in group.describe(result.outcome)
+    finally:
+        group.close()
+        theirs.close()
+        owner.release()
+
+
 def test_acks_wake_only_the_engine_and_an_idle_death_wakes_it(tmp_path: Path) -> None:
     group = RankGroup.spawn(str(tmp_path / "r.sock"), 2, timeout_s=30)
     owner = HostBackend.reserve(LAYOUT, name="kvs-wake")
