@@ -35,7 +35,7 @@ from engine_ext._barrier import BarrierOutcome
 from engine_ext._runtime_dir import RANK_SOCKET_FILE, RuntimeDir
 from engine_ext.protocol import MAX_SOCKET_PATH_BYTES, RankState
 
-from ._wire import FrameReader, RankChannelError, decode_ack, encode_op, recv_message
+from ._wire import FrameReader, RankChannelError, _decode_json, decode_ack, encode_op
 
 __all__ = ["RankGroup"]
 
@@ -531,48 +531,95 @@ def _listen(path: str) -> socket.socket:
     return listener
 
 
+_HELLO_MAX_BYTES = 4096  # a hello is a small JSON object; a longer one is not from a rank
+
+
 def _accept(
     listener: socket.socket,
     world_size: int,
     procs: Sequence[subprocess.Popen[bytes]],
     timeout_s: float,
 ) -> list[_Rank]:
+    """Accept the ranks' connections and read their hellos, all at once (one ``poll``).
+
+    A connection that says nothing, or is slow to, holds up no other: a silent
+    client (a probe, a stray process of this user) waited on alone would keep
+    the ranks behind it in the backlog until the start-up timed out."""
     deadline = time.monotonic() + timeout_s
     found: dict[int, _Rank] = {}
-    while len(found) < world_size:
-        dead = [p.args for p in procs if p.poll() is not None]
-        if dead:
-            raise RankChannelError(f"a rank process exited during start-up: {dead}")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RankChannelError(
-                f"only {len(found)} of {world_size} ranks connected within {timeout_s:.0f}s"
-            )
-        listener.settimeout(min(left, 0.5))
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
-            continue
-        conn.settimeout(left)
-        try:
-            hello = recv_message(conn)
-        except (OSError, RankChannelError):
+    waiting: dict[int, tuple[socket.socket, bytearray]] = {}  # fd -> connection, bytes read
+    listener.setblocking(False)
+    try:
+        while len(found) < world_size:
+            dead = [p.args for p in procs if p.poll() is not None]
+            if dead:
+                raise RankChannelError(f"a rank process exited during start-up: {dead}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RankChannelError(
+                    f"only {len(found)} of {world_size} ranks connected within {timeout_s:.0f}s"
+                )
+            ready = _poll([listener.fileno(), *waiting], min(left, 0.5)) or set()
+            if listener.fileno() in ready:
+                try:
+                    conn, _ = listener.accept()
+                except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                    pass
+                else:
+                    conn.setblocking(False)
+                    waiting[conn.fileno()] = (conn, bytearray())
+            for fd in ready.intersection(waiting):
+                conn, data = waiting[fd]
+                try:
+                    chunk = conn.recv(_HELLO_MAX_BYTES)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                data += chunk
+                hello = _hello(data) if chunk else None
+                if hello is _INCOMPLETE:
+                    continue
+                del waiting[fd]
+                rank = None if hello is None else hello.get("hello")
+                if (
+                    hello is None
+                    or not isinstance(rank, int)
+                    or isinstance(rank, bool)
+                    or not 0 <= rank < world_size
+                    or rank in found
+                    or hello.get("pid") != _peer_pid(conn)
+                ):
+                    conn.close()  # not one of our ranks (a probe, a duplicate, a lie): ignore it
+                    continue
+                conn.setblocking(True)
+                found[rank] = _Rank(rank=rank, pid=_peer_pid(conn), sock=conn)
+    except BaseException:
+        for rank_ in found.values():
+            rank_.sock.close()
+        raise
+    finally:
+        for conn, _ in waiting.values():
             conn.close()
-            continue
-        rank = None if hello is None else hello.get("hello")
-        pid = _peer_pid(conn)
-        if (
-            hello is None
-            or not isinstance(rank, int)
-            or not 0 <= rank < world_size
-            or rank in found
-            or hello.get("pid") != pid
-        ):
-            conn.close()  # not one of our ranks (a probe, a duplicate, a lie): ignore it
-            continue
-        conn.settimeout(None)
-        found[rank] = _Rank(rank=rank, pid=pid, sock=conn)
     return [found[r] for r in range(world_size)]
+
+
+_INCOMPLETE: dict[str, Any] = {}  # _hello's answer while the hello is still arriving
+
+
+def _hello(data: bytearray) -> dict[str, Any] | None:
+    """The hello in ``data``: the message, :data:`_INCOMPLETE`, or None if it is not one."""
+    if len(data) < 4:
+        return _INCOMPLETE
+    (length,) = struct.unpack_from(">I", data)
+    if length > _HELLO_MAX_BYTES or len(data) > 4 + length:
+        return None  # too long, or more than one message: a rank sends its hello alone
+    if len(data) < 4 + length:
+        return _INCOMPLETE
+    try:
+        return _decode_json(bytes(data[4:]))
+    except RankChannelError:
+        return None
 
 
 def _unlink(path: str) -> None:

@@ -191,3 +191,35 @@ def test_ranks_start_for_any_instance_whose_control_socket_fits() -> None:
         assert os.listdir(root) == []  # the private socket dir went once the ranks connected
     finally:
         shutil.rmtree(base)
+
+
+def test_a_silent_connection_does_not_hold_up_the_ranks(tmp_path: Path) -> None:
+    """A client that connects to the rank socket and says nothing (a probe, a stray process
+    of this user) is left waiting alone; the real ranks behind it are accepted."""
+    path = tmp_path / "r.sock"
+    silent: list[socket.socket] = []
+
+    def intruder() -> None:
+        deadline = time.monotonic() + 20
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(str(path))
+        silent.append(sock)  # connected before the ranks, never sends a byte
+
+    thread = threading.Thread(target=intruder)
+    thread.start()
+    try:
+        group = RankGroup.spawn(str(path), 2, timeout_s=15)
+        try:
+            thread.join()
+            assert silent, "the intruder did not connect"
+            group.call("probe", 15)  # both ranks connected and answer
+            # the silent client's connection was closed, not handed a rank's place
+            assert silent[0].recv(1) == b""
+        finally:
+            group.close()
+    finally:
+        thread.join()
+        for sock in silent:
+            sock.close()
