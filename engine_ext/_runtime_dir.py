@@ -23,6 +23,7 @@ Threads: any; these are plain filesystem calls (signal handlers: the main thread
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -30,6 +31,7 @@ import secrets
 import signal
 import stat
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -54,6 +56,35 @@ SOCKET_FILE = "control.sock"  # the instance's control socket
 RANK_SOCKET_FILE = "r.sock"  # the rank channel's listening socket (``.ranks-*`` dirs)
 _SOCKETS = frozenset({SOCKET_FILE, RANK_SOCKET_FILE})
 _OWNER_TMP = re.compile(r"^\.owner\.\d+\.tmp$")  # write_owner's temporary file
+_LOCK_WAIT_S = 2.0  # how long a start waits for a neighbour's sweep to let go of its dir
+
+
+def _try_lock(path: Path) -> int | None:
+    """Open the dir ``path`` and take its ``flock`` without waiting: the fd that holds the
+    lock, or None if another open of it holds the lock or the dir is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    if not _still_at(fd, path):  # removed (or replaced) between the open and the lock
+        os.close(fd)
+        return None
+    return fd
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """Whether the dir open at ``fd`` is still the one at ``path``."""
+    try:
+        there = os.lstat(path)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _start_time(pid: int) -> str | None:
@@ -131,8 +162,17 @@ def sweep_stale_runtime_dirs(root: Path, *, keep: str | None = None) -> list[Pat
             continue
         if owner_alive(path) is not False:
             continue  # alive, or not ours to judge
-        if _remove_instance_dir(path):
-            removed.append(path)
+        # Judged again under the dir's lock, which its owner holds for its whole life: a
+        # start that takes the id over in this moment holds the lock before it writes its
+        # record, so its files are never taken for a dead owner's.
+        fd = _try_lock(path)
+        if fd is None:
+            continue  # a live owner, a start in progress, or another sweep
+        try:
+            if owner_alive(path) is False and _remove_instance_dir(path):
+                removed.append(path)
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -194,6 +234,7 @@ class RuntimeDir:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._token = secrets.token_hex(8)  # this object's mark in ``.owner``
+        self._lock_fd: int | None = None  # holds the dir's flock from create() to removal
 
     def file(self, name: str) -> Path:
         """A file in the dir (``SOCKET_FILE``, ``RANK_SOCKET_FILE``)."""
@@ -205,8 +246,48 @@ class RuntimeDir:
         A dir a live owner holds (another engine with this instance id, in another
         process or this one) is refused and left as it is: taking over its record would
         let this one's cleanup, or a neighbour's sweep after a crash, remove the live
-        engine's socket."""
-        _make_private_dir(self.path)
+        engine's socket.
+
+        The dir's ``flock`` is held from here until :meth:`remove`: a neighbour's sweep
+        judges a dir only under that lock, so it never removes what this start creates."""
+        if self._lock_fd is not None:  # created before: hold on, or start over if gone
+            if _still_at(self._lock_fd, self.path):
+                write_owner(self.path, token=self._token)
+                return self
+            self._unlock()
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                _make_private_dir(self.path)
+            except (EngineExtConfigError, FileNotFoundError) as exc:
+                # a sweep removed the dir between our mkdir and its check: make it again
+                gone = isinstance(exc, FileNotFoundError) or isinstance(
+                    exc.__cause__, FileNotFoundError
+                )
+                if not gone or time.monotonic() > deadline:
+                    raise
+                continue
+            fd = _try_lock(self.path)
+            if fd is not None:
+                break
+            self._refuse_a_live_owner()  # the lock is a live engine's: say so at once
+            if time.monotonic() > deadline:
+                raise EngineExtConfigError(
+                    f"another process holds the runtime dir {self.path} locked (an engine "
+                    "with this instance id, or a process it forked); stop it, or give this "
+                    "instance its own KVSIDECAR_INSTANCE_ID"
+                )
+            time.sleep(0.01)  # a neighbour's sweep holds it for a few syscalls
+        try:
+            self._refuse_a_live_owner()
+            write_owner(self.path, token=self._token)  # tells a later start this from a crash's
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+        return self
+
+    def _refuse_a_live_owner(self) -> None:
         record = _owner_record(self.path)
         if (
             record is not None
@@ -218,8 +299,6 @@ class RuntimeDir:
                 f"another engine (pid {record[0]}) already owns the runtime dir {self.path}; "
                 "give this instance its own KVSIDECAR_INSTANCE_ID (or stop the other engine)"
             )
-        write_owner(self.path, token=self._token)  # tells a later start this from a crash's
-        return self
 
     @classmethod
     def create_unique(cls, root: Path, prefix: str) -> RuntimeDir:
@@ -232,6 +311,7 @@ class RuntimeDir:
                 f"cannot create a runtime dir under {root}: {exc}; set KVSIDECAR_RUNTIME_DIR"
             ) from exc
         made = cls(path)
+        made._lock_fd = _try_lock(path)  # fresh and private: nobody else can hold it
         write_owner(path, token=made._token)
         return made
 
@@ -249,6 +329,14 @@ class RuntimeDir:
             pass
         except OSError as exc:
             _log.warning("left %s in place: %s", self.path, exc)
+        finally:
+            self._unlock()
+
+    def _unlock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def remove_now(self) -> None:
         """For a process about to be killed: the sockets, the owner record and the dir,
@@ -258,6 +346,7 @@ class RuntimeDir:
         if _owner_record(self.path) != (os.getpid(), self._token):
             with contextlib.suppress(OSError):
                 os.rmdir(self.path)  # only if empty: a dir this process made but never owned
+            self._unlock()
             return
         for name in _SOCKETS:
             with contextlib.suppress(OSError):
@@ -266,6 +355,7 @@ class RuntimeDir:
             clear_owner(self.path, self._token)
         with contextlib.suppress(OSError):
             os.rmdir(self.path)
+        self._unlock()
 
     def remove_on_signals(self, then: Callable[[], None] | None = None) -> None:
         """Main thread: on SIGINT/SIGTERM run :meth:`remove_now` first (vLLM SIGKILLs its

@@ -10,10 +10,12 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
+from engine_ext import EngineExtConfigError
 from engine_ext._runtime_dir import (
     OWNER_FILE,
     RANK_SOCKET_FILE,
@@ -158,8 +160,6 @@ def test_remove_leaves_another_processes_owner_record(tmp_path: Path) -> None:
 
 
 def test_a_runtime_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
-    from engine_ext import EngineExtConfigError
-
     (tmp_path / "root").write_text("a file")
     with pytest.raises(EngineExtConfigError, match="KVSIDECAR_RUNTIME_DIR"):
         RuntimeDir.create_unique(tmp_path / "root", ".ranks-")
@@ -209,3 +209,73 @@ def test_two_owners_in_one_process_are_told_apart(tmp_path: Path) -> None:
     assert not first.path.exists()
     assert second.create().path.exists()  # free again: the second may take it
     second.remove()
+
+
+def test_a_sweep_never_removes_what_a_start_creates_while_it_judges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race of two crashed engines restarted together: A's sweep has judged dir ``x``
+    stale (its owner is dead) when B, restarting as ``x``, creates it and binds its socket.
+    B starts inside the sweep, right before the removal, on another thread; B's start must
+    never lose its record or its socket to that sweep (it removed both by name)."""
+    from engine_ext import _runtime_dir
+
+    root = tmp_path / "run"
+    crashed = _owner(root, "x")  # x's owner dies with SIGKILL: a stale dir with a socket
+    _stop(crashed)
+    assert owner_alive(root / "x") is False
+    started = threading.Event()
+    result: dict[str, object] = {}
+
+    def start_b() -> None:
+        try:
+            rd = RuntimeDir(root / "x").create()
+            (root / "x" / SOCKET_FILE).unlink(missing_ok=True)  # what ControlServer does
+            sock = socket.socket(socket.AF_UNIX)
+            sock.bind(str(rd.file(SOCKET_FILE)))
+            result["dir"], result["sock"] = rd, sock
+        except Exception as exc:  # noqa: BLE001  (reported below)
+            result["error"] = exc
+        finally:
+            started.set()
+
+    real_remove = _runtime_dir._remove_instance_dir
+    b = threading.Thread(target=start_b)
+
+    def remove_after_b_starts(path: Path) -> bool:
+        b.start()
+        started.wait(timeout=1.0)  # B either starts now (nothing holds it back) or waits
+        return real_remove(path)
+
+    monkeypatch.setattr(_runtime_dir, "_remove_instance_dir", remove_after_b_starts)
+    RuntimeDir(root / "a").create().sweep_siblings()
+    b.join(timeout=30)
+    assert "error" not in result, result
+    rd = result["dir"]
+    assert isinstance(rd, RuntimeDir)
+    try:
+        assert (root / "x" / SOCKET_FILE).exists() and owner_alive(root / "x") is True
+        assert stat.S_ISSOCK(os.lstat(root / "x" / SOCKET_FILE).st_mode)
+        assert RuntimeDir(root / "y").create().sweep_siblings() == []  # x is live: kept
+    finally:
+        sock = result["sock"]
+        assert isinstance(sock, socket.socket)
+        sock.close()
+        rd.remove_now()
+    assert not (root / "x").exists()
+
+
+def test_a_live_owner_holding_the_lock_is_refused_at_once_with_its_pid(tmp_path: Path) -> None:
+    """While a live engine holds ``x``, a second start is refused at once with the owner's
+    pid, even though the lock alone cannot say who holds it."""
+    root = tmp_path / "run"
+    live = _owner(root, "x")
+    try:
+        with pytest.raises(EngineExtConfigError, match=rf"pid {live.pid}"):
+            RuntimeDir(root / "x").create()
+        assert (root / "x" / SOCKET_FILE).exists() and owner_alive(root / "x") is True
+    finally:
+        _stop(live)
+    again = RuntimeDir(root / "x").create()  # its owner is gone: taken over
+    again.remove_now()  # with the dead owner's socket
+    assert not (root / "x").exists()
