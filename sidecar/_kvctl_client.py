@@ -12,8 +12,11 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
-from engine_ext.protocol import LimitBody, Status
+from engine_ext.protocol import EngineState, LimitBody, Status
+
+from ._models import DeviceList, DeviceView, InstanceList, InstanceView
 
 __all__ = [
     "EXIT_DEFERRED",
@@ -34,6 +37,7 @@ EXIT_DEFERRED = 3  # --wait deadline passed while deferred/pending
 EXIT_UNREACHABLE = 4  # the sidecar/engine cannot be reached, or the instance is unreachable
 
 _CONNECT_TIMEOUT_S = 5.0
+_URL_HINT = "--url/KVSIDECAR_URL"
 _SOCKET_POLL_S = 0.1  # --socket --wait: the control socket has no long-poll
 
 
@@ -82,6 +86,23 @@ def _json(resp: httpx.Response, what: str) -> Any:
         ) from None
 
 
+def _checked(body: Any, model: type[BaseModel], where: str, http_status: int, check: str) -> Any:
+    """``body`` once it has the shape of kvsidecar's ``model``. JSON of another shape (another
+    service on that port, a proxy's error object, ``{}``) is one line naming the first field
+    that does not fit, not a traceback from the code that prints it."""
+    try:
+        model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "the body"
+        raise CtlError(
+            f"{where} answered HTTP {http_status} with JSON that is not a kvsidecar "
+            f"{model.__name__} ({field}: {first['msg']}); is that kvsidecar? Check {check}",
+            EXIT_ERROR,
+        ) from None
+    return body
+
+
 class SidecarApi:
     """The sidecar REST API. One :class:`httpx.Client` per command."""
 
@@ -96,8 +117,16 @@ class SidecarApi:
         self._client.close()
 
     def _call(
-        self, method: str, path: str, *, wait: float | None = None, json_body: Any = None
+        self,
+        method: str,
+        path: str,
+        answer: type[BaseModel] | None,
+        *,
+        wait: float | None = None,
+        json_body: Any = None,
     ) -> Reply:
+        """One request; the answer's body must be JSON of the shape of ``answer`` (None: an
+        empty ``204``, as ``DELETE /instances/{id}`` answers)."""
         params = {"wait": wait} if wait else None
         timeout = httpx.Timeout(_CONNECT_TIMEOUT_S + (wait or 0.0), connect=_CONNECT_TIMEOUT_S)
         try:
@@ -111,46 +140,64 @@ class SidecarApi:
                 EXIT_UNREACHABLE,
             ) from None
         _raise_for(resp)
-        return Reply(_json(resp, f"the sidecar at {self.url}"), resp.status_code)
+        where = f"the sidecar at {self.url}"
+        if answer is None:
+            if resp.status_code != 204:
+                raise CtlError(
+                    f"{where} answered HTTP {resp.status_code} where kvsidecar answers 204; "
+                    f"is that kvsidecar? Check {_URL_HINT}",
+                    EXIT_ERROR,
+                )
+            return Reply(None, resp.status_code)
+        return Reply(
+            _checked(_json(resp, where), answer, where, resp.status_code, _URL_HINT),
+            resp.status_code,
+        )
 
     def set_limit(self, instance_id: str, limit: int | None, wait: float | None) -> Reply:
         return self._call(
-            "PUT", f"{_path(instance_id)}/limit", wait=wait, json_body={"limit": limit}
+            "PUT",
+            f"{_path(instance_id)}/limit",
+            InstanceView,
+            wait=wait,
+            json_body={"limit": limit},
         )
 
     def delete_limit(self, instance_id: str, wait: float | None) -> Reply:
-        return self._call("DELETE", f"{_path(instance_id)}/limit", wait=wait)
+        return self._call("DELETE", f"{_path(instance_id)}/limit", InstanceView, wait=wait)
 
     def forget(self, instance_id: str) -> Reply:
-        return self._call("DELETE", _path(instance_id))
+        return self._call("DELETE", _path(instance_id), None)
 
     def status(self, instance_id: str, wait: float | None) -> Reply:
-        return self._call("GET", _path(instance_id), wait=wait)
+        return self._call("GET", _path(instance_id), InstanceView, wait=wait)
 
     def list(self) -> Reply:
-        return self._call("GET", "/instances")
+        return self._call("GET", "/instances", InstanceList)
 
     # --- the autopilot (docs/autopilot.md) ---
 
     def devices(self) -> Reply:
-        return self._call("GET", "/devices")
+        return self._call("GET", "/devices", DeviceList)
 
     def device(self, device_id: str) -> Reply:
-        return self._call("GET", _device_path(device_id))
+        return self._call("GET", _device_path(device_id), DeviceView)
 
     def set_budget(self, device_id: str, budget: int | None, dry_run: bool | None) -> Reply:
         if budget is None:
-            return self._call("DELETE", f"{_device_path(device_id)}/budget")
+            return self._call("DELETE", f"{_device_path(device_id)}/budget", DeviceView)
         body: dict[str, Any] = {"budget": budget}
         if dry_run is not None:
             body["dry_run"] = dry_run
-        return self._call("PUT", f"{_device_path(device_id)}/budget", json_body=body)
+        return self._call("PUT", f"{_device_path(device_id)}/budget", DeviceView, json_body=body)
 
     def set_device_limits(self, device_id: str, limits: dict[str, int]) -> Reply:
-        return self._call("PUT", f"{_device_path(device_id)}/limits", json_body={"limits": limits})
+        return self._call(
+            "PUT", f"{_device_path(device_id)}/limits", DeviceView, json_body={"limits": limits}
+        )
 
     def set_policy(self, instance_id: str, fields: dict[str, Any]) -> Reply:
-        return self._call("PUT", f"{_path(instance_id)}/policy", json_body=fields)
+        return self._call("PUT", f"{_path(instance_id)}/policy", InstanceView, json_body=fields)
 
 
 def _device_path(device_id: str) -> str:
@@ -192,7 +239,10 @@ class SocketApi:
             message = body.get("message") if isinstance(body, dict) else None
             raise CtlError(str(message or "revision rejected"), EXIT_ERROR)
         _raise_for(resp)
-        return Reply(_json(resp, where), resp.status_code)
+        return Reply(
+            _checked(_json(resp, where), EngineState, where, resp.status_code, "--socket"),
+            resp.status_code,
+        )
 
     def set_limit(self, limit: int | None, wait: float | None) -> Reply:
         body = LimitBody(limit=limit).model_dump(mode="json")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import socketserver
 import subprocess
 import sys
 import threading
@@ -247,7 +249,6 @@ def test_a_malformed_url_is_a_usage_error(url: str) -> None:
 
 def test_a_server_that_is_not_kvsidecar_is_a_clear_error(tmp_path: Path) -> None:
     """A wrong port or a proxy's login page answers 200 with HTML: one line, exit 1."""
-    import http.server
 
     class Html(http.server.BaseHTTPRequestHandler):
         def _answer(self) -> None:
@@ -272,6 +273,114 @@ def test_a_server_that_is_not_kvsidecar_is_a_clear_error(tmp_path: Path) -> None
             result = runner.invoke(app, ["--url", url, *args])
             assert result.exit_code == 1, (args, result.output, result.exception)
             assert "not JSON (text/html)" in result.output and "--url" in result.output
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Answers(http.server.BaseHTTPRequestHandler):
+    """Answers every request with 200 and the class's JSON ``body`` (not kvsidecar's shape)."""
+
+    body = b"{}"
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    do_GET = do_PUT = do_DELETE = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+_EVERY_COMMAND = (
+    ["list"],
+    ["list", "--json"],
+    ["status", "a"],
+    ["status", "a", "--wait", "1"],
+    ["limit", "a", "1G"],
+    ["limit", "a", "1G", "--json"],
+    ["limit-percent", "a", "10"],
+    ["delete", "a"],
+    ["forget", "a"],
+    ["watch", "--once"],
+    ["watch", "--count", "1"],
+    ["devices"],
+    ["devices", "d"],
+    ["budget", "d", "1G"],
+    ["budget", "d", "none"],
+    ["policy", "a", "--min", "1G"],
+    ["device-limits", "d", "a=1G"],
+)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{}",
+        b"[1, 2]",
+        b"null",
+        b'"ok"',
+        json.dumps({"instances": [{"id": "a"}], "devices": [{"id": "d"}]}).encode(),
+        json.dumps({"instances": 5, "devices": 5}).encode(),
+        json.dumps(
+            {"id": "a", "status": "applied", "desired": {"limit_bytes": "x", "revision": 1}}
+        ).encode(),
+    ],
+)
+def test_json_that_is_not_a_kvsidecar_answer_is_one_line(body: bytes) -> None:
+    """Another service's JSON (a proxy's error object, ``{}``) on the sidecar's port made
+    every command but forget end in a KeyError/TypeError traceback (forget said
+    'forgotten'): now one line naming the first field that does not fit, exit 1."""
+    handler = type("Answers", (_Answers,), {"body": body})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for args in _EVERY_COMMAND:
+            result = runner.invoke(app, ["--url", url, *args])
+            assert result.exit_code == 1, (args, result.output, result.exception)
+            assert isinstance(result.exception, SystemExit), (args, result.exception)
+            assert len(result.output.strip().splitlines()) == 1, (args, result.output)
+            assert "is that kvsidecar? Check --url/KVSIDECAR_URL" in result.output, args
+        proc = subprocess.run(
+            [sys.executable, "-m", "sidecar.kvctl", "--url", url, "list"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.startswith("kvctl: ") and len(proc.stderr.splitlines()) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_engine_socket_answering_other_json_is_one_line(tmp_path: Path) -> None:
+    """``--socket`` at a unix socket whose server answers JSON of another shape."""
+
+    class UnixHttp(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+
+    handler = type("Answers", (_Answers,), {"body": b'{"revision": "x"}'})
+    path = tmp_path / "other.sock"
+    server = UnixHttp(str(path), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        for args in (["status", "a"], ["status", "a", "--wait", "1"], ["limit", "a", "1G"]):
+            result = runner.invoke(app, ["--socket", str(path), *args])
+            assert result.exit_code == 1, (args, result.output, result.exception)
+            assert isinstance(result.exception, SystemExit), (args, result.exception)
+            assert "is not a kvsidecar EngineState" in result.output, result.output
+            assert "Check --socket" in result.output
     finally:
         server.shutdown()
         server.server_close()
