@@ -63,6 +63,18 @@ class SidecarSettings(BaseSettings):
     def _level_in_any_case(cls, value: object) -> object:
         return value.strip().lower() if isinstance(value, str) else value
 
+    @field_validator("host")
+    @classmethod
+    def _host_not_blank(cls, value: str) -> str:
+        # uvicorn binds an empty host on every interface (0.0.0.0 and ::): an empty
+        # KVSIDECAR_HOST (a compose ${VAR} that was not set) must not expose the sidecar
+        if not value.strip():
+            raise ValueError(
+                "empty: that would listen on every interface; unset KVSIDECAR_HOST for "
+                "loopback (127.0.0.1), or name the address (0.0.0.0 for all, on purpose)"
+            )
+        return value.strip()
+
     @field_validator("token")
     @classmethod
     def _token_not_blank(cls, value: SecretStr | None) -> SecretStr | None:

@@ -469,6 +469,19 @@ def test_a_token_with_inner_whitespace_is_refused_at_start(db: Path) -> None:
         SidecarSettings(db_path=db, token="s3 cret")
 
 
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [((), {"KVSIDECAR_HOST": ""}), ((), {"KVSIDECAR_HOST": "  "}), (("--host", ""), {})],
+)
+def test_an_empty_host_is_refused_not_bound_on_every_interface(
+    db: Path, args: tuple[str, ...], env: dict[str, str]
+) -> None:
+    """uvicorn binds an empty host on 0.0.0.0 and [::] (ss showed both): an empty
+    KVSIDECAR_HOST, e.g. a compose ``${SIDECAR_HOST}`` left unset, exposed the sidecar."""
+    line = _refused_at_start(db, *args, env=env)
+    assert "bad setting KVSIDECAR_HOST" in line and "every interface" in line, line
+
+
 def test_the_instance_count_is_capped(db: Path) -> None:
     with _serve(db, max_instances=3) as server, httpx.Client(base_url=server.url) as c:
         for i in range(3):
@@ -498,9 +511,10 @@ def test_readyz_fails_once_the_database_file_is_deleted(db: Path) -> None:
         assert c.get("/healthz").status_code == 200  # alive, not ready
 
 
-def _refused_at_start(db: Path) -> str:
-    """``kvsidecar serve --db DB`` in a child, which must refuse to start: exit 2 and one
-    line on stderr (no traceback). Returns that line."""
+def _refused_at_start(db: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """``kvsidecar serve --db DB [ARGS]`` in a child (with ``env`` added to the environment),
+    which must refuse to start: exit 2 and one line on stderr (no traceback). Returns that
+    line."""
     import os
     import subprocess
     import sys
@@ -508,8 +522,8 @@ def _refused_at_start(db: Path) -> str:
     from test_sidecar_support import ROOT
 
     proc = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--db", str(db)],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--db", str(db), *args],
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         capture_output=True,
         text=True,
         timeout=60,
