@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -16,6 +17,8 @@ from ._errors import EngineExtConfigError
 from .protocol import DEVICE_ID_PATTERN, ID_PATTERN, parse_limit, parse_size
 
 __all__ = ["EngineSettings", "load_engine_settings", "settings_error"]
+
+_log = logging.getLogger("engine_ext.settings")
 
 
 def _limit(value: Any) -> int | None:
@@ -68,6 +71,12 @@ class EngineSettings(BaseSettings):
     #: what the running requests may still add; ``applied`` then includes that growth
     #: (docs/limits.md, "Output reservation"). For engines on a budgeted device.
     reserve_output: bool = False
+
+    @field_validator("enable", mode="before")
+    @classmethod
+    def _empty_is_off(cls, value: Any) -> Any:
+        # an empty KVSIDECAR_ENABLE (a compose ${VAR} left unset) is off, not a bad boolean
+        return False if isinstance(value, str) and not value.strip() else value
 
     @field_validator("instance_id")
     @classmethod
@@ -129,11 +138,39 @@ class EngineSettings(BaseSettings):
 
 
 def load_engine_settings(**overrides: Any) -> EngineSettings:
-    """Read ``KVSIDECAR_*`` now; keyword overrides win. Bad values raise a config error."""
+    """Read ``KVSIDECAR_*`` now; keyword overrides win. Bad values raise a config error,
+    unless the extension is off (``KVSIDECAR_ENABLE`` unset or false and itself valid).
+
+    With the extension off nothing reads the other values, so a bad one must not stop
+    the engine: vLLM calls the plugin in every process of every ``vllm serve`` on a host
+    where kvsidecar is installed, and a refusal there ended vLLM. The bad fields then take
+    their defaults and one warning names them.
+    """
     try:
         return EngineSettings(**overrides)
     except ValidationError as exc:
-        raise settings_error(exc, "engine") from None
+        off = _disabled_despite(exc, overrides)
+        if off is None:
+            raise settings_error(exc, "engine") from None
+        _log.warning(
+            "kvsidecar is off (KVSIDECAR_ENABLE): ignoring %s", settings_error(exc, "engine")
+        )
+        return off
+
+
+def _disabled_despite(exc: ValidationError, overrides: dict[str, Any]) -> EngineSettings | None:
+    """The settings with the fields ``exc`` refused at their defaults, if that leaves the
+    extension off; None if it is on, or if ``enable`` itself is what was refused."""
+    fields = EngineSettings.model_fields
+    bad = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+    if not bad or "enable" in bad or not bad <= fields.keys():
+        return None
+    defaults = {name: fields[name].get_default(call_default_factory=True) for name in bad}
+    try:
+        settings = EngineSettings(**{**overrides, **defaults})
+    except ValidationError:
+        return None
+    return None if settings.enable else settings
 
 
 def settings_error(exc: ValidationError, what: str) -> EngineExtConfigError:

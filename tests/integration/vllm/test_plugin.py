@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +34,8 @@ from engine_ext.vllm._patches import (
 )
 
 pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -114,6 +120,53 @@ def test_bad_vllm_setting_refuses_before_patching(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(EngineExtConfigError, match="KVSIDECAR_MAX_CACHED_TOKENS"):
         plugin.register()
     assert kv_cache_coordinator.BlockPool is block_pool.BlockPool
+
+
+_BAD_SETTINGS = {"KVSIDECAR_LIMIT": "4 gigs", "KVSIDECAR_INSTANCE_ID": "not valid!"}
+
+
+@pytest.mark.usefixtures("restore_vllm")
+@pytest.mark.parametrize("enable", [None, "0", "false", ""])
+def test_bad_settings_do_not_stop_vllm_while_the_extension_is_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, enable: str | None
+) -> None:
+    """vLLM calls the plugin in every process of every ``vllm serve`` on a host where
+    kvsidecar is installed: a bad KVSIDECAR_LIMIT with the extension off refused to start
+    vLLM (and an empty KVSIDECAR_ENABLE was a bad boolean). Off, they are only warned about."""
+    if enable is None:
+        monkeypatch.delenv("KVSIDECAR_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("KVSIDECAR_ENABLE", enable)
+    for name, value in _BAD_SETTINGS.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level("WARNING", logger="engine_ext.settings"):
+        plugin.register()
+    assert kv_cache_coordinator.BlockPool is block_pool.BlockPool
+    assert "KVSIDECAR_LIMIT" in caplog.text and "KVSIDECAR_INSTANCE_ID" in caplog.text
+    monkeypatch.setenv("KVSIDECAR_ENABLE", "1")  # on: the same values refuse, naming both
+    with pytest.raises(EngineExtConfigError, match="KVSIDECAR_INSTANCE_ID.*KVSIDECAR_LIMIT"):
+        plugin.register()
+    assert kv_cache_coordinator.BlockPool is block_pool.BlockPool
+
+
+def test_vllms_own_plugin_loading_survives_bad_settings_while_off(tmp_path: Path) -> None:
+    """The same through vLLM's ``load_general_plugins`` and our entry point, in a child."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIDECAR_")}
+    code = (
+        "from vllm.plugins import load_general_plugins; load_general_plugins(); "
+        "from vllm.v1.core import block_pool, kv_cache_coordinator; "
+        "assert kv_cache_coordinator.BlockPool is block_pool.BlockPool; print('started')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, **_BAD_SETTINGS, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0 and "started" in proc.stdout, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -104,6 +104,7 @@ def test_a_world_writable_runtime_root_is_tightened(pool: Pool, tmp_path: Path) 
 
 
 def test_an_empty_runtime_dir_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSIDECAR_ENABLE", "1")  # off, an unused bad value is only warned about
     monkeypatch.setenv("KVSIDECAR_RUNTIME_DIR", "")
     with pytest.raises(EngineExtConfigError, match="KVSIDECAR_RUNTIME_DIR is empty"):
         load_engine_settings()

@@ -55,8 +55,16 @@ def test_bad_values_are_config_errors(
     monkeypatch: pytest.MonkeyPatch, env: str, value: str, needle: str
 ) -> None:
     monkeypatch.setenv(env, value)
+    monkeypatch.setenv("KVSIDECAR_ENABLE", "1")
     with pytest.raises(EngineExtConfigError, match=needle):
         load_engine_settings()
+    monkeypatch.setenv("KVSIDECAR_ENABLE", "0")  # off: nothing reads it; the default stands
+    name = env.removeprefix("KVSIDECAR_").lower()
+    off = load_engine_settings()
+    assert not off.enable
+    assert getattr(off, name) == EngineSettings.model_fields[name].get_default(
+        call_default_factory=True
+    )
 
 
 def test_exports_are_pinned_and_sorted() -> None:
