@@ -297,7 +297,10 @@ def list_(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 @app.command()
 def watch(
     ctx: typer.Context,
-    interval: Annotated[float, typer.Option(min=0.1, help="refresh period, seconds")] = 1.0,
+    # bounded: time.sleep(inf) raised OverflowError (a traceback) after the first refresh
+    interval: Annotated[
+        float, typer.Option(min=0.1, max=3600, help="refresh period, seconds")
+    ] = 1.0,
     once: Annotated[bool, typer.Option(help="draw the table once and exit")] = False,
     count: Annotated[int | None, typer.Option(min=1, help="stop after this many refreshes")] = None,
 ) -> None:
@@ -423,7 +426,9 @@ def device_limits(
         num = _size(size) if sep else None
         if not sep or num is None:
             raise _fail(f"{pair!r}: write ID=SIZE with a size (e.g. llama-a=2G)", EXIT_USAGE)
-        limits[_check_id(iid)] = num
+        if _check_id(iid) in limits:  # the last one silently won
+            raise _fail(f"{iid!r} is given twice: give each instance one size", EXIT_USAGE)
+        limits[iid] = num
     body = _run(ctx, lambda api: api.set_device_limits(device_id, limits)).body
     if as_json:
         _out.print_json(json.dumps(body))

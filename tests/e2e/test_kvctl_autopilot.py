@@ -70,3 +70,27 @@ def test_devices_budget_policy_and_device_limits(server: ThreadedSidecar) -> Non
         assert c.get("/devices/gpu-0").json()["budget_bytes"] == 6 * GiB
         code, out = kvctl(server, "budget", "gpu-0", "none")
         assert code == 0 and "budget unlimited" in out
+
+
+def test_device_limits_refuse_an_instance_given_twice(server: ThreadedSidecar) -> None:
+    """``a=1G a=4G`` pinned a at 4 GiB (the last pair won, silently): now a usage error,
+    and nothing is pinned."""
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        a = SimEngine(c, "a", "gpu-0")
+        a.register()
+        before = c.get("/instances/a").json()
+        code, out = kvctl(server, "device-limits", "gpu-0", "a=1G", "a=4G")
+        assert code == 2 and "'a' is given twice" in out, out
+        assert len(out.strip().splitlines()) == 1
+        after = c.get("/instances/a").json()
+        assert after["desired"] == before["desired"] and not after["policy"]["pinned"]
+
+
+@pytest.mark.parametrize("interval", ["inf", "1e300"])
+def test_watch_refuses_an_interval_it_cannot_sleep(server: ThreadedSidecar, interval: str) -> None:
+    """``--interval inf`` drew one refresh, then time.sleep raised OverflowError."""
+    result = runner.invoke(
+        app, ["--url", server.url, "watch", "--count", "2", "--interval", interval]
+    )
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert isinstance(result.exception, SystemExit) and "--interval" in result.output
