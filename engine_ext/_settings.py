@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from allocator import ThreadGuard
 
 from ._errors import EngineExtConfigError
-from .protocol import DEVICE_ID_PATTERN, ID_PATTERN, parse_limit, parse_size
+from .protocol import DEVICE_ID_PATTERN, ID_PATTERN, parse_limit, parse_size, unknown_settings
 
 __all__ = ["EngineSettings", "load_engine_settings", "settings_error"]
 
@@ -146,6 +146,7 @@ def load_engine_settings(**overrides: Any) -> EngineSettings:
     where kvsidecar is installed, and a refusal there ended vLLM. The bad fields then take
     their defaults and one warning names them.
     """
+    _warn_unknown_once()
     try:
         return EngineSettings(**overrides)
     except ValidationError as exc:
@@ -156,6 +157,18 @@ def load_engine_settings(**overrides: Any) -> EngineSettings:
             "kvsidecar is off (KVSIDECAR_ENABLE): ignoring %s", settings_error(exc, "engine")
         )
         return off
+
+
+_warned: set[str] = set()  # unknown variables already logged by this process
+
+
+def _warn_unknown_once() -> None:
+    """Log each ``KVSIDECAR_*`` variable no part of kvsidecar reads, once per process, on
+    or off: ``KVSIDECAR_ENABLED=1`` (a typo) leaves the extension off without a word."""
+    for line in unknown_settings(os.environ):
+        if line not in _warned:
+            _warned.add(line)
+            _log.warning(line)
 
 
 def _disabled_despite(exc: ValidationError, overrides: dict[str, Any]) -> EngineSettings | None:

@@ -9,13 +9,21 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["SidecarSettings", "default_db_path"]
+from engine_ext.protocol import unknown_settings
+
+__all__ = ["SidecarSettings", "default_db_path", "unknown_variables"]
 
 
 def default_db_path() -> Path:
     """``$XDG_STATE_HOME/kvsidecar/sidecar.db`` (``~/.local/state/kvsidecar/sidecar.db``)."""
     state_home = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(state_home) / "kvsidecar" / "sidecar.db"
+
+
+def unknown_variables() -> list[str]:
+    """One line per ``KVSIDECAR_*`` variable set here that no part of kvsidecar reads (a
+    typo, which the settings would ignore), to log at start."""
+    return unknown_settings(os.environ)
 
 
 class SidecarSettings(BaseSettings):

@@ -13,7 +13,7 @@ import typer
 
 from ._errors import SidecarError
 from ._logging import configure_logging
-from ._settings import SidecarSettings
+from ._settings import SidecarSettings, unknown_variables
 from ._store import Store
 from ._version import version_line
 
@@ -89,6 +89,8 @@ def serve(
         typer.echo(f"kvsidecar: {exc.detail}", err=True)
         raise typer.Exit(2) from None
     configure_logging(settings.log_level, settings.log_format)
+    for line in unknown_variables():
+        logging.getLogger("kvsidecar").warning(line)
     if settings.host not in ("127.0.0.1", "::1", "localhost") and settings.token is None:
         logging.getLogger("kvsidecar").warning(
             "binding %s without KVSIDECAR_TOKEN: anyone who can reach it can set limits",

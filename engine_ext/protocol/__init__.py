@@ -9,6 +9,7 @@ Both sides import it, so the two can never disagree on a field, a word or a rule
 * revisions -- :func:`judge_revision`, the one revision rule (the sidecar's store and the
   engine's mailbox), and its bounds;
 * paths -- instance ids and unix-socket path limits;
+* settings -- the ``KVSIDECAR_*`` names some part reads (:func:`unknown_settings`);
 * the JSON bodies exchanged over HTTP (pydantic models), and the rule that a key given
   twice in one object is refused (:func:`duplicate_json_key`).
 
@@ -28,6 +29,7 @@ from ._revisions import (
     RevisionVerdict,
     judge_revision,
 )
+from ._settings_names import KNOWN_SETTINGS, unknown_settings
 from ._sizes import MAX_LIMIT_BYTES, SizeError, format_size, parse_limit, parse_size
 from ._status import DeferReason, InstanceReason, Status, WaitReason
 from ._wire import (
@@ -54,6 +56,7 @@ from ._wire import (
 __all__ = [
     "DEVICE_ID_PATTERN",
     "ID_PATTERN",
+    "KNOWN_SETTINGS",
     "MAX_CLIENT_REVISION",
     "MAX_FIGURE",
     "MAX_LIMIT_BYTES",
@@ -90,4 +93,5 @@ __all__ = [
     "parse_size",
     "registration_mark",
     "socket_path_fits",
+    "unknown_settings",
 ]

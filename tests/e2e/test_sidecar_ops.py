@@ -469,6 +469,19 @@ def test_a_token_with_inner_whitespace_is_refused_at_start(db: Path) -> None:
         SidecarSettings(db_path=db, token="s3 cret")
 
 
+def test_serve_names_a_misspelt_setting(db: Path) -> None:
+    """``KVSIDECAR_HEARTBEAT_TIMEOUT=3`` (no ``_S``) was dropped without a word: the
+    sidecar ran with 15 s."""
+    from test_sidecar_support import SidecarProcess
+
+    proc = SidecarProcess(db, {"KVSIDECAR_HEARTBEAT_TIMEOUT": "3"}).start()
+    proc.stop()
+    assert (
+        "KVSIDECAR_HEARTBEAT_TIMEOUT is not a kvsidecar setting, so it is ignored; "
+        "did you mean KVSIDECAR_HEARTBEAT_TIMEOUT_S?" in proc.stderr
+    ), proc.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "env"),
     [((), {"KVSIDECAR_HOST": ""}), ((), {"KVSIDECAR_HOST": "  "}), (("--host", ""), {})],
