@@ -6,6 +6,7 @@ import asyncio
 import importlib
 import importlib.util
 import logging
+import socket
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -88,6 +89,16 @@ def serve(
     except SidecarError as exc:
         typer.echo(f"kvsidecar: {exc.detail}", err=True)
         raise typer.Exit(2) from None
+    try:
+        _check_listen(settings.host, settings.port)
+    except OSError as exc:
+        typer.echo(
+            f"kvsidecar: cannot listen on {settings.host} port {settings.port}: "
+            f"{exc.strerror or exc}; set --host/--port (KVSIDECAR_HOST/KVSIDECAR_PORT) to "
+            "an address of this machine and a free port",
+            err=True,
+        )
+        raise typer.Exit(2) from None
     configure_logging(settings.log_level, settings.log_format)
     for line in unknown_variables():
         logging.getLogger("kvsidecar").warning(line)
@@ -97,6 +108,20 @@ def serve(
             settings.host,
         )
     uvicorn.Server(server_config(create_app(settings), settings)).run()
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Bind every address ``host`` names once, and let go: a port in use or a name that
+    does not resolve is one line and exit 2 here, not uvicorn's log lines and exit 3.
+    (Another process may still take the port before uvicorn binds it; that is rare.)"""
+    for family, kind, proto, _, address in socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    ):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(address)
 
 
 async def _check_database(settings: SidecarSettings) -> None:

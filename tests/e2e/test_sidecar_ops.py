@@ -469,6 +469,18 @@ def test_a_token_with_inner_whitespace_is_refused_at_start(db: Path) -> None:
         SidecarSettings(db_path=db, token="s3 cret")
 
 
+def test_a_port_in_use_or_an_unknown_host_is_one_line(db: Path) -> None:
+    """uvicorn logged its start-up, an ERROR line and its shutdown, and exited 3."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        line = _refused_at_start(db, "--port", port)
+        assert f"cannot listen on 127.0.0.1 port {port}: Address already in use" in line, line
+    line = _refused_at_start(db, "--host", "no-such-host.invalid")
+    assert "cannot listen on no-such-host.invalid" in line and "KVSIDECAR_HOST" in line, line
+
+
 def test_serve_names_a_misspelt_setting(db: Path) -> None:
     """``KVSIDECAR_HEARTBEAT_TIMEOUT=3`` (no ``_S``) was dropped without a word: the
     sidecar ran with 15 s."""
