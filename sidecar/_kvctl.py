@@ -32,6 +32,7 @@ from ._kvctl_client import (
     SocketApi,
 )
 from ._kvctl_render import device_lines, instance_line, instance_table, state_line
+from ._settings import token_fits_a_header
 from ._version import version_line
 
 __all__ = ["CtlSettings", "app", "main"]
@@ -142,6 +143,12 @@ def _global(
     env_token = settings.token.get_secret_value() if settings.token else None
     # surrounding whitespace is never part of a token (the sidecar strips it too)
     chosen = (token or env_token or "").strip() or None
+    if chosen is not None and not token_fits_a_header(chosen):
+        raise _fail(
+            "--token/KVSIDECAR_TOKEN must be printable ASCII without spaces or control "
+            "characters (as the sidecar requires)",
+            EXIT_USAGE,
+        )
     ctx.obj = _Ctx(sidecar_url(url or settings.url), chosen, socket)
 
 

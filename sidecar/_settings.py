@@ -11,13 +11,20 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine_ext.protocol import unknown_settings
 
-__all__ = ["SidecarSettings", "default_db_path", "unknown_variables"]
+__all__ = ["SidecarSettings", "default_db_path", "token_fits_a_header", "unknown_variables"]
 
 
 def default_db_path() -> Path:
     """``$XDG_STATE_HOME/kvsidecar/sidecar.db`` (``~/.local/state/kvsidecar/sidecar.db``)."""
     state_home = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(state_home) / "kvsidecar" / "sidecar.db"
+
+
+def token_fits_a_header(token: str) -> bool:
+    """Whether ``Authorization: Bearer <token>`` can be sent: printable ASCII, no spaces
+    (an HTTP client cannot encode 'é' in a header, so such a token locked every client out,
+    and kvctl ended in a UnicodeEncodeError traceback)."""
+    return bool(token) and all("!" <= c <= "~" for c in token)
 
 
 def unknown_variables() -> list[str]:
@@ -93,8 +100,10 @@ class SidecarSettings(BaseSettings):
         stripped = value.get_secret_value().strip()
         if not stripped:
             return None  # an empty KVSIDECAR_TOKEN means "no token", not "the empty token"
-        if any(c.isspace() for c in stripped) or not stripped.isprintable():
-            raise ValueError("KVSIDECAR_TOKEN must not contain spaces or control characters")
+        if not token_fits_a_header(stripped):
+            raise ValueError(
+                "KVSIDECAR_TOKEN must be printable ASCII without spaces or control characters"
+            )
         return SecretStr(stripped)
 
     @model_validator(mode="after")

@@ -236,6 +236,23 @@ def test_a_token_with_whitespace_from_the_environment_works(
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize("bad", ["s3cr\u00e9t", "a b", "a\nb", "a\x01b"])
+def test_a_token_that_cannot_be_sent_is_a_usage_error(
+    sidecar: ThreadedSidecar, monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
+    """'é' in --token or KVSIDECAR_TOKEN ended in a UnicodeEncodeError traceback, a newline
+    in 'cannot reach the sidecar' (exit 4): one line, exit 2, nothing sent."""
+    assert kvctl(sidecar, "limit", "llama-a", "4G")[0] == 0
+    before = httpx.get(f"{sidecar.url}/instances/llama-a").json()["desired"]
+    code, out = kvctl(sidecar, "limit", "llama-a", "1G", token=bad)
+    assert code == 2 and "must be printable ASCII" in out, out
+    assert len(out.strip().splitlines()) == 1
+    monkeypatch.setenv("KVSIDECAR_TOKEN", bad)
+    result = runner.invoke(app, ["--url", sidecar.url, "limit", "llama-a", "1G"])
+    assert result.exit_code == 2 and "must be printable ASCII" in result.output, result.output
+    assert httpx.get(f"{sidecar.url}/instances/llama-a").json()["desired"] == before
+
+
 @pytest.mark.parametrize(
     "url", ["127.0.0.1:abc", "localhost:8570x", "http://[::1", "http://:8570", "ftp://x"]
 )

@@ -465,8 +465,15 @@ def test_a_token_with_surrounding_whitespace_is_stripped(db: Path) -> None:
 
 
 def test_a_token_with_inner_whitespace_is_refused_at_start(db: Path) -> None:
-    with pytest.raises(ValueError, match="KVSIDECAR_TOKEN must not contain spaces"):
+    with pytest.raises(ValueError, match="KVSIDECAR_TOKEN must be printable ASCII without"):
         SidecarSettings(db_path=db, token="s3 cret")
+
+
+def test_a_token_no_client_can_send_is_refused_at_start(db: Path) -> None:
+    """'é' started the sidecar, and no HTTP client can put it in a header: every PUT was
+    locked out (kvctl ended in a UnicodeEncodeError traceback)."""
+    line = _refused_at_start(db, env={"KVSIDECAR_TOKEN": "s3cr\u00e9t"})
+    assert "KVSIDECAR_TOKEN must be printable ASCII" in line, line
 
 
 def test_a_port_in_use_or_an_unknown_host_is_one_line(db: Path) -> None:
