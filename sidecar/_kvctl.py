@@ -149,7 +149,10 @@ def _global(
             "characters (as the sidecar requires)",
             EXIT_USAGE,
         )
-    ctx.obj = _Ctx(sidecar_url(url or settings.url), chosen, socket)
+    # with --socket no sidecar is asked: an unrelated KVSIDECAR_URL must not stop the command
+    # (a malformed --url given with --socket still is a usage error)
+    raw_url = url or settings.url
+    ctx.obj = _Ctx(raw_url if socket and url is None else sidecar_url(raw_url), chosen, socket)
 
 
 def _fail(message: str, code: int) -> typer.Exit:

@@ -160,6 +160,17 @@ def test_socket_mode_talks_to_the_engine_directly(tmp_path: Path) -> None:
     assert result.exit_code == 4 and "cannot reach the engine control socket" in result.output
 
 
+def test_socket_mode_ignores_the_sidecar_url_setting(tmp_path: Path) -> None:
+    """A KVSIDECAR_URL kvctl could not use (meant for another tool) refused every
+    ``--socket`` command, which asks no sidecar."""
+    with SocketEngine(tmp_path / "d.sock", mapped_bytes=GiB, device_total_bytes=8 * GiB) as eng:
+        args = ["--socket", str(eng.socket_path), "status", "any"]
+        result = runner.invoke(app, args, env={"KVSIDECAR_URL": "ftp://elsewhere"})
+        assert result.exit_code == 0 and "engine: " in result.output, result.output
+        result = runner.invoke(app, ["--url", "ftp://x", *args])
+        assert result.exit_code == 2 and "cannot be used" in result.output
+
+
 def test_real_process_exit_codes_and_no_traceback() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KVSIDECAR_URL": "http://127.0.0.1:9"}
     for args, code in ((["limit", "a", "-1G"], 2), (["list"], 4), (["limit"], 2)):
