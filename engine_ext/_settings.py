@@ -14,7 +14,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from allocator import ThreadGuard
 
 from ._errors import EngineExtConfigError
-from .protocol import DEVICE_ID_PATTERN, ID_PATTERN, parse_limit, parse_size, unknown_settings
+from .protocol import (
+    DEVICE_ID_PATTERN,
+    ID_PATTERN,
+    parse_limit,
+    parse_size,
+    token_fits_a_header,
+    unknown_settings,
+)
 
 __all__ = ["EngineSettings", "load_engine_settings", "settings_error"]
 
@@ -94,7 +101,10 @@ class EngineSettings(BaseSettings):
         # the sidecar and kvctl strip surrounding whitespace the same way
         if value is None or not value.get_secret_value().strip():
             return None
-        return SecretStr(value.get_secret_value().strip())
+        stripped = value.get_secret_value().strip()
+        if not token_fits_a_header(stripped):  # httpx could not send it (UnicodeEncodeError)
+            raise ValueError("must be printable ASCII without spaces or control characters")
+        return SecretStr(stripped)
 
     @field_validator("runtime_dir", mode="before")
     @classmethod

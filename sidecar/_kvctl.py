@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 from rich.live import Live
 
-from engine_ext.protocol import ID_PATTERN, SizeError, Status, parse_limit
+from engine_ext.protocol import ID_PATTERN, SizeError, Status, parse_limit, token_fits_a_header
 
 from ._kvctl_client import (
     EXIT_DEFERRED,
@@ -32,7 +32,6 @@ from ._kvctl_client import (
     SocketApi,
 )
 from ._kvctl_render import device_lines, instance_line, instance_table, state_line
-from ._settings import token_fits_a_header
 from ._version import version_line
 
 __all__ = ["CtlSettings", "app", "main"]

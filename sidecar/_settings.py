@@ -9,22 +9,15 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine_ext.protocol import unknown_settings
+from engine_ext.protocol import token_fits_a_header, unknown_settings
 
-__all__ = ["SidecarSettings", "default_db_path", "token_fits_a_header", "unknown_variables"]
+__all__ = ["SidecarSettings", "default_db_path", "unknown_variables"]
 
 
 def default_db_path() -> Path:
     """``$XDG_STATE_HOME/kvsidecar/sidecar.db`` (``~/.local/state/kvsidecar/sidecar.db``)."""
     state_home = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(state_home) / "kvsidecar" / "sidecar.db"
-
-
-def token_fits_a_header(token: str) -> bool:
-    """Whether ``Authorization: Bearer <token>`` can be sent: printable ASCII, no spaces
-    (an HTTP client cannot encode 'é' in a header, so such a token locked every client out,
-    and kvctl ended in a UnicodeEncodeError traceback)."""
-    return bool(token) and all("!" <= c <= "~" for c in token)
 
 
 def unknown_variables() -> list[str]:

@@ -51,6 +51,7 @@ from ._wire import (
     RegisterReply,
     Revision,
     registration_mark,
+    token_fits_a_header,
 )
 
 __all__ = [
@@ -93,5 +94,6 @@ __all__ = [
     "parse_size",
     "registration_mark",
     "socket_path_fits",
+    "token_fits_a_header",
     "unknown_settings",
 ]

@@ -31,6 +31,7 @@ __all__ = [
     "RegisterReply",
     "Revision",
     "registration_mark",
+    "token_fits_a_header",
 ]
 
 
@@ -69,6 +70,13 @@ Count = Annotated[int, Field(ge=0, le=MAX_FIGURE), BeforeValidator(_a_number)]
 #: claim one instance id apart (the second is refused with 409).
 REGISTRATION_HEADER = "X-KVSidecar-Registration"
 REGISTRATION_TOKEN_PATTERN = r"^[A-Za-z0-9_-]{16,64}$"
+
+
+def token_fits_a_header(token: str) -> bool:
+    """Whether ``Authorization: Bearer <token>`` can be sent: printable ASCII, no spaces.
+    The one rule for the sidecar, engines and kvctl (an HTTP client cannot encode 'é' in a
+    header: such a token locked every client out, and kvctl ended in a traceback)."""
+    return bool(token) and all("!" <= c <= "~" for c in token)
 
 
 def registration_mark(token: str) -> str:

@@ -49,6 +49,10 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         ("KVSIDECAR_RESERVE_PAGES", "-1", "KVSIDECAR_RESERVE_PAGES"),
         ("KVSIDECAR_VIRTUAL_KV_BYTES", "0", "KVSIDECAR_VIRTUAL_KV_BYTES"),
         ("KVSIDECAR_VIRTUAL_KV_BYTES", "lots", "KVSIDECAR_VIRTUAL_KV_BYTES"),
+        # httpx cannot put these in a header: SidecarClient's construction raised
+        # UnicodeEncodeError (a traceback at engine start) instead of a config error
+        ("KVSIDECAR_TOKEN", "s3cr\u00e9t", "KVSIDECAR_TOKEN: Value error, must be printable"),
+        ("KVSIDECAR_TOKEN", "s3 cret", "KVSIDECAR_TOKEN: Value error, must be printable"),
     ],
 )
 def test_bad_values_are_config_errors(
