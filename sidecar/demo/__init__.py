@@ -95,6 +95,13 @@ def run_demo(*argv: str) -> None:
         sys.exit(
             f"kvsidecar demo: needs {_and(missing)}, not installed in {sys.prefix}; {_INSTALL_HINT}"
         )
+    try:  # before the engines start: an --out that cannot be created was a traceback at once
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        sys.exit(
+            f"kvsidecar demo: cannot create --out {str(args.out)!r}: "
+            f"{exc.strerror or exc}; give a writable directory"
+        )
     console = Console()
     sys.exit(0 if _run(args, console) else 1)
 
@@ -135,8 +142,7 @@ def _session(args: argparse.Namespace, console: Console, scenario: str, body: _B
     from ._report import print_checks, write_json, write_plot
     from ._sampler import Sampler
 
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    out: Path = args.out  # created by run_demo
     workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-demo-"))
     t0 = time.monotonic()
     results: dict[str, Any] = {"scenario": scenario, "workdir": str(workdir)}

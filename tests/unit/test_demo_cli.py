@@ -40,6 +40,24 @@ def test_bad_demo_arguments_fail_fast_with_a_message(
     assert not (out / "demo-results.json").exists()  # nothing ran
 
 
+def test_an_output_directory_that_cannot_be_created_is_one_line(tmp_path: Path) -> None:
+    """``--out /proc/nope`` ended in a FileNotFoundError traceback (80 lines)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in ("/proc/kvsidecar-nope", str(blocker / "out")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "sidecar.cli", "demo", "--quick", "--out", out],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith(f"kvsidecar demo: cannot create --out {out!r}: ")
+
+
 def test_demo_help_lists_its_options() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "sidecar.cli", "demo", "--help"],
