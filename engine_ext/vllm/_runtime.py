@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +43,7 @@ from engine_ext._coordinator import Demand
 from engine_ext._errors import EngineExtConfigError
 from engine_ext._hit_window import PrefixHitWindow
 from engine_ext._inline import guarded_copy
+from engine_ext._parent import ParentWatch
 from engine_ext.protocol import DeferReason, EngineState, Status
 from engine_ext.vllm._kv_memory import claim_kv_memory
 from engine_ext.vllm._pool_backing import DeviceFullError, PoolBacking
@@ -95,6 +98,7 @@ class VllmRuntime(StepState):
         self.instance: ElasticInstance | None = None
         self.pool: ElasticBlockPool | None = None
         self._engine_core: Any = None  # EngineCoreProc, set by attach_engine
+        self._parent_watch: ParentWatch | None = None  # EngineCoreProc: its API server
         self._armed = False
         self._arm_lock = threading.Lock()
         self._in_update = False  # inside Scheduler.update_from_output
@@ -202,6 +206,9 @@ class VllmRuntime(StepState):
         self.instance.start()
         if threading.current_thread() is threading.main_thread():
             self.instance.install_signal_cleanup()  # removes the socket first (RuntimeDir)
+            # vLLM's EngineCore outlives a killed API server for good, memory and all
+            self._parent_watch = ParentWatch(_end_orphaned_engine_core)
+            self._parent_watch.start()
         _log.info(
             "kvsidecar: instance %s, control socket %s",
             self.instance.instance_id,
@@ -211,6 +218,8 @@ class VllmRuntime(StepState):
 
     def close(self) -> None:
         """Busy loop ended: stop the socket and the sidecar client (idempotent)."""
+        if self._parent_watch is not None:
+            self._parent_watch.stop()
         if self.instance is not None:
             self.instance.close()
 
@@ -650,6 +659,19 @@ class VllmRuntime(StepState):
 # costs about four times as much as the call itself (bench/README.md). The factory checks
 # the original's signature and falls back to a generic ``*args, **kwargs`` form when it
 # differs (a patch release that added a parameter keeps working, a little slower).
+
+
+def _end_orphaned_engine_core(parent: int) -> None:
+    """Watch thread: the API server that started this EngineCore is gone, so nobody can
+    reach it again. End it the way vLLM's own shutdown does (SIGTERM: our handler removes
+    the runtime dir, vLLM's ends the busy loop), so its KV memory goes back."""
+    _log.error(
+        "kvsidecar: the process that started this EngineCore (pid %d) is gone; ending this "
+        "EngineCore (pid %d) so its KV memory goes back",
+        parent,
+        os.getpid(),
+    )
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _signature(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
