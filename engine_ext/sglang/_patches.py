@@ -34,6 +34,11 @@ target                                                        what the wrapper a
                                                               pages its frees unmapped
 ``Scheduler.on_idle``                                         pass when a limit is pending; leak
                                                               check total synced
+``Scheduler._record_scheduler_state_for_paused_engine``       the same idle pass while generation
+                                                              is paused (``/pause_generation``
+                                                              in_place/retract: the loops skip
+                                                              ``get_next_batch_to_run`` and
+                                                              ``on_idle`` then)
 ===========================================================  =================================
 """
 
@@ -174,6 +179,22 @@ def _wrap_on_idle(original: Any, session: Session) -> Any:
     return on_idle
 
 
+def _wrap_paused_engine(original: Any, session: Session) -> Any:
+    from ._runtime import runtime_of
+
+    @functools.wraps(original)
+    def _record_scheduler_state_for_paused_engine(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Paused (in_place or retract), SGLang's loops call only this per iteration: no
+        # get_next_batch_to_run, no on_idle, no allocation, so the idle pass is safe here
+        # and a limit is taken while paused rather than at /continue_generation.
+        runtime = runtime_of(self)
+        if runtime is not None:
+            runtime.on_idle()
+        return original(self, *args, **kwargs)
+
+    return _record_scheduler_state_for_paused_engine
+
+
 def _refuse_unsupported(server_args: Any) -> None:
     """Fail closed on set-ups the adapter cannot keep consistent."""
     problems = []
@@ -284,6 +305,12 @@ PATCHES: tuple[Patch, ...] = (
         V0_5_23,
         _wrap_on_idle,
         "a pass when a limit is pending; leak-check total synced",
+    ),
+    Patch(
+        f"{_SCHED}:Scheduler._record_scheduler_state_for_paused_engine",
+        V0_5_23,
+        _wrap_paused_engine,
+        "while generation is paused the loops skip both hooks above: the idle pass runs here",
     ),
 )
 
