@@ -419,12 +419,16 @@ class ElasticTokenAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
 
     def clear(self) -> None:
         """First call (construction): hold the padding page. Later (``flush_cache``):
-        free every block but the padding page."""
+        free every block but the padding page, the promised ones included."""
         if not self._initialized:
             if not self.blocks.is_allocated(PADDING_BLOCK):  # placed pools claim it earlier
                 claim_block(self.blocks, PADDING_BLOCK)
             self._padding_held = self._initialized = True
         else:
+            # promised blocks are among those freed here: forget them, or the next pass's
+            # release_promises frees them a second time (a flush lands between a round that
+            # left promises and that pass: pause_generation(retract) + flush_cache in one ingest)
+            self._promised = []
             held = [b for b in range(1, self.blocks.num_blocks) if self.blocks.is_allocated(b)]
             if held:
                 self._free_blocks(held)

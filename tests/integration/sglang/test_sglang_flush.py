@@ -1,0 +1,67 @@
+"""SGLang's ``flush_cache`` (``/flush_cache``, a weight update) against the adapter's allocator.
+
+``Scheduler.flush_cache`` runs in the ingest step at the top of an iteration,
+before ``get_next_batch_to_run``: ``tree_cache.reset()``,
+``req_to_token_pool.clear()``, ``token_to_kv_pool_allocator.clear()``. The
+pages admission promised in the previous round and did not use are released at
+the next pass; a flush in between frees them first. It is reached when
+``/pause_generation`` (``retract``) and ``/flush_cache`` arrive in one ingest,
+as a trainer sends them back to back around a weight update (SGLang answers
+the pause before the scheduler has read it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from sglang_support import prompt
+
+from engine_ext.cpu_harness import CpuHarness
+
+pytestmark = pytest.mark.sglang
+
+Make = Callable[..., CpuHarness]
+
+
+def _retract_chunked(h: CpuHarness) -> None:
+    """``pause_generation(mode="retract")`` on the chunked request (SGLang's ``retract_all``
+    -> ``release_req``): its own KV back to the allocator, its lock and row released, the
+    request queued again."""
+    req = h.chunked
+    assert req is not None and req.row is not None
+    kv = h.req_to_token_pool.req_to_token[req.row, : req.kv_len].to("cpu").long()
+    h.token_to_kv_pool_allocator.free(kv[req.owned_len :])
+    h.tree_cache.unlock(req.lock)
+    h.req_to_token_pool.free_rows([req.row])
+    req.row, req.lock, req.kv_len, req.prefix_len, req.owned_len = None, None, 0, 0, 0
+    h.chunked = None
+    h.waiting.insert(0, req)
+
+
+def test_flush_right_after_a_round_that_left_promised_pages(
+    make_harness: Make, cache_kind: str
+) -> None:
+    h = make_harness(cache_kind, chunked_prefill_size=30)
+    allocator = h.token_to_kv_pool_allocator
+    reference = make_harness(cache_kind, chunked_prefill_size=30)
+    expected = reference.submit(prompt(1, 100), max_new_tokens=4)
+    reference.run_until_idle()
+
+    req = h.submit(prompt(1, 100), max_new_tokens=4)
+    h.iterate()  # a 28-token chunk (page-aligned end) of a 30-token budget: 8 pages promised
+    assert h.chunked is req and allocator.promised_tokens > 0  # the 8th page, unused
+
+    _retract_chunked(h)
+    # Scheduler.flush_cache's memory steps, in its order
+    h.tree_cache.reset()
+    h.req_to_token_pool.clear()
+    allocator.clear()
+
+    h.pool.on_idle()  # the paused loop's pass (or the next iteration's): no double free
+    assert h.blocks.num_allocated_blocks == 1  # the padding block only
+    assert h.mapped_bytes() == h.bundle_bytes == h.pool.state().mapped_bytes  # memfd
+
+    h.run_until_idle()  # continue_generation: the request is prefilled again and completes
+    assert req.done and req.generated == expected.generated
+    assert h.pool.state().mapped_bytes == h.mapped_bytes()
