@@ -26,6 +26,7 @@ CPU harness and the real server get the same ones) by :func:`track_tree_cache`:
   change form the path's tail), found with ``collect_path_info`` (O(path
   depth), as the core's own lock walk). ``_evict_device_leaf``: the node's
   host entry goes; inside a free group its blocks are unmarked.
+  ``reset`` (``flush_cache``): every host entry goes.
 
 Block ids are kept on the host per node (read from the node's slot tensor
 once, when an insert adds it; a split hands the prefix to the new parent),
@@ -364,10 +365,21 @@ def _hook_unified(counts: TreeCounts) -> None:
 
         return evict
 
+    def reset(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            # flush_cache: every node goes (ids are never reused): drop their host entries,
+            # or the mirror keeps every node of every flushed tree for the process's life
+            mirror.clear()
+            counts.num_hook_calls += 1
+            return original(*args, **kwargs)
+
+        return call
+
     counts.hook("inc_lock_ref", lock_ref(lock=True))
     counts.hook("dec_lock_ref", lock_ref(lock=False))
     counts.hook("insert", insert)
     counts.hook("_evict_device_leaf", evict_device_leaf)
+    counts.hook("reset", reset)
 
 
 def track_tree_cache(

@@ -12,10 +12,11 @@ the pause before the scheduler has read it).
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable
 
 import pytest
-from sglang_support import prompt
+from sglang_support import fill, prompt
 
 from engine_ext.cpu_harness import CpuHarness
 
@@ -65,3 +66,41 @@ def test_flush_right_after_a_round_that_left_promised_pages(
     h.run_until_idle()  # continue_generation: the request is prefilled again and completes
     assert req.done and req.generated == expected.generated
     assert h.pool.state().mapped_bytes == h.mapped_bytes()
+
+
+def _counts_bytes() -> int:
+    """Bytes allocated by ``engine_ext/sglang/_counts.py`` and still alive (tracemalloc)."""
+    snapshot = tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(True, "*engine_ext/sglang/_counts.py")]
+    )
+    return sum(stat.size for stat in snapshot.statistics("filename"))
+
+
+def test_repeated_flushes_do_not_grow_the_evictable_counts_memory(make_harness: Make) -> None:
+    """The unified cache's hooks keep node block ids on the host; a flush drops every node
+    (the Rust core never reuses an id), so what they hold must not grow flush after flush."""
+    h = make_harness("unified")
+    allocator = h.token_to_kv_pool_allocator
+
+    def cycle(i: int) -> None:
+        fill(h, 20, start=20 * i)
+        h.tree_cache.reset()  # Scheduler.flush_cache's memory steps, in its order
+        h.req_to_token_pool.clear()
+        allocator.clear()
+        h.iterate()
+
+    tracemalloc.start()
+    try:
+        for i in range(15):  # Python's free lists fill up (freed objects stay traced there)
+            cycle(i)
+        early = _counts_bytes()
+        for i in range(15, 45):
+            cycle(i)
+        late = _counts_bytes()
+    finally:
+        tracemalloc.stop()
+    assert h.pool.counts is not None and h.pool.counts.num_resyncs == 0
+    assert h.blocks.num_evictable_blocks == 0 == h.tree_cache.evictable_size()
+    # 30 more flushed trees of 20 requests each: before, every node's entry stayed
+    # (~10 KiB per flush)
+    assert late - early < 32 << 10, (early, late)
