@@ -130,6 +130,36 @@ def test_limit_lowered_under_traffic_defers_then_applies(engine: Engine) -> None
     print(f"\n{pending} of {len(futures)} requests waited for the limit to be raised")
 
 
+def _post(engine: Engine, path: str, body: dict[str, object]) -> None:
+    response = httpx.post(engine.server.base_url + path, json=body, timeout=60)
+    assert response.status_code == 200, response.text
+
+
+def test_limit_lowered_while_generation_is_paused_applies_in_the_overlap_loop(
+    engine: Engine,
+) -> None:
+    """``/pause_generation`` (in_place) stops ``event_loop_overlap`` before
+    ``get_next_batch_to_run`` and ``on_idle`` too: the limit is taken while paused."""
+    engine.flush()
+    prompts = [f"{DOC} paused {i}" for i in range(4)]
+    reference = [engine.generate(p, max_new_tokens=8)[0] for p in prompts]
+    full = engine.quiet_state()
+    limit = full["mapped_bytes"] // 2
+    _post(engine, "/pause_generation", {"mode": "in_place"})
+    try:
+        revision = engine.set_limit(limit)
+        paused = engine.wait_state(revision, status="applied")
+        assert paused["mapped_bytes"] <= limit and engine.server.kv_memfd_bytes() <= limit
+    finally:
+        _post(engine, "/continue_generation", {})
+    # (under half the cache a 500-token document no longer fits: unlimited again first)
+    engine.wait_state(engine.set_limit(None), status="applied")
+    with ThreadPoolExecutor(4) as pool:
+        assert engine.results([pool.submit(engine.generate, p, 8, 180) for p in prompts]) == (
+            reference
+        )
+
+
 def test_zz_sigint_to_the_process_group_removes_socket_and_owner_file(engine: Engine) -> None:
     """Last in the module: Ctrl-C (SIGINT to every process of the group)."""
     assert engine.socket_path.exists() and (engine.instance_dir / ".owner").exists()
