@@ -386,8 +386,13 @@ class Autopilot:
                 await self._pass(device_id)
         return self.device(device_id)
 
-    async def forget(self, instance_id: str) -> None:
+    async def forget(self, instance_id: str, *, source: str) -> None:
+        """``DELETE /instances/{id}``: drop the instance and its policy row. Under the lock: a
+        pass that planned a change for it writes it before (the instance is then dropped
+        with it) or not at all, never after, which would store its limit again, a new
+        pending instance where the operator had just forgotten one."""
         async with self._lock:
+            await self._service.forget(instance_id, source=source)
             await self._store.forget(instance_id)
             for table in (
                 self._policies,

@@ -129,10 +129,9 @@ async def delete_limit(
     summary="Forget the instance: its desired limit, registration and metrics",
 )
 async def forget_instance(
-    instance_id: InstanceId, service: Service, autopilot: AutopilotDep, request: Request
+    instance_id: InstanceId, autopilot: AutopilotDep, request: Request
 ) -> Response:
-    await service.forget(instance_id, source=_source(request, "DELETE"))
-    await autopilot.forget(instance_id)
+    await autopilot.forget(instance_id, source=_source(request, "DELETE"))
     return Response(status_code=204)
 
 

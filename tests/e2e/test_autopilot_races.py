@@ -1,0 +1,109 @@
+"""The autopilot against requests that land while one of its passes (or another request) is
+half-way: real HTTP on loopback, the real SQLite file, stand-in engines reporting over the
+API.
+
+A pass (and every write of the autopilot) awaits the store between its decision and its
+write. To hold a request at that point the test holds the database's write lock from a
+second connection, as another process would (``BEGIN IMMEDIATE``): the sidecar's writes
+wait for it (its busy timeout is 5 s) and run in order once it is released. The sleeps
+below only give the requests time to reach that point; what is checked is the state after
+everything finished, whatever order the requests ended up in.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+from autopilot_sim import GiB, SimEngine
+from support import ThreadedSidecar, wait_until
+
+from sidecar import SidecarSettings
+
+DEV = "gpu-0"
+REACH_S = 0.4  # time for a request to reach the locked store (not an assertion)
+
+
+def _settings(db: Path) -> SidecarSettings:
+    return SidecarSettings(db_path=db, autopilot_interval_s=0.05, autopilot_busy_hold_s=0.5)
+
+
+@contextmanager
+def _db_locked(db: Path) -> Iterator[None]:
+    """Hold the database's write lock (another process's transaction) until the block ends."""
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        yield
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+class _InFlight:
+    """One request sent from its own thread (and client): it may wait on the locked store."""
+
+    def __init__(self, url: str, send: Callable[[httpx.Client], httpx.Response]) -> None:
+        self.response: httpx.Response | None = None
+
+        def run() -> None:
+            with httpx.Client(base_url=url, timeout=30) as client:
+                self.response = send(client)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def result(self) -> httpx.Response:
+        self._thread.join(30)
+        assert self.response is not None, "the request did not finish"
+        return self.response
+
+
+def _settle(c: httpx.Client, *engines: SimEngine) -> dict[str, Any]:
+    def settled() -> dict[str, Any] | None:
+        for e in engines:
+            e.sync()
+        dev: dict[str, Any] = c.get(f"/devices/{DEV}").json()
+        done = all(
+            m["limit_bytes"] == m["target_bytes"] and m["status"] == "applied"
+            for m in dev["instances"]
+        )
+        return dev if done else None
+
+    return wait_until(settled, what="the limits settled")
+
+
+def test_an_instance_forgotten_while_a_pass_writes_stays_forgotten(tmp_path: Path) -> None:
+    """A pass plans a shrink for ``a`` and ``x`` and is writing ``a``'s when the operator
+    forgets ``x``. The pass then wrote ``x``'s limit after the forget: ``x`` was back, a
+    pending instance holding the policy's limit (0 here), which its engine, if it still
+    ran, would have taken as its retained limit on registering again."""
+    db = tmp_path / "s.db"
+    with ThreadedSidecar(_settings(db)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b, x = (SimEngine(c, name, DEV) for name in ("a", "b", "x"))
+        for e in (a, b, x):
+            assert e.register().status_code == 200
+        assert c.put(f"/devices/{DEV}/budget", json={"budget": "9G"}).status_code == 200
+        _settle(c, a, b, x)
+        assert {m["limit_bytes"] for m in c.get(f"/devices/{DEV}").json()["instances"]} == {3 * GiB}
+        with _db_locked(db):
+            b.pinned, b.waiting = GiB, 6 * GiB
+            b.sync(apply=False, grow=False)  # b's demand: the pass shrinks a and x
+            time.sleep(REACH_S)  # the pass waits to write a's limit
+            forget = _InFlight(s.url, lambda client: client.delete("/instances/x"))
+            time.sleep(REACH_S)
+        assert forget.result().status_code == 204
+        wait_until(lambda: c.get("/instances/a").json()["desired"]["limit_bytes"] < 3 * GiB)
+        time.sleep(REACH_S)  # anything the pass had left to write is written by now
+        r = c.get("/instances/x")
+        assert r.status_code == 404, f"x came back after it was forgotten: {r.text}"
+        assert [i["id"] for i in c.get("/instances").json()["instances"]] == ["a", "b"]
+        assert [m["id"] for m in c.get(f"/devices/{DEV}").json()["instances"]] == ["a", "b"]
+        metrics = c.get("/metrics").text
+        assert 'kv_instance="x"' not in metrics
