@@ -288,14 +288,18 @@ class Autopilot:
         self, instance_id: str, limit: int | None, revision: int | None, *, source: str
     ) -> InstanceView:
         """``PUT .../limit``: the operator pins the instance. On a budgeted device the limit
-        is applied by the loop in shrink-before-grow order; elsewhere it is written at once."""
-        if not self.manages(instance_id):
-            view = await self._service.set_limit(instance_id, limit, revision, source=source)
-            await self._pin(instance_id, True)
-            return self._decorate(view)
-        device_id = self.policy(instance_id).device_id
-        assert device_id is not None
+        is applied by the loop in shrink-before-grow order; elsewhere it is written at once.
+
+        Whether the device has a budget is decided under the lock: a budget set meanwhile
+        then sees the pin (and refuses what it cannot hold), and a pass does not move the
+        limit between its write and its pin."""
         async with self._lock:
+            if not self.manages(instance_id):
+                view = await self._service.set_limit(instance_id, limit, revision, source=source)
+                await self._pin(instance_id, True)
+                return self._decorate(view)
+            device_id = self.policy(instance_id).device_id
+            assert device_id is not None
             p = self.policy(instance_id)
             decision = self._pin_decision(p, limit, revision)  # stale/conflict: nothing changes
             if not decision.changed:
@@ -332,12 +336,13 @@ class Autopilot:
 
     async def unpin(self, instance_id: str, *, source: str) -> InstanceView:
         """``DELETE .../limit``: back to the autopilot on a budgeted device (the current limit
-        stays until its next pass), back to unlimited elsewhere."""
-        if not self.manages(instance_id):
-            view = await self._service.clear_limit(instance_id, source=source)
-            await self._pin(instance_id, False)
-            return self._decorate(view)
+        stays until its next pass), back to unlimited elsewhere (decided under the lock, as
+        for :meth:`operator_limit`)."""
         async with self._lock:
+            if not self.manages(instance_id):
+                view = await self._service.clear_limit(instance_id, source=source)
+                await self._pin(instance_id, False)
+                return self._decorate(view)
             new = replace(self.policy(instance_id), pinned=False, pin_bytes=None, pin_revision=None)
             await self._store.put_policies([new])
             self._policies[instance_id] = new
@@ -352,22 +357,22 @@ class Autopilot:
         shrink before grow."""
         if device_id not in self.device_ids():
             raise UnknownDeviceError(device_id)
-        dev = self._devices.get(device_id)
-        if dev is None or dev.budget_bytes is None:
-            raise BudgetError(
-                f"device {device_id!r} has no budget; set one first (PUT "
-                f"/devices/{device_id}/budget) so the order can be kept"
-            )
         if not limits:
             raise InvalidInputError("limits", "name at least one instance")
-        for iid in limits:
-            if self.policy(iid).device_id != device_id:
-                raise InvalidInputError(
-                    "limits",
-                    f"instance {iid!r} is not on device {device_id!r} (GET "
-                    f"/devices/{device_id} lists its instances)",
+        async with self._lock:  # the budget checked is the one the pass will use
+            dev = self._devices.get(device_id)
+            if dev is None or dev.budget_bytes is None:
+                raise BudgetError(
+                    f"device {device_id!r} has no budget; set one first (PUT "
+                    f"/devices/{device_id}/budget) so the order can be kept"
                 )
-        async with self._lock:
+            for iid in limits:
+                if self.policy(iid).device_id != device_id:
+                    raise InvalidInputError(
+                        "limits",
+                        f"instance {iid!r} is not on device {device_id!r} (GET "
+                        f"/devices/{device_id} lists its instances)",
+                    )
             rows = {
                 iid: replace(
                     self.policy(iid),
@@ -674,22 +679,22 @@ class Autopilot:
 
     async def _pin(self, instance_id: str, pinned: bool) -> None:
         """Record that an operator set (or cleared) the limit of an instance the autopilot
-        does not manage now. Its desired limit is the pin (``pin_bytes`` stays None), so
-        the row is written only when the flag flips: a PUT costs no second write."""
+        does not manage now (under the lock). Its desired limit is the pin (``pin_bytes``
+        stays None), so the row is written only when the flag flips: a PUT costs no second
+        write."""
         p = self.policy(instance_id)
         if instance_id not in self._service.records() or p.pinned == pinned:
             return
-        async with self._lock:
-            p = replace(
-                self.policy(instance_id),
-                pinned=pinned,
-                pin_bytes=None,
-                source="operator",
-                reason=None,
-                changed_at=time.time(),
-            )
-            await self._store.put_policies([p])
-            self._policies[instance_id] = p
+        p = replace(
+            p,
+            pinned=pinned,
+            pin_bytes=None,
+            source="operator",
+            reason=None,
+            changed_at=time.time(),
+        )
+        await self._store.put_policies([p])
+        self._policies[instance_id] = p
 
     def _pin_of(self, p: PolicyRow) -> int | None:
         """The pinned limit (None: not pinned); an unlimited pin reads as UNBOUNDED."""

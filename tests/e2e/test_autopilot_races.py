@@ -107,3 +107,67 @@ def test_an_instance_forgotten_while_a_pass_writes_stays_forgotten(tmp_path: Pat
         assert [m["id"] for m in c.get(f"/devices/{DEV}").json()["instances"]] == ["a", "b"]
         metrics = c.get("/metrics").text
         assert 'kv_instance="x"' not in metrics
+
+
+def test_a_limit_and_a_budget_put_at_once_never_leave_a_pin_above_the_budget(
+    tmp_path: Path,
+) -> None:
+    """``PUT a/limit 100G`` on a device without a budget, and while its write waits,
+    ``PUT budget 8G``. The budget's check did not see the pin (not recorded yet) and both
+    got 200; the pass then moved ``a`` to the policy's 4G and the pin took that: the
+    operator was told 100G and got a pin at 4G. One of the two must be refused (the
+    budget cannot hold the pin), and what was answered must be what holds."""
+    db = tmp_path / "s.db"
+    with ThreadedSidecar(_settings(db)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+        assert a.register().status_code == 200 and b.register().status_code == 200
+        with _db_locked(db):
+            limit = _InFlight(
+                s.url, lambda cl: cl.put("/instances/a/limit", json={"limit": "100G"})
+            )
+            time.sleep(REACH_S)  # its write waits on the lock
+            budget = _InFlight(
+                s.url, lambda cl: cl.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
+            )
+            time.sleep(REACH_S)
+        codes = (limit.result().status_code, budget.result().status_code)
+        assert sorted(codes) == [200, 409], (limit.response.text, budget.response.text)
+        time.sleep(REACH_S)  # passes run (the loop ticks every 0.05 s)
+        for e in (a, b):
+            e.sync()
+        view = c.get("/instances/a").json()
+        dev = c.get(f"/devices/{DEV}").json()
+        if codes[0] == 200:  # the pin holds as answered; the budget was refused
+            assert view["desired"]["limit_bytes"] == 100 * GiB, view
+            assert view["policy"]["pinned"] is True and dev["budget_bytes"] is None, dev
+        else:  # the budget holds; the pin was refused
+            assert dev["budget_bytes"] == 8 * GiB and view["policy"]["pinned"] is False, view
+            assert dev["sum_limits_bytes"] is not None and dev["sum_limits_bytes"] <= 8 * GiB
+
+
+def test_device_limits_are_checked_against_the_budget_set_meanwhile(tmp_path: Path) -> None:
+    """``PUT budget 4G`` (its write waiting) and ``PUT /devices/{id}/limits a=6G`` at once.
+    The limits were checked against the budget read before the lock, 8G: both were 200 and
+    a pin of 6G sat on a 4G budget (the policy then gave ``b`` less than its min)."""
+    db = tmp_path / "s.db"
+    with ThreadedSidecar(_settings(db)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+        assert a.register().status_code == 200 and b.register().status_code == 200
+        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+        _settle(c, a, b)
+        with _db_locked(db):
+            budget = _InFlight(
+                s.url, lambda cl: cl.put(f"/devices/{DEV}/budget", json={"budget": "4G"})
+            )
+            time.sleep(REACH_S)  # holds the autopilot's lock while its write waits
+            limits = _InFlight(
+                s.url, lambda cl: cl.put(f"/devices/{DEV}/limits", json={"limits": {"a": "6G"}})
+            )
+            time.sleep(REACH_S)
+        assert budget.result().status_code == 200, budget.response
+        r = limits.result()
+        assert r.status_code == 409, f"a 6G pin accepted on a 4G budget: {r.text}"
+        assert c.get("/instances/a").json()["policy"]["pinned"] is False
+        _settle(c, a, b)
+        dev = c.get(f"/devices/{DEV}").json()
+        assert dev["budget_bytes"] == 4 * GiB and dev["sum_limits_bytes"] <= 4 * GiB, dev
