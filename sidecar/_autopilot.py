@@ -423,7 +423,7 @@ class Autopilot:
             )
         async with self._lock:
             if body.device_id is not None and p.device_id is None:
-                p = replace(p, device_id=body.device_id)
+                p = self._joining_pin(replace(p, device_id=body.device_id))
                 await self._store.put_policies([p])
                 self._policies[instance_id] = p
             device_id = p.device_id
@@ -448,6 +448,27 @@ class Autopilot:
                 Change(instance_id, kept, new, "returned_fit"),
                 reason_text=f"kept {format_size(kept)}, {format_size(room)} free on the device",
             )
+
+    def _joining_pin(self, p: PolicyRow) -> PolicyRow:
+        """An instance joins its device: an operator's limit stored before its engine first
+        registered (no device known then, so never checked) stays pinned only if the
+        device's budget holds it beside the others' mins and pins, as a PUT would have
+        been checked; otherwise (or unlimited) the autopilot sets the limit, logged."""
+        dev = self._devices.get(p.device_id or "")
+        if not p.pinned or dev is None or dev.budget_bytes is None:
+            return p
+        try:
+            self._check_budget(dev.id, dev.budget_bytes, {p.id: p})
+        except BudgetError as exc:
+            _log.warning(
+                "instance %s joined device %s with an operator limit its budget cannot hold; "
+                "the limit is not pinned, the autopilot sets it (%s)",
+                p.id,
+                dev.id,
+                exc.detail,
+            )
+            return replace(p, pinned=False, pin_bytes=None, pin_revision=None)
+        return p
 
     # --- the loop ------------------------------------------------------------------------
 

@@ -472,3 +472,50 @@ def test_sidecar_restart_mid_change_keeps_the_budget(tmp_path: Path) -> None:
         b.sync(apply=True)
         wait_until(lambda: (a.sync(), b.sync(), _lim(c, "a") >= 7 * GiB)[2])
         assert _lim(c, "a") + _lim(c, "b") <= 8 * GiB
+
+
+@pytest.mark.parametrize("retained", ["6G", None])
+def test_a_retained_limit_the_budget_cannot_hold_is_not_pinned_when_its_engine_joins(
+    c: httpx.Client, retained: str | None
+) -> None:
+    """``PUT b/limit`` before b's engine ever ran pins b, unchecked (no device known yet).
+    When b joined a device whose budget cannot hold it beside a's min, the pin was kept:
+    with 6G, a (min 6G) was cut to 2G, ``budget_short``; unlimited became a pin at the 0
+    b was fitted to, for good. Such a pin is dropped: b follows the policy, a keeps its
+    min, and the sum of limits stays within the budget."""
+    a = SimEngine(c, "a", DEV)
+    assert a.register().status_code == 200
+    assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+    assert c.put("/instances/a/policy", json={"min": "6G"}).status_code == 200
+    _settle(c, a)
+    assert _desired(c, "a") == 8 * GiB
+    r = c.put("/instances/b/limit", json={"limit": retained})
+    assert r.status_code == 200 and r.json()["status"] == "pending", r.text
+    assert r.json()["policy"]["pinned"] is True
+    b = SimEngine(c, "b", DEV)
+    assert b.register().status_code == 200
+    _settle(c, a, b)
+    view = c.get("/instances/b").json()
+    assert view["policy"]["pinned"] is False and view["policy"]["source"] == "policy", view
+    assert view["policy"]["managed"] is True
+    dev = c.get(f"/devices/{DEV}").json()
+    # a's min holds; the 2G it leaves are split evenly (both idle)
+    assert (_desired(c, "a"), _desired(c, "b")) == (7 * GiB, 1 * GiB), dev
+    assert dev["sum_limits_bytes"] <= 8 * GiB
+
+
+def test_a_retained_limit_the_budget_holds_stays_pinned_when_its_engine_joins(
+    c: httpx.Client,
+) -> None:
+    """The same with a retained limit that fits beside a's min: it is the operator's pin."""
+    a = SimEngine(c, "a", DEV)
+    assert a.register().status_code == 200
+    assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+    assert c.put("/instances/a/policy", json={"min": "6G"}).status_code == 200
+    assert c.put("/instances/b/limit", json={"limit": "2G"}).status_code == 200
+    b = SimEngine(c, "b", DEV)
+    assert b.register().status_code == 200
+    _settle(c, a, b)
+    view = c.get("/instances/b").json()
+    assert view["policy"]["pinned"] is True and view["policy"]["pin_bytes"] == 2 * GiB, view
+    assert _desired(c, "b") == 2 * GiB and _desired(c, "a") == 6 * GiB
