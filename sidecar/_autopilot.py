@@ -683,8 +683,8 @@ class Autopilot:
                 if pin >= UNBOUNDED:
                     raise BudgetError(
                         f"instance {iid!r} on device {device_id!r} is pinned to unlimited; "
-                        f"set its limit (kvctl set {iid} SIZE) or hand it to the autopilot "
-                        f"(kvctl clear {iid}) before budgeting the device"
+                        f"set its limit (kvctl limit {iid} SIZE) or hand it to the autopilot "
+                        f"(kvctl delete {iid}) before budgeting the device"
                     )
                 need += pin
                 parts.append(f"{iid} pinned {format_size(pin)}")

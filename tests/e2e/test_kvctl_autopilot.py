@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,3 +95,27 @@ def test_watch_refuses_an_interval_it_cannot_sleep(server: ThreadedSidecar, inte
     )
     assert result.exit_code == 2, (result.output, result.exception)
     assert isinstance(result.exception, SystemExit) and "--interval" in result.output
+
+
+def test_the_budget_refused_over_an_unlimited_pin_names_kvctl_commands_that_work(
+    server: ThreadedSidecar,
+) -> None:
+    """A budget over an instance pinned to unlimited is 409 with the commands that fix it;
+    they named ``kvctl set`` and ``kvctl clear``, which kvctl does not have. Each command
+    named runs, and doing what it says lets the budget through."""
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        a = SimEngine(c, "a", "gpu-0")
+        assert a.register().status_code == 200
+        code, out = kvctl(server, "limit", "a", "none")  # no budget yet: an unlimited pin
+        assert code == 0, out
+        code, out = kvctl(server, "budget", "gpu-0", "6G")
+        assert code != 0 and "pinned to unlimited" in out, out
+        named = re.findall(r"kvctl (\w[\w-]*) a\b", out)
+        assert named, out
+        for command in named:
+            result = runner.invoke(app, [command, "--help"])
+            assert result.exit_code == 0, f"kvctl {command}: {result.output}"
+        code, out = kvctl(server, "delete", "a")
+        assert code == 0, out
+        code, out = kvctl(server, "budget", "gpu-0", "6G")
+        assert code == 0 and "gpu-0: budget 6GiB" in out, out
