@@ -68,6 +68,8 @@ class Autopilot:
         self._targets: dict[str, Target] = {}  # instance -> last target of the pass
         self._would: dict[str, list[Change]] = {}  # device -> dry-run plan
         self._busy_at: dict[str, float] = {}  # instance -> monotonic time it was last busy
+        # instance -> (largest demand seen within the busy hold, monotonic time seen)
+        self._peak: dict[str, tuple[int, float]] = {}
         self._awaiting: dict[str, tuple[int, float]] = {}  # instance -> (revision, decided at)
         self._pin_sources: dict[str, str] = {}  # instance -> who pinned (for the audit line)
         self._lock = asyncio.Lock()
@@ -403,6 +405,7 @@ class Autopilot:
                 self._policies,
                 self._targets,
                 self._busy_at,
+                self._peak,
                 self._awaiting,
                 self._pin_sources,
             ):
@@ -640,6 +643,16 @@ class Autopilot:
             self._busy_at[rec.row.id] = now
         busy = now - self._busy_at.get(rec.row.id, -1e9) <= hold
         pin = self._pin_of(p)
+        # pinned bytes are a periodic scan: without running requests nothing is pinned;
+        # with the output reservation (vLLM) what they may still add is theirs too
+        pinned = 0 if obs is None or not obs.num_running_requests else obs.pinned_bytes
+        pinned += 0 if obs is None or not obs.num_running_requests else obs.reserved_bytes
+        demand = pinned + (0 if obs is None else obs.waiting_bytes)
+        # the demand of a busy instance holds for the busy hold: a gap between its requests
+        # (demand 0 for a moment) moves no memory, as the hold keeps its share
+        peak = self._peak.get(rec.row.id)
+        if peak is None or demand >= peak[0] or now - peak[1] > hold:
+            peak = self._peak[rec.row.id] = (demand, now)
         if obs is None:
             return Member(
                 rec.row.id,
@@ -659,9 +672,8 @@ class Autopilot:
             held=rec.may_hold,
             mapped=obs.mapped_bytes,
             waiting=obs.waiting_bytes,
-            # pinned bytes are a periodic scan: without running requests nothing is pinned;
-            # with the output reservation (vLLM) what they may still add is theirs too
-            pinned=obs.pinned_bytes + obs.reserved_bytes if obs.num_running_requests else 0,
+            pinned=pinned,
+            recent=peak[0] if busy else 0,
             busy=busy,
             floor=obs.floor_bytes,
             capacity=obs.capacity_bytes,

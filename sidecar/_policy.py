@@ -53,6 +53,7 @@ class Member:
     mapped: int = 0
     pinned: int = 0  # bytes held by running requests
     waiting: int = 0  # bytes the waiting requests need to start
+    recent: int = 0  # the largest pinned + waiting seen within the busy hold (a gap holds it)
     busy: bool = False  # running or waiting requests (recently)
     floor: int = 0  # what the engine never gives back
     capacity: int = 0  # what it could map with no limit (0: unknown)
@@ -191,7 +192,10 @@ def compute_targets(budget: int, members: Sequence[Member]) -> dict[str, Target]
         scale = avail / sum(lo.values())
         return {m.id: Target(m.id, _round(lo[m.id] * scale, m), "budget_short") for m in managed}
     hi = {m.id: float(_hi(m, budget)) for m in managed}
-    demand = {m.id: min(max(float(m.pinned + m.waiting), lo[m.id]), hi[m.id]) for m in managed}
+    demand = {
+        m.id: min(max(float(max(m.pinned + m.waiting, m.recent)), lo[m.id]), hi[m.id])
+        for m in managed
+    }
     rest = avail - sum(lo.values())
     extra = _fill(rest, {i: demand[i] - lo[i] for i in lo}, weights)
     got = {i: lo[i] + extra[i] for i in lo}

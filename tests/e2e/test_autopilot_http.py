@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from autopilot_sim import GiB, SimEngine
+from prometheus_client.parser import text_string_to_metric_families
 from support import ThreadedSidecar, wait_until
 
 from sidecar import SidecarSettings
@@ -519,3 +520,63 @@ def test_a_retained_limit_the_budget_holds_stays_pinned_when_its_engine_joins(
     view = c.get("/instances/b").json()
     assert view["policy"]["pinned"] is True and view["policy"]["pin_bytes"] == 2 * GiB, view
     assert _desired(c, "b") == 2 * GiB and _desired(c, "a") == 6 * GiB
+
+
+def _policy_changes(c: httpx.Client) -> float:
+    """``kvsidecar_limit_changes_total{source="policy"}``, read with Prometheus' own parser."""
+    for family in text_string_to_metric_families(c.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "kvsidecar_limit_changes_total" and sample.labels == {
+                "source": "policy"
+            }:
+                return sample.value
+    return 0.0
+
+
+def test_a_gap_between_a_busy_instances_requests_moves_no_memory(tmp_path: Path) -> None:
+    """Two busy instances share the spare after their demands. A gap between a's requests
+    (its demand 0 for a moment, well within the busy hold) moved 2G to b and back: 4 limit
+    writes per gap, 40 for 10 gaps. The demand seen within the hold holds, so the gaps
+    move nothing; once the hold is over a's lower demand does move memory."""
+    settings = _settings(tmp_path / "s.db", autopilot_busy_hold_s=3600)
+    with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+        assert a.register().status_code == 200 and b.register().status_code == 200
+        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+        a.pinned, b.pinned = 4 * GiB, 1 * GiB
+        _settle(c, a, b)
+        # both busy: each its demand, then half of the 3G left
+        assert (_desired(c, "a"), _desired(c, "b")) == (5.5 * GiB, 2.5 * GiB)
+        before = _policy_changes(c)
+        revisions = {i: c.get(f"/instances/{i}").json()["desired"]["revision"] for i in "ab"}
+        for _ in range(10):
+            for demand in (0, 4 * GiB):  # a's request ends, the next one starts
+                a.pinned = demand
+                for _ in range(4):
+                    a.sync(), b.sync()
+                    time.sleep(0.05)  # passes run (the loop ticks every 0.05 s)
+        assert _policy_changes(c) - before == 0
+        assert {
+            i: c.get(f"/instances/{i}").json()["desired"]["revision"] for i in "ab"
+        } == revisions
+        assert (_desired(c, "a"), _desired(c, "b")) == (5.5 * GiB, 2.5 * GiB)
+
+
+def test_a_busy_instances_demand_holds_only_for_the_busy_hold(tmp_path: Path) -> None:
+    """Past the busy hold, a demand that fell moves memory: a drops from 4G to 1G and b,
+    busy with 1G, gets a larger share."""
+    settings = _settings(tmp_path / "s.db", autopilot_busy_hold_s=0.3)
+    with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+        assert a.register().status_code == 200 and b.register().status_code == 200
+        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+        a.pinned, b.pinned = 4 * GiB, 1 * GiB
+        _settle(c, a, b)
+        assert (_desired(c, "a"), _desired(c, "b")) == (5.5 * GiB, 2.5 * GiB)
+        a.pinned = a.mapped = 1 * GiB  # a's load falls and stays low (both still busy)
+        wait_until(
+            lambda: (a.sync(), b.sync(), _desired(c, "b") == 4 * GiB)[2],
+            what="b's share grown once a's higher demand is past the hold",
+        )
+        _settle(c, a, b)
+        assert (_desired(c, "a"), _desired(c, "b")) == (4 * GiB, 4 * GiB)
