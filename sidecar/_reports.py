@@ -22,6 +22,13 @@ def report_problem(
         return "ranks lists a rank number twice"
     if len(numbers) > state.num_ranks:
         return f"ranks lists {len(numbers)} ranks but num_ranks is {state.num_ranks}"
+    if state.capacity_bytes and state.floor_bytes > state.capacity_bytes:
+        # the floor is pages of the pool (vLLM's null block): a floor above the pool would
+        # take the whole budget of its device from the others (docs/autopilot.md)
+        return (
+            f"floor_bytes {state.floor_bytes} exceeds capacity_bytes {state.capacity_bytes} "
+            "(the floor is part of the pool)"
+        )
     top = max((r.mapped_bytes for r in state.ranks), default=0)
     if state.mapped_bytes < top:
         return (

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from autopilot_sim import GiB, SimEngine
+from autopilot_sim import GiB, SimEngine, post_register, post_report
 from prometheus_client.parser import text_string_to_metric_families
 from support import ThreadedSidecar, wait_until
 
@@ -580,3 +580,30 @@ def test_a_busy_instances_demand_holds_only_for_the_busy_hold(tmp_path: Path) ->
         )
         _settle(c, a, b)
         assert (_desired(c, "a"), _desired(c, "b")) == (4 * GiB, 4 * GiB)
+
+
+def test_a_report_with_a_floor_above_its_pool_takes_nothing_from_the_others(
+    c: httpx.Client,
+) -> None:
+    """The floor is pages of the engine's own pool, kept whatever its limit, and the policy
+    gives every instance its floor first. One report with a floor of 1 PiB (capacity
+    16G) on a 9G budget made the policy scale every other instance down, ``budget_short``:
+    a, with a min of 2G, got 18 KiB and b 0. Such a report is refused (422) like any
+    inconsistent one; the instance and the device keep what they had."""
+    engines = [SimEngine(c, name, DEV) for name in ("a", "b", "x")]
+    for e in engines:
+        assert e.register().status_code == 200
+    assert c.put(f"/devices/{DEV}/budget", json={"budget": "9G"}).status_code == 200
+    assert c.put("/instances/a/policy", json={"min": "2G"}).status_code == 200
+    _settle(c, *engines)
+    before = {m["id"]: m["limit_bytes"] for m in c.get(f"/devices/{DEV}").json()["instances"]}
+    x = engines[2]
+    bogus = x.state(apply=True).model_copy(update={"floor_bytes": 1 << 50})
+    r = post_report(c, "x", bogus)
+    assert r.status_code == 422 and "floor_bytes" in r.text, r.text
+    r = post_register(c, "x", bogus, x.capacity, DEV)
+    assert r.status_code == 422 and "floor_bytes" in r.text, r.text
+    _settle(c, *engines)
+    after = {m["id"]: m["limit_bytes"] for m in c.get(f"/devices/{DEV}").json()["instances"]}
+    assert after == before and after["a"] >= 2 * GiB
+    assert c.get("/instances/x").json()["observed"]["floor_bytes"] == 0
