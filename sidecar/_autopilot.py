@@ -426,7 +426,7 @@ class Autopilot:
             )
         async with self._lock:
             if body.device_id is not None and p.device_id is None:
-                p = self._joining_pin(replace(p, device_id=body.device_id))
+                p = self._joining_policy(replace(p, device_id=body.device_id))
                 await self._store.put_policies([p])
                 self._policies[instance_id] = p
             device_id = p.device_id
@@ -452,25 +452,32 @@ class Autopilot:
                 reason_text=f"kept {format_size(kept)}, {format_size(room)} free on the device",
             )
 
-    def _joining_pin(self, p: PolicyRow) -> PolicyRow:
-        """An instance joins its device: an operator's limit stored before its engine first
-        registered (no device known then, so never checked) stays pinned only if the
-        device's budget holds it beside the others' mins and pins, as a PUT would have
-        been checked; otherwise (or unlimited) the autopilot sets the limit, logged."""
+    def _joining_policy(self, p: PolicyRow) -> PolicyRow:
+        """An instance joins its device. Its operator's limit and its min, stored before its
+        engine first registered (no device known then, so never checked), stay only if the
+        device's budget holds them beside the others' mins and pins, as a PUT would have
+        been checked: otherwise the pin is dropped (the autopilot sets the limit), then the
+        min (back to 0), each with a warning. The others' promises stand."""
         dev = self._devices.get(p.device_id or "")
-        if not p.pinned or dev is None or dev.budget_bytes is None:
+        if dev is None or dev.budget_bytes is None:
             return p
-        try:
-            self._check_budget(dev.id, dev.budget_bytes, {p.id: p})
-        except BudgetError as exc:
-            _log.warning(
-                "instance %s joined device %s with an operator limit its budget cannot hold; "
-                "the limit is not pinned, the autopilot sets it (%s)",
-                p.id,
-                dev.id,
-                exc.detail,
-            )
-            return replace(p, pinned=False, pin_bytes=None, pin_revision=None)
+        while p.pinned or p.min_bytes:
+            try:
+                self._check_budget(dev.id, dev.budget_bytes, {p.id: p})
+                return p
+            except BudgetError as exc:
+                dropped = "its pinned limit" if p.pinned else f"its min {format_size(p.min_bytes)}"
+                _log.warning(
+                    "instance %s joined device %s, whose budget cannot hold %s: dropped (%s)",
+                    p.id,
+                    dev.id,
+                    dropped,
+                    exc.detail,
+                )
+                if p.pinned:
+                    p = replace(p, pinned=False, pin_bytes=None, pin_revision=None)
+                else:
+                    p = replace(p, min_bytes=0)
         return p
 
     # --- the loop ------------------------------------------------------------------------
@@ -685,7 +692,8 @@ class Autopilot:
         )
 
     def _check_budget(self, device_id: str, budget: int, changed: Mapping[str, PolicyRow]) -> None:
-        """The budget must hold every instance's min (or pinned limit) on the device."""
+        """The budget must hold every instance's min (or pinned limit, or both: the larger)
+        on the device."""
         need = 0
         parts = []
         rows = {**{i: p for i, p in self._policies.items() if p.device_id == device_id}, **changed}
@@ -698,8 +706,12 @@ class Autopilot:
                         f"set its limit (kvctl limit {iid} SIZE) or hand it to the autopilot "
                         f"(kvctl delete {iid}) before budgeting the device"
                     )
-                need += pin
-                parts.append(f"{iid} pinned {format_size(pin)}")
+                # its min counts as soon as the pin goes (DELETE .../limit checks nothing)
+                need += max(pin, p.min_bytes)
+                parts.append(
+                    f"{iid} pinned {format_size(pin)}"
+                    + (f" (min {format_size(p.min_bytes)})" if p.min_bytes > pin else "")
+                )
             elif p.min_bytes:
                 need += p.min_bytes
                 parts.append(f"{iid} min {format_size(p.min_bytes)}")

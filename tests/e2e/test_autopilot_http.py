@@ -607,3 +607,40 @@ def test_a_report_with_a_floor_above_its_pool_takes_nothing_from_the_others(
     after = {m["id"]: m["limit_bytes"] for m in c.get(f"/devices/{DEV}").json()["instances"]}
     assert after == before and after["a"] >= 2 * GiB
     assert c.get("/instances/x").json()["observed"]["floor_bytes"] == 0
+
+
+def test_a_min_set_before_its_engine_joined_is_dropped_if_the_budget_cannot_hold_it(
+    c: httpx.Client,
+) -> None:
+    """``PUT b/policy {"min": "6G"}`` before b's engine ever ran is not checked (no device
+    known yet). When b joined the 8G device beside a's min of 6G, the policy scaled both
+    down, ``budget_short``: a got 4G, below its min. b's min is dropped (to 0, logged)."""
+    a = SimEngine(c, "a", DEV)
+    assert a.register().status_code == 200
+    assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+    assert c.put("/instances/a/policy", json={"min": "6G"}).status_code == 200
+    assert c.put("/instances/b/limit", json={"limit": "1G"}).status_code == 200  # b is known
+    assert c.delete("/instances/b/limit").status_code == 200
+    r = c.put("/instances/b/policy", json={"min": "6G"})
+    assert r.status_code == 200 and r.json()["policy"]["device_id"] is None, r.text
+    b = SimEngine(c, "b", DEV)
+    assert b.register().status_code == 200
+    _settle(c, a, b)
+    assert c.get("/instances/b").json()["policy"]["min_bytes"] == 0
+    assert (_desired(c, "a"), _desired(c, "b")) == (7 * GiB, 1 * GiB)
+
+
+def test_a_pinned_instances_min_must_fit_too(c: httpx.Client) -> None:
+    """b pinned at 1G: ``PUT b/policy {"min": "6G"}`` was checked with b's pin (1G) and
+    accepted beside a's min of 6G on 8G; ``DELETE b/limit`` then put b's 6G min in force
+    and the policy cut a to 4G, below its min. A pinned instance's min counts as well."""
+    a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+    assert a.register().status_code == 200 and b.register().status_code == 200
+    assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+    assert c.put("/instances/a/policy", json={"min": "6G"}).status_code == 200
+    assert c.put("/instances/b/limit", json={"limit": "1G"}).status_code == 200
+    r = c.put("/instances/b/policy", json={"min": "6G"})
+    assert r.status_code == 409 and "b pinned 1GiB (min 6GiB)" in r.json()["detail"], r.text
+    assert c.delete("/instances/b/limit").status_code == 200
+    _settle(c, a, b)
+    assert _desired(c, "a") >= 6 * GiB and _desired(c, "a") + _desired(c, "b") <= 8 * GiB
