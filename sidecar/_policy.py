@@ -192,14 +192,17 @@ def compute_targets(budget: int, members: Sequence[Member]) -> dict[str, Target]
         scale = avail / sum(lo.values())
         return {m.id: Target(m.id, _round(lo[m.id] * scale, m), "budget_short") for m in managed}
     hi = {m.id: float(_hi(m, budget)) for m in managed}
-    demand = {
-        m.id: min(max(float(max(m.pinned + m.waiting, m.recent)), lo[m.id]), hi[m.id])
-        for m in managed
-    }
+    demand = {m.id: min(max(float(m.pinned + m.waiting), lo[m.id]), hi[m.id]) for m in managed}
     rest = avail - sum(lo.values())
     extra = _fill(rest, {i: demand[i] - lo[i] for i in lo}, weights)
     got = {i: lo[i] + extra[i] for i in lo}
     rest -= sum(extra.values())
+    # then the demand seen within the busy hold, from what the demand now leaves: a gap
+    # between requests moves no memory, and a demand now is never held back by it
+    recent = {m.id: min(float(m.recent), hi[m.id]) for m in managed}
+    held = _fill(rest, {i: recent[i] - got[i] for i in lo}, weights)
+    got = {i: got[i] + held[i] for i in lo}
+    rest -= sum(held.values())
     busy = [m.id for m in managed if m.busy] or [m.id for m in managed]
     spare = _fill(rest, {i: hi[i] - got[i] for i in busy}, {i: weights[i] for i in busy})
     out: dict[str, Target] = {}

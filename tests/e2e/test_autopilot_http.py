@@ -644,3 +644,20 @@ def test_a_pinned_instances_min_must_fit_too(c: httpx.Client) -> None:
     assert c.delete("/instances/b/limit").status_code == 200
     _settle(c, a, b)
     assert _desired(c, "a") >= 6 * GiB and _desired(c, "a") + _desired(c, "b") <= 8 * GiB
+
+
+def test_a_demand_now_goes_before_a_demand_held_through_the_busy_hold(tmp_path: Path) -> None:
+    """b's load ends (b still busy: the hold) while a's requests wait for 6G: a's demand now
+    is served first; b keeps only what is left of its held demand."""
+    settings = _settings(tmp_path / "s.db", autopilot_busy_hold_s=3600)
+    with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+        assert a.register().status_code == 200 and b.register().status_code == 200
+        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+        b.pinned = 6 * GiB
+        _settle(c, a, b)
+        assert (_desired(c, "a"), _desired(c, "b")) == (0, 8 * GiB)  # a idle: its min only
+        b.pinned = b.mapped = 0  # b's requests finished
+        a.waiting = 6 * GiB  # a's wait for memory
+        _settle(c, a, b)
+        assert (_desired(c, "a"), _desired(c, "b")) == (6 * GiB, 2 * GiB)
