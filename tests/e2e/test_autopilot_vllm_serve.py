@@ -117,7 +117,10 @@ def _proc_within_budget(watch: Watch) -> None:
 
 def _fill_a_then_idle(rig: Rig, seed: int) -> int:
     """``a`` fills its prefix cache under load, then idles back to half the budget, its
-    cache kept up to that limit: the memory a premature grow of ``b`` would overlap."""
+    cache kept up to that limit: the memory a premature grow of ``b`` would overlap. It
+    starts from the idle split: a load the scenario before ended less than a busy hold ago
+    still holds its demand (docs/autopilot.md), and ``a`` would cache less meanwhile."""
+    rig.settle()
     a = rig.engines["a"]
     with Load(a, words=500, max_tokens=1, workers=4, seed=seed, count=16) as load:
         load.wait_done()
