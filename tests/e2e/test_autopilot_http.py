@@ -533,6 +533,18 @@ def _policy_changes(c: httpx.Client) -> float:
     return 0.0
 
 
+def _two_busy_on_8g(c: httpx.Client) -> tuple[SimEngine, SimEngine]:
+    """a (4G of demand) and b (1G) busy on an 8G budget, settled: each its demand, then
+    half of the 3G left."""
+    a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+    assert a.register().status_code == 200 and b.register().status_code == 200
+    assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+    a.pinned, b.pinned = 4 * GiB, 1 * GiB
+    _settle(c, a, b)
+    assert (_desired(c, "a"), _desired(c, "b")) == (5.5 * GiB, 2.5 * GiB)
+    return a, b
+
+
 def test_a_gap_between_a_busy_instances_requests_moves_no_memory(tmp_path: Path) -> None:
     """Two busy instances share the spare after their demands. A gap between a's requests
     (its demand 0 for a moment, well within the busy hold) moved 2G to b and back: 4 limit
@@ -540,13 +552,7 @@ def test_a_gap_between_a_busy_instances_requests_moves_no_memory(tmp_path: Path)
     move nothing; once the hold is over a's lower demand does move memory."""
     settings = _settings(tmp_path / "s.db", autopilot_busy_hold_s=3600)
     with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
-        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
-        assert a.register().status_code == 200 and b.register().status_code == 200
-        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
-        a.pinned, b.pinned = 4 * GiB, 1 * GiB
-        _settle(c, a, b)
-        # both busy: each its demand, then half of the 3G left
-        assert (_desired(c, "a"), _desired(c, "b")) == (5.5 * GiB, 2.5 * GiB)
+        a, b = _two_busy_on_8g(c)
         before = _policy_changes(c)
         revisions = {i: c.get(f"/instances/{i}").json()["desired"]["revision"] for i in "ab"}
         for _ in range(10):
@@ -567,12 +573,7 @@ def test_a_busy_instances_demand_holds_only_for_the_busy_hold(tmp_path: Path) ->
     busy with 1G, gets a larger share."""
     settings = _settings(tmp_path / "s.db", autopilot_busy_hold_s=0.3)
     with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
-        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
-        assert a.register().status_code == 200 and b.register().status_code == 200
-        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
-        a.pinned, b.pinned = 4 * GiB, 1 * GiB
-        _settle(c, a, b)
-        assert (_desired(c, "a"), _desired(c, "b")) == (5.5 * GiB, 2.5 * GiB)
+        a, b = _two_busy_on_8g(c)
         a.pinned = a.mapped = 1 * GiB  # a's load falls and stays low (both still busy)
         wait_until(
             lambda: (a.sync(), b.sync(), _desired(c, "b") == 4 * GiB)[2],
