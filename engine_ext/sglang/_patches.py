@@ -167,6 +167,10 @@ def _wrap_process_batch_result(original: Any, session: Session) -> Any:
 
 
 def _wrap_on_idle(original: Any, session: Session) -> Any:
+    """The idle pass before ``original``: ``Scheduler.on_idle``, and the paused-engine
+    record, which is all SGLang's loops call per iteration while generation is paused
+    (no ``get_next_batch_to_run``, no ``on_idle``, no allocation: the pass is safe there
+    and a limit is taken while paused rather than at ``/continue_generation``)."""
     from ._runtime import runtime_of
 
     @functools.wraps(original)
@@ -177,22 +181,6 @@ def _wrap_on_idle(original: Any, session: Session) -> Any:
         return original(self, *args, **kwargs)
 
     return on_idle
-
-
-def _wrap_paused_engine(original: Any, session: Session) -> Any:
-    from ._runtime import runtime_of
-
-    @functools.wraps(original)
-    def _record_scheduler_state_for_paused_engine(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Paused (in_place or retract), SGLang's loops call only this per iteration: no
-        # get_next_batch_to_run, no on_idle, no allocation, so the idle pass is safe here
-        # and a limit is taken while paused rather than at /continue_generation.
-        runtime = runtime_of(self)
-        if runtime is not None:
-            runtime.on_idle()
-        return original(self, *args, **kwargs)
-
-    return _record_scheduler_state_for_paused_engine
 
 
 def _refuse_unsupported(server_args: Any) -> None:
@@ -309,7 +297,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         f"{_SCHED}:Scheduler._record_scheduler_state_for_paused_engine",
         V0_5_23,
-        _wrap_paused_engine,
+        _wrap_on_idle,
         "while generation is paused the loops skip both hooks above: the idle pass runs here",
     ),
 )

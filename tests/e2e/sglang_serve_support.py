@@ -84,6 +84,26 @@ class Engine(ControlSocket):
             assert time.monotonic() < deadline, response.text
             time.sleep(0.2)
 
+    def halve_while_paused(self, mode: str) -> int:
+        """Pause generation (``/pause_generation``, ``mode`` in_place or retract), set a limit
+        of half the settled mapped bytes, require it ``applied`` with the memfd at or under
+        it while still paused, then continue; returns the limit. Paused, SGLang's loops skip
+        ``get_next_batch_to_run`` and ``on_idle``: the limit must not wait for
+        ``/continue_generation``."""
+        limit = int(self.quiet_state()["mapped_bytes"]) // 2
+        self._post("/pause_generation", {"mode": mode})
+        try:
+            revision = self.set_limit(limit)
+            paused = self.wait_state(revision, status="applied")
+            assert paused["mapped_bytes"] <= limit and self.server.kv_memfd_bytes() <= limit
+        finally:
+            self._post("/continue_generation", {})
+        return limit
+
+    def _post(self, path: str, body: dict[str, Any]) -> None:
+        response = httpx.post(self.server.base_url + path, json=body, timeout=60)
+        assert response.status_code == 200, response.text
+
     def results(self, futures: list[Any], timeout_s: float = 150) -> list[Any]:
         """The ``generate`` futures' output ids; a request still waiting after ``timeout_s``
         fails with the states seen while waiting (what the status said about it).

@@ -249,11 +249,6 @@ def test_openai_completions_report_cached_tokens(engine: Engine) -> None:
     assert engine.state()["mapped_bytes"] == engine.server.kv_memfd_bytes() > 0
 
 
-def _post(engine: Engine, path: str, body: dict[str, Any]) -> None:
-    response = httpx.post(engine.server.base_url + path, json=body, timeout=60)
-    assert response.status_code == 200, response.text
-
-
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_limit_lowered_while_generation_is_paused_applies(engine: Engine, mode: str) -> None:
     """``/pause_generation`` (in_place or retract, as RL trainers use it around a weight
@@ -262,15 +257,7 @@ def test_limit_lowered_while_generation_is_paused_applies(engine: Engine, mode: 
     engine.flush()
     expected, _ = engine.generate(f"{DOC} paused", max_new_tokens=8)
     _fill(engine)
-    full = engine.quiet_state()
-    limit = full["mapped_bytes"] // 2
-    _post(engine, "/pause_generation", {"mode": mode})
-    try:
-        revision = engine.set_limit(limit)
-        paused = engine.wait_state(revision, status="applied")
-        assert paused["mapped_bytes"] <= limit and engine.server.kv_memfd_bytes() <= limit
-    finally:
-        _post(engine, "/continue_generation", {})
+    limit = engine.halve_while_paused(mode)
     ids, _ = engine.generate(f"{DOC} paused", max_new_tokens=8)
     assert ids == expected
     assert engine.server.kv_memfd_bytes() <= limit

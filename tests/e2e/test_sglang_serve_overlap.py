@@ -130,11 +130,6 @@ def test_limit_lowered_under_traffic_defers_then_applies(engine: Engine) -> None
     print(f"\n{pending} of {len(futures)} requests waited for the limit to be raised")
 
 
-def _post(engine: Engine, path: str, body: dict[str, object]) -> None:
-    response = httpx.post(engine.server.base_url + path, json=body, timeout=60)
-    assert response.status_code == 200, response.text
-
-
 def test_limit_lowered_while_generation_is_paused_applies_in_the_overlap_loop(
     engine: Engine,
 ) -> None:
@@ -143,15 +138,7 @@ def test_limit_lowered_while_generation_is_paused_applies_in_the_overlap_loop(
     engine.flush()
     prompts = [f"{DOC} paused {i}" for i in range(4)]
     reference = [engine.generate(p, max_new_tokens=8)[0] for p in prompts]
-    full = engine.quiet_state()
-    limit = full["mapped_bytes"] // 2
-    _post(engine, "/pause_generation", {"mode": "in_place"})
-    try:
-        revision = engine.set_limit(limit)
-        paused = engine.wait_state(revision, status="applied")
-        assert paused["mapped_bytes"] <= limit and engine.server.kv_memfd_bytes() <= limit
-    finally:
-        _post(engine, "/continue_generation", {})
+    engine.halve_while_paused("in_place")
     # (under half the cache a 500-token document no longer fits: unlimited again first)
     engine.wait_state(engine.set_limit(None), status="applied")
     with ThreadPoolExecutor(4) as pool:
