@@ -652,9 +652,11 @@ class Autopilot:
         pin = self._pin_of(p)
         # pinned bytes are a periodic scan: without running requests nothing is pinned;
         # with the output reservation (vLLM) what they may still add is theirs too
-        pinned = 0 if obs is None or not obs.num_running_requests else obs.pinned_bytes
-        pinned += 0 if obs is None or not obs.num_running_requests else obs.reserved_bytes
-        demand = pinned + (0 if obs is None else obs.waiting_bytes)
+        pinned = demand = 0
+        if obs is not None:
+            if obs.num_running_requests:
+                pinned = obs.pinned_bytes + obs.reserved_bytes
+            demand = pinned + obs.waiting_bytes
         # the demand of a busy instance holds for the busy hold: a gap between its requests
         # (demand 0 for a moment) moves no memory, as the hold keeps its share
         peak = self._peak.get(rec.row.id)
