@@ -21,6 +21,7 @@ from rich.live import Live
 
 from engine_ext.protocol import ID_PATTERN, SizeError, Status, parse_limit, token_fits_a_header
 
+from ._cli_run import run_app
 from ._kvctl_client import (
     EXIT_DEFERRED,
     EXIT_OK,
@@ -454,4 +455,4 @@ def _write_lines(views: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    app()
+    run_app(app, "kvctl")

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ._cli_run import run_app
 from ._errors import SidecarError
 from ._logging import configure_logging
 from ._settings import SidecarSettings, unknown_variables
@@ -147,7 +148,7 @@ def demo(ctx: typer.Context) -> None:
 
 
 def main() -> None:
-    app()
+    run_app(app, "kvsidecar")
 
 
 if __name__ == "__main__":

@@ -187,6 +187,49 @@ def test_real_process_exit_codes_and_no_traceback() -> None:
 
 
 @pytest.mark.parametrize(
+    ("module", "args", "says", "see"),
+    [
+        ("sidecar.kvctl", ["set", "a", "1G"], "No such command 'set'", "kvctl --help"),
+        ("sidecar.kvctl", ["limit"], "Missing argument", "kvctl limit --help"),
+        ("sidecar.kvctl", ["limit", "a", "1G", "--wait", "x"], "'--wait'", "kvctl limit --help"),
+        ("sidecar.kvctl", ["list", "--nope"], "No such option: --nope", "kvctl list --help"),
+        ("sidecar.cli", ["serve", "--port", "x"], "'--port'", "kvsidecar serve --help"),
+        ("sidecar.cli", ["serve", "--nope"], "No such option: --nope", "kvsidecar serve --help"),
+    ],
+)
+def test_a_command_line_the_parser_refuses_is_one_line(
+    module: str, args: list[str], says: str, see: str
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVSIDECAR_URL": "http://127.0.0.1:9"}
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    prog = "kvctl" if module.endswith("kvctl") else "kvsidecar"
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1, proc.stderr  # not Typer's usage line and box
+    assert lines[0].startswith(f"{prog}: ") and says in lines[0] and see in lines[0], lines
+    assert proc.stdout == ""
+
+
+def test_no_arguments_still_shows_the_help() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar.kvctl"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "limit" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
     "bad",
     [
         "zzz/../llama-a",
