@@ -34,7 +34,7 @@ from .protocol import (
     socket_path_fits,
 )
 
-__all__ = ["MAX_BODY_BYTES", "ControlServer"]
+__all__ = ["MAX_BODY_BYTES", "MAX_CONNECTIONS", "ControlServer"]
 
 _log = logging.getLogger("engine_ext.control")
 
@@ -42,21 +42,49 @@ _log = logging.getLogger("engine_ext.control")
 MAX_BODY_BYTES = 64 * 1024
 #: A client that sends nothing for this long is dropped.
 _CLIENT_TIMEOUT_S = 10.0
+#: Connections served at once (a thread each). The sidecar and kvctl use one or two; a
+#: client that leaks connections must not start a thread per connection in the engine.
+MAX_CONNECTIONS = 32
+
+_BUSY_ANSWER = (
+    b"HTTP/1.1 503 Service Unavailable\r\n"
+    b"Content-Type: application/problem+json\r\n"
+    b"Connection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s"
+)
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+    request_queue_size = 64  # listen backlog: a burst of clients waits, not EAGAIN
     mailbox: LimitMailbox
     registration_mark: str | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        thread = threading.Thread(
-            target=self.process_request_thread,
-            args=(request, client_address),
-            name="control-handler",
-            daemon=True,
-        )
-        thread.start()
+        if not self._slots.acquire(blocking=False):
+            _refuse_busy(request)
+            return
+        try:
+            thread = threading.Thread(
+                target=self._serve_one,
+                args=(request, client_address),
+                name="control-handler",
+                daemon=True,
+            )
+            thread.start()
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that hangs up mid-reply is routine; never print tracebacks to stderr.
@@ -182,6 +210,25 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
         self._body_read = False
+
+
+def _refuse_busy(request: socket.socket) -> None:
+    """Answer 503 and close, on the server thread: never blocks (a full send buffer or a
+    client gone drops the answer, not the server)."""
+    detail = (
+        f"the control socket already serves {MAX_CONNECTIONS} connections; close idle ones "
+        "(a client that opens a connection per request and never closes it) and retry"
+    )
+    body = json.dumps(
+        {"type": "about:blank", "title": "Service Unavailable", "status": 503, "detail": detail}
+    ).encode()
+    try:
+        request.setblocking(False)
+        request.send(_BUSY_ANSWER % (len(body), body))
+    except OSError:
+        pass
+    finally:
+        request.close()
 
 
 def _state_json(state: EngineState) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from engine_ext import (
     LimitMailbox,
     ShrinkCoordinator,
 )
+from engine_ext._control import MAX_CONNECTIONS
 from engine_ext.protocol import Status
 
 
@@ -248,8 +250,6 @@ def _switches(native_id: int) -> int:
 
 def test_an_idle_control_server_never_wakes_up(tmp_path: Path) -> None:
     """No polling: the server thread sleeps in select until a client or stop() arrives."""
-    import time
-
     server = ControlServer(str(tmp_path / "c.sock"), LimitMailbox())
     server.start()
     try:
@@ -272,3 +272,68 @@ def test_an_idle_control_server_never_wakes_up(tmp_path: Path) -> None:
         server.stop()
     assert not thread.is_alive() and not os.path.exists(server.socket_path)
     server.stop()  # idempotent
+
+
+def test_a_client_that_leaks_connections_gets_503_not_a_thread_each(
+    served: tuple[str, LimitMailbox, ShrinkCoordinator], pool: Pool
+) -> None:
+    """200 connections opened and left silent: the engine process starts at most
+    MAX_CONNECTIONS handler threads; the next client gets a 503 that says what to do, and
+    once the leaked connections close the socket serves limits again."""
+    path, mailbox, coord = served
+    before = _threads_named("control-handler")
+    leaked = []
+    try:
+        for _ in range(200):
+            leaked.append(_connect_when_accepted(path))
+        status, body, ctype = _call_when_accepted(path, "GET", "/healthz")
+        assert status == 503 and ctype == "application/problem+json"
+        assert str(MAX_CONNECTIONS) in body["detail"] and "close idle" in body["detail"]
+        assert _threads_named("control-handler") - before <= MAX_CONNECTIONS
+        # /proc agrees: the process has no thread per leaked connection
+        assert len(os.listdir("/proc/self/task")) < threading.active_count() + 8 < 100
+    finally:
+        for sock in leaked:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while _call_when_accepted(path, "GET", "/healthz")[0] != 200:
+        assert time.monotonic() < deadline, "the slots were not given back"
+        time.sleep(0.05)
+    status, _state, _ = call(
+        path,
+        "PUT",
+        "/limit",
+        json.dumps({"limit": 2 * BUNDLE}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    assert status == 200 and mailbox.desired.limit_bytes == 2 * BUNDLE
+    assert coord.step().status is Status.APPLIED
+    assert pool.backend.mapped_bytes() == 2 * BUNDLE  # what the OS maps, not a counter
+
+
+def _connect_when_accepted(path: str) -> socket.socket:
+    """A connection to ``path``, waiting while the listen backlog is full."""
+    deadline = time.monotonic() + 10
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            return sock
+        except BlockingIOError:
+            sock.close()
+            assert time.monotonic() < deadline, "the server stopped accepting"
+            time.sleep(0.01)
+
+
+def _call_when_accepted(path: str, method: str, url: str) -> tuple[int, dict[str, Any], str]:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return call(path, method, url)
+        except BlockingIOError:  # the listen backlog is full for a moment
+            assert time.monotonic() < deadline, "the server stopped accepting"
+            time.sleep(0.01)
+
+
+def _threads_named(name: str) -> int:
+    return sum(1 for t in threading.enumerate() if t.name == name)
