@@ -49,6 +49,9 @@ class FakeCuda:
         self.lib.fakecuda_used_bytes.restype = ctypes.c_size_t
         self.lib.fakecuda_set_total_bytes.argtypes = [ctypes.c_size_t]
         self.lib.fakecuda_mapped_at.argtypes = [ctypes.c_ulonglong]
+        self.lib.fakecuda_primary_refs.argtypes = [ctypes.c_int]
+        self.lib.fakecuda_set_granularity.argtypes = [ctypes.c_size_t]
+        self.lib.fakecuda_granularity.restype = ctypes.c_size_t
 
     def fail(
         self, name: str, *, after: int = 0, count: int = 1, err: int = CUDA_ERROR_INVALID_VALUE
@@ -78,6 +81,22 @@ class FakeCuda:
     def mapped_at(self, address: int) -> bool:
         """Whether the driver has a mapping covering ``address`` (its state, not a backend's)."""
         return bool(self.lib.fakecuda_mapped_at(address))
+
+    def num_reservations(self) -> int:
+        """Live ``cuMemAddressReserve`` ranges (every backend in this process)."""
+        return int(self.lib.fakecuda_num_reservations())
+
+    def primary_refs(self, device: int = 0) -> int:
+        """How many times ``device``'s primary context is retained and not yet released."""
+        return int(self.lib.fakecuda_primary_refs(device))
+
+    def granularity(self) -> int:
+        return int(self.lib.fakecuda_granularity())
+
+    def set_granularity(self, granularity: int) -> None:
+        """What ``cuMemGetAllocationGranularity`` reports (and the driver checks) from now on."""
+        if self.lib.fakecuda_set_granularity(granularity) != 0:
+            raise ValueError(f"granularity {granularity} is not a power of two >= 4096")
 
     def set_total_bytes(self, total: int) -> None:
         if self.lib.fakecuda_set_total_bytes(total) != 0:

@@ -445,6 +445,30 @@ CUresult cuGetErrorString(CUresult e, const char **s) { return cuGetErrorName(e,
 /* Test hook (not a CUDA API): bytes held by live physical allocations. */
 size_t fakecuda_used_bytes(void) { return used_bytes; }
 int fakecuda_num_mappings(void) { return (int)nmaps; }
+/* Test hooks: live address reservations, and the retain count of a device's primary
+ * context (-1: no such device): a backend that retains must release, whatever failed. */
+int fakecuda_num_reservations(void) {
+    pthread_mutex_lock(&mu); int n = (int)nresv; pthread_mutex_unlock(&mu); return n;
+}
+int fakecuda_primary_refs(int dev) {
+    if (dev < 0 || dev >= MAXDEV) return -1;
+    pthread_mutex_lock(&mu); int n = primary_refs[dev]; pthread_mutex_unlock(&mu); return n;
+}
+/* Test hook: the allocation granularity (FAKECUDA_GRANULARITY) changed at run time, as on a
+ * device that reports another one; refused unless a power of two of at least 4096 bytes.
+ * Reservations and mappings made before keep their sizes; new calls check the new value. */
+int fakecuda_set_granularity(size_t g) {
+    if (g < 4096 || (g & (g - 1))) return -1;
+    pthread_mutex_lock(&mu); gran = g; pthread_mutex_unlock(&mu);
+    return 0;
+}
+size_t fakecuda_granularity(void) { /* before cuInit: what cuInit will read */
+    const char *s = getenv("FAKECUDA_GRANULARITY");
+    pthread_mutex_lock(&mu);
+    size_t g = !initialized && s ? (size_t)atoll(s) : gran;
+    pthread_mutex_unlock(&mu);
+    return g;
+}
 /* Test hook: whether one of this driver's mappings covers `ptr` (the driver's own state,
  * whatever a backend's books say; not a hooked entry point: no call counted). */
 int fakecuda_mapped_at(CUdeviceptr ptr) {

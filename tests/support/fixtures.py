@@ -43,6 +43,8 @@ def fc() -> Iterator[fakecuda.FakeCuda]:
     if loaded is None:
         pytest.skip(f"needs the stand-in CUDA driver: {fakecuda.why_not()}")
     loaded.heal()
+    granularity = loaded.granularity()
     yield loaded
     loaded.heal()
     loaded.set_total_bytes(fakecuda.DEFAULT_TOTAL_BYTES)
+    loaded.set_granularity(granularity)
