@@ -160,12 +160,7 @@ class CudaBackend:
             check_granularity(
                 layout, self.granularity, f"CUDA allocation granularity of device {device}"
             )
-            self.base_address = int(
-                _call(
-                    driver.cuMemAddressReserve(layout.total_bytes, self.granularity, 0, 0),
-                    "cuMemAddressReserve",
-                )
-            )
+            self.base_address = self._reserve_range()
             self._bases = [
                 self.base_address + region * layout.region_bytes
                 for region in range(layout.num_regions)
@@ -173,6 +168,28 @@ class CudaBackend:
         except BaseException:
             driver.cuDevicePrimaryCtxRelease(self._dev)
             raise
+
+    def _reserve_range(self) -> int:
+        """``cuMemAddressReserve`` of the whole layout (virtual address space only).
+
+        The driver answers CUDA_ERROR_OUT_OF_MEMORY when the *address space* is
+        short: no device memory is involved, so it is a plain BackendError (not
+        DeviceOutOfMemory, whose remedy is freeing device memory).
+        """
+        total = self.layout.total_bytes
+        try:
+            return int(
+                _call(
+                    self._drv.cuMemAddressReserve(total, self.granularity, 0, 0),
+                    "cuMemAddressReserve",
+                )
+            )
+        except BackendError as exc:
+            raise BackendError(
+                f"cannot reserve {total / 2**20:.0f} MiB of virtual address space on CUDA "
+                f"device {self.device} ({exc}); nothing was reserved. Reserve a smaller "
+                "layout (fewer pages or regions)"
+            ) from exc
 
     @staticmethod
     def unavailable_reason(device: int = 0) -> str | None:
@@ -238,8 +255,14 @@ class CudaBackend:
                 f"{errors[0]}); {self._num_handles} handle(s) still mapped, "
                 f"{len(self._stray)} unreleased; call release() again"
             ) from errors[0]
+        try:  # last: the calls above need the context
+            _call(self._drv.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
+        except BackendError as exc:
+            raise BackendError(
+                f"CudaBackend.release() did not finish: every page and the range were given "
+                f"back, but {exc}; call release() again"
+            ) from exc
         self._released = True
-        _call(self._drv.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
 
     def __enter__(self) -> Self:
         return self
@@ -453,7 +476,7 @@ class CudaBackend:
                 try:
                     _call(drv.cuMemMap(base + offset, size, 0, handle, 0), "cuMemMap")
                 except BackendError:
-                    self._spares.append(handle)  # unmapped: reusable (trimmed by release)
+                    self._give_back(handle)  # never mapped: a spare within the cap, else freed
                     raise
                 handles[region] = handle
         except BackendError:

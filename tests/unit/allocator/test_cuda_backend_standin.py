@@ -470,3 +470,55 @@ def test_random_faults_never_split_the_page_allocator_from_the_backend(
     backend.trim_spares()
     assert blocks.num_allocated_blocks == 0, [pages.page_state(p).name for p in range(10)]
     assert fc.num_mappings() == base_maps, [pages.page_state(p).name for p in range(10)]
+
+
+# ---------------------------------------------------------------- reservation and context
+def test_a_failing_context_release_is_retried_by_the_next_release(fc: fakecuda.FakeCuda) -> None:
+    refs, ranges = fc.primary_refs(0), fc.num_reservations()
+    backend = CudaBackend.reserve(PageLayout(PAGE, 4, 2))
+    backend.map_many([0, 1])
+    assert fc.primary_refs(0) == refs + 1
+    fc.fail("cuDevicePrimaryCtxRelease", count=1)
+    with pytest.raises(BackendError, match=r"cuDevicePrimaryCtxRelease failed.*release\(\) again"):
+        backend.release()
+    assert fc.num_reservations() == ranges and backend.held_bytes() == 0  # the rest went back
+    with pytest.raises(AllocatorContractError, match=r"release\(\) again"):
+        backend.map(2)
+    backend.release()  # the retry gives the context back
+    assert fc.primary_refs(0) == refs
+    backend.release()  # and is idempotent once done
+    assert fc.primary_refs(0) == refs
+
+
+def test_a_reservation_the_address_space_refuses_is_not_a_device_out_of_memory(
+    fc: fakecuda.FakeCuda,
+) -> None:
+    """``cuMemAddressReserve`` answers CUDA_ERROR_OUT_OF_MEMORY when the *virtual* range is
+    too large: no device memory is involved, so freeing some (what DeviceOutOfMemory asks
+    for) cannot help; the error names the size and says to reserve less."""
+    refs, ranges = fc.primary_refs(0), fc.num_reservations()
+    fc.fail("cuMemAddressReserve", count=1, err=fakecuda.CUDA_ERROR_OUT_OF_MEMORY)
+    with pytest.raises(BackendError) as info:
+        CudaBackend.reserve(PageLayout(PAGE, 512, 4))
+    assert not isinstance(info.value, DeviceOutOfMemory)
+    assert "4096 MiB of virtual address space" in str(info.value)
+    assert "fewer pages or regions" in str(info.value)
+    assert fc.primary_refs(0) == refs and fc.num_reservations() == ranges  # nothing kept
+    with CudaBackend.reserve(PageLayout(PAGE, 512, 4)) as backend:  # the next one works
+        backend.map(0)
+
+
+def test_a_failed_map_keeps_no_handle_beyond_the_spare_cap(
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
+    """spare_handles=0: a handle whose cuMemMap failed is released at once, as an unmapped
+    one is (a backend told to keep no spares holds no device memory it does not map)."""
+    backend = make(4, 2, spare_handles=0)
+    before = fc.used_bytes()
+    fc.fail("cuMemMap", after=1, count=1)  # region 1 of page 0
+    with pytest.raises(BackendError, match="cuMemMap failed"):
+        backend.map(0)
+    assert backend.held_bytes() == backend.mapped_bytes() == 0
+    assert fc.used_bytes() == before
+    backend.map(0)
+    assert backend.held_bytes() == fc.used_bytes() - before == backend.layout.bundle_bytes
