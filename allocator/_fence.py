@@ -13,12 +13,20 @@ then is an illegal-address fault. One mechanism for every adapter:
 Until the first :meth:`~UnmapFence.record`, :meth:`~UnmapFence.wait` falls back
 to a device-wide synchronize: correct for an adapter that never records,
 only slower. After a wait, further unmaps need no wait until the next record.
+
+Failures. A :meth:`~UnmapFence.record` that raises leaves the work launched
+before it behind no event: the next wait synchronizes the whole device
+instead. A wait that fails (torch raises ``RuntimeError`` after a kernel
+fault) raises :class:`~allocator.BackendError` with nothing unmapped, so the
+allocators book the pages as still mapped; the next unmap waits again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
+
+from ._errors import BackendError
 
 if TYPE_CHECKING:
     from ._backend import Backend
@@ -55,6 +63,7 @@ class UnmapFence:
         self._synchronize_device = synchronize_device
         self._event: DeviceEvent | None = None
         self._pending = False
+        self._unrecorded = False  # a record failed: the next wait syncs the whole device
         self.waits_on_event = 0
         self.device_syncs = 0
 
@@ -67,18 +76,34 @@ class UnmapFence:
         """After a forward pass was launched: later unmaps wait for it to finish."""
         if self._event is None:
             self._event = self._make_event()
-        self._event.record()
+        try:
+            self._event.record()
+        except BaseException:
+            self._unrecorded = True  # the event may not cover the work launched so far
+            raise
         self._pending = True
 
     def wait(self) -> None:
-        """Before an unmap: block until the last recorded work finished (see the module)."""
-        if self._event is None:
-            self.device_syncs += 1
-            self._synchronize_device()
-        elif self._pending:
-            self.waits_on_event += 1
-            self._event.synchronize()
-            self._pending = False
+        """Before an unmap: block until the last recorded work finished (see the module).
+
+        Raises :class:`BackendError` if the device reports a failure; nothing is
+        considered waited for then (the next call waits again).
+        """
+        try:
+            if self._event is None or self._unrecorded:
+                self.device_syncs += 1
+                self._synchronize_device()
+                self._unrecorded = self._pending = False
+            elif self._pending:
+                self.waits_on_event += 1
+                self._event.synchronize()
+                self._pending = False
+        except RuntimeError as exc:  # torch: a CUDA error (sticky after a kernel fault)
+            raise BackendError(
+                f"waiting for the device before an unmap failed ({exc}); nothing was "
+                "unmapped. The device reported an error (often a kernel fault, which "
+                "poisons the process's CUDA context): restart the engine"
+            ) from exc
 
 
 class FencedBackend:

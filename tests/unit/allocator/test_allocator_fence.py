@@ -116,3 +116,40 @@ def test_random_steps_never_unmap_past_an_unwaited_record(host: HostBackend) -> 
             else:
                 assert new == []  # nothing recorded since the last wait
     assert fence.waits_on_event > 0
+
+
+class _FlakyEvent(_Event):
+    """A stand-in event whose ``record`` fails when told (torch raises RuntimeError)."""
+
+    fail_record = False
+
+    def record(self) -> None:
+        if _FlakyEvent.fail_record:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        super().record()
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_after_a_failed_record_the_next_wait_syncs_the_whole_device(
+    host: HostBackend, monkeypatch: pytest.MonkeyPatch, first: bool
+) -> None:
+    """The forward pass launched before a failed record is behind no event: the next unmap
+    must not trust the old (already waited) one, it syncs the device as before any record."""
+    log: list[str] = []
+    fence = UnmapFence(lambda: _FlakyEvent(host, log), lambda: log.append("device-sync"))
+    fenced = FencedBackend(host, fence)
+    fenced.map_many([0, 1])
+    if not first:
+        fence.record()
+        fenced.unmap(1)  # waits on that event
+        fenced.map(1)
+    log.clear()
+    monkeypatch.setattr(_FlakyEvent, "fail_record", True)
+    with pytest.raises(RuntimeError):
+        fence.record()
+    fenced.unmap(1)
+    assert log == ["device-sync"]
+    monkeypatch.setattr(_FlakyEvent, "fail_record", False)
+    fence.record()  # recording works again: back to event waits
+    fenced.unmap(0)
+    assert log == ["device-sync", "record", "wait:1"]

@@ -304,6 +304,48 @@ def test_fenced_cuda_backend_waits_for_the_event_before_the_driver_unmaps(
     assert fc.calls("cuMemUnmap") == 1 and not backend.is_mapped(3)
 
 
+class _FaultedEvent(_Event):
+    """Its synchronize fails as torch's does after a kernel fault (RuntimeError)."""
+
+    broken = True
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        if _FaultedEvent.broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_failing_fence_wait_unmaps_nothing_and_keeps_the_books(
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The event wait before an unmap fails (the device faulted): nothing may be unmapped
+    (queued work may still use it), the error is a BackendError the page allocator books
+    (pages out of service, still mapped, retried), never a RuntimeError that leaves pages
+    in use with no blocks in them."""
+    backend = make(8, 2)
+    base_maps = fc.num_mappings()
+    log: list[str] = []
+    fence = UnmapFence(lambda: _FaultedEvent(backend, log), lambda: log.append("device-sync"))
+    guard = ThreadGuard("t")
+    guard.bind_current()
+    pages = PageAllocator(FencedBackend(backend, fence), guard=guard)
+    blocks = BlockAllocator(pages, 1, guard=guard)
+    got = blocks.alloc(4)
+    assert got is not None
+    fence.record()
+    with pytest.raises(BackendError, match="restart the engine") as info:
+        blocks.free(got)
+    assert "illegal memory access" in str(info.value)
+    assert blocks.num_allocated_blocks == 0
+    assert fc.num_mappings() - base_maps == 2 * 4  # nothing unmapped: the wait failed
+    assert [pages.page_state(p).name for p in range(4)] == ["UNMAP_FAILED"] * 4
+    assert pages.num_mapped == 4 and backend.mapped_bytes() == 4 * backend.layout.bundle_bytes
+    monkeypatch.setattr(_FaultedEvent, "broken", False)
+    pages.set_target(None)  # a limit change retries the unmaps, waiting first
+    assert log[-1] == "wait(mapped=True,held=8)"
+    assert fc.num_mappings() == base_maps and pages.num_mapped == 0
+
+
 # ---------------------------------------------------------------- adversarial
 @pytest.mark.parametrize("seed", [2026, 7, 99, 12345])
 def test_random_driver_failures_never_split_the_books_from_the_driver(
