@@ -139,24 +139,13 @@ class CudaBackend:
         self._ctx = _call(driver.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
         try:
             _call(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-            self._prop = driver.CUmemAllocationProp()
-            self._prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-            self._prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            self._prop.location.id = device
+            self._prop = _allocation_prop(driver, device)
             self._access = driver.CUmemAccessDesc()
             self._access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             self._access.location.id = device
             self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
             self._access_list = [self._access]
-            self.granularity = int(
-                _call(
-                    driver.cuMemGetAllocationGranularity(
-                        self._prop,
-                        driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-                    ),
-                    "cuMemGetAllocationGranularity",
-                )
-            )
+            self.granularity = _granularity(driver, self._prop)
             check_granularity(
                 layout, self.granularity, f"CUDA allocation granularity of device {device}"
             )
@@ -190,6 +179,31 @@ class CudaBackend:
                 f"device {self.device} ({exc}); nothing was reserved. Reserve a smaller "
                 "layout (fewer pages or regions)"
             ) from exc
+
+    @staticmethod
+    def device_granularity(device: int = 0) -> int:
+        """The CUDA VMM allocation granularity of ``device``: ``page_bytes`` must be a multiple.
+
+        For planning before anything is reserved. The device's primary context is
+        retained and made current for the query where the thread has none, then
+        the thread's previous one restored and the context released.
+        """
+        drv = load_driver()
+        init_driver(drv)
+        dev = _call(drv.cuDeviceGet(device), "cuDeviceGet")
+        ctx = _call(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        try:
+            previous = _call(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+            switch = int(previous) == 0
+            if switch:
+                _call(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            try:
+                return _granularity(drv, _allocation_prop(drv, device))
+            finally:
+                if switch:
+                    drv.cuCtxSetCurrent(previous)
+        finally:
+            drv.cuDevicePrimaryCtxRelease(dev)
 
     @staticmethod
     def unavailable_reason(device: int = 0) -> str | None:
@@ -547,6 +561,22 @@ class CudaBackend:
             self._give_back(handle)
         if first is not None:
             raise first
+
+
+def _allocation_prop(driver: Any, device: int) -> Any:
+    """``CUmemAllocationProp`` of pinned memory on ``device`` (what every handle is)."""
+    prop = driver.CUmemAllocationProp()
+    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    return prop
+
+
+def _granularity(driver: Any, prop: Any) -> int:
+    minimum = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    return int(
+        _call(driver.cuMemGetAllocationGranularity(prop, minimum), "cuMemGetAllocationGranularity")
+    )
 
 
 def _call(result: Any, what: str) -> Any:

@@ -111,6 +111,7 @@ class KvGeometry:
     block_bytes: int  # one block of one layer (vLLM's block_stride)
     num_blocks: int  # vLLM's block count (block 0 is the null block)
     page_bytes: int  # lcm(granularity, block_bytes)
+    granularity: int = CUDA_GRANULARITY  # the device's CUDA VMM granularity, planned with
 
     @property
     def blocks_per_page(self) -> int:
@@ -178,6 +179,7 @@ def kv_geometry(
         block_bytes=block_bytes,
         num_blocks=config.num_blocks,
         page_bytes=math.lcm(granularity, block_bytes),
+        granularity=granularity,
     )
 
 
@@ -383,6 +385,15 @@ def _cuda_total_memory() -> int:
     return int(torch.cuda.mem_get_info()[1])
 
 
+def _cuda_granularity() -> int:
+    """The current CUDA device's VMM allocation granularity (pages are multiples of it)."""
+    import torch
+
+    from allocator import CudaBackend
+
+    return CudaBackend.device_granularity(torch.cuda.current_device())
+
+
 def virtual_kv_bytes(
     vllm_config: VllmConfig, setting: int | None, device_total: Callable[[], int]
 ) -> int:
@@ -402,7 +413,7 @@ def allocate_on_reservation(
     kernel_block_sizes: list[int] | None,
     *,
     plan: KvGeometry,
-    granularity: int = CUDA_GRANULARITY,
+    granularity: int | None = None,
     reserve: Callable[[PageLayout, torch.device], ReservedBackend] = _reserve_cuda,
     synchronize: Callable[[], None] | None = None,
     warmup_blocks: int | None = None,
@@ -412,16 +423,30 @@ def allocate_on_reservation(
 
     Only the pages holding blocks ``0 .. warmup_blocks - 1`` are mapped before
     the block pool takes over (``None``: every page, as vLLM's own cache).
+    ``granularity`` (``None``: the plan's) lays the worker's config out in pages.
     """
     import torch
     from vllm.v1.kv_cache_interface import create_kv_cache_views
 
-    geometry = kv_geometry(config, layout, granularity)
+    from allocator import BackendError, DeviceOutOfMemory
+
+    geometry = kv_geometry(config, layout, plan.granularity if granularity is None else granularity)
     if geometry != plan:
         raise _refuse(
             f"a worker KV cache ({geometry}) that differs from the EngineCore's plan ({plan})"
         )
-    backend = reserve(geometry.layout, device)
+    try:
+        backend = reserve(geometry.layout, device)
+    except BackendError as exc:
+        if isinstance(exc, DeviceOutOfMemory):
+            raise
+        size = geometry.layout.total_bytes
+        amount = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
+        raise UnsupportedKvCache(
+            f"kvsidecar: cannot reserve {amount} of address space for the KV cache on "
+            f"{device} ({exc.__cause__ or exc}); lower KVSIDECAR_VIRTUAL_KV_BYTES or "
+            "--kv-cache-memory-bytes (the virtual KV capacity, docs/overcommit.md)"
+        ) from exc
     try:
         fence = None if synchronize is not None else _cuda_fence(device)
         wait = synchronize if fence is None else fence.wait
@@ -487,11 +512,15 @@ def plan_kv_cache(
     *,
     device_total: Callable[[], int] = _cuda_total_memory,
     setting: Callable[[], int | None] = _virtual_setting,
+    granularity: Callable[[], int] | None = None,
 ) -> Callable[..., Any]:
     """Patch factory for ``vllm.v1.engine.core:get_kv_cache_configs``.
 
     vLLM plans for its *virtual* KV capacity (:func:`virtual_kv_bytes`), not
     for the free memory its profiler measured: nothing is mapped by the plan.
+    Pages are multiples of the device's own allocation granularity
+    (``granularity``, default: asked of the driver; the plan carries it to the
+    worker's reservation).
     """
 
     def get_kv_cache_configs(
@@ -526,7 +555,8 @@ def plan_kv_cache(
         if len(configs) != 1:
             raise _refuse(f"{len(configs)} workers")
         layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-        planned, geometry = whole_page_config(configs[0], layout)
+        device_granularity = (granularity or _cuda_granularity)()
+        planned, geometry = whole_page_config(configs[0], layout, device_granularity)
         spec = planned.kv_cache_groups[0].kv_cache_spec
         max_len = vllm_config.model_config.max_model_len
         needed = spec.max_num_blocks_per_req(vllm_config, max_len)

@@ -433,6 +433,7 @@ def engine_config(
     config.cache_config.kv_cache_layout = "LBNHC"
     config.parallel_config.distributed_executor_backend = "uni"  # CPU vLLM forces "mp"
     monkeypatch.setattr(_gpu_kv, "_gpu_path_applies", lambda vllm_config: True)
+    monkeypatch.setattr(_gpu_kv, "_cuda_granularity", lambda: CUDA_GRANULARITY)  # no torch CUDA
     return config
 
 
