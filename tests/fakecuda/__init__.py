@@ -52,6 +52,7 @@ class FakeCuda:
         self.lib.fakecuda_primary_refs.argtypes = [ctypes.c_int]
         self.lib.fakecuda_set_granularity.argtypes = [ctypes.c_size_t]
         self.lib.fakecuda_granularity.restype = ctypes.c_size_t
+        self.lib.fakecuda_num_events.restype = ctypes.c_long
 
     def fail(
         self, name: str, *, after: int = 0, count: int = 1, err: int = CUDA_ERROR_INVALID_VALUE
@@ -90,6 +91,10 @@ class FakeCuda:
         """How many times ``device``'s primary context is retained and not yet released."""
         return int(self.lib.fakecuda_primary_refs(device))
 
+    def num_events(self) -> int:
+        """Live ``cuEventCreate`` events (created and not destroyed)."""
+        return int(self.lib.fakecuda_num_events())
+
     def granularity(self) -> int:
         return int(self.lib.fakecuda_granularity())
 
@@ -119,6 +124,8 @@ HOOKED = (
     "cuMemSetAccess",
     "cuMemUnmap",
     "cuMemGetAccess",
+    "cuEventRecord",
+    "cuEventSynchronize",
 )
 
 _loaded: FakeCuda | None = None

@@ -104,7 +104,7 @@ static const char *const hooked[] = {
     "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent", "cuCtxGetCurrent",
     "cuCtxSynchronize", "cuMemGetInfo", "cuMemGetAllocationGranularity", "cuMemAddressReserve",
     "cuMemAddressFree", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemSetAccess", "cuMemUnmap",
-    "cuMemGetAccess",
+    "cuMemGetAccess", "cuEventRecord", "cuEventSynchronize",
 };
 #define NHOOK ((int)(sizeof hooked / sizeof *hooked))
 static struct { long calls, skip, fail; int err; } knob[sizeof hooked / sizeof *hooked];
@@ -222,6 +222,38 @@ CUresult cuCtxGetDevice(CUdevice *d) {
     NEED_INIT(); if (!current) return CUDA_ERROR_INVALID_CONTEXT; *d = ctx_device(current); return 0;
 }
 CUresult cuCtxSynchronize(void) { HOOK(4); NEED_INIT(); if (!current) return CUDA_ERROR_INVALID_CONTEXT; return 0; }
+
+/* Events: nothing runs asynchronously here, so an event is only a flag ("recorded") on a
+ * context; cuEventRecord (any stream) and cuEventSynchronize are hooked, so a test can make
+ * them fail as a driver in error does. Like the real driver: a context must be current to
+ * create one, synchronizing a never-recorded event returns at once. */
+typedef void *CUevent;
+typedef void *CUstream;
+typedef struct { unsigned magic; int recorded; CUcontext ctx; } Event;
+#define EVENT_MAGIC 0xe7e47u
+static long live_events;
+static Event *as_event(CUevent e) { Event *ev = e; return ev && ev->magic == EVENT_MAGIC ? ev : NULL; }
+CUresult cuEventCreate(CUevent *e, unsigned int flags) {
+    (void)flags; NEED_INIT(); if (!e) return CUDA_ERROR_INVALID_VALUE;
+    if (!current) return CUDA_ERROR_INVALID_CONTEXT;
+    Event *ev = calloc(1, sizeof *ev); if (!ev) return CUDA_ERROR_OUT_OF_MEMORY;
+    ev->magic = EVENT_MAGIC; ev->ctx = current;
+    pthread_mutex_lock(&mu); live_events++; pthread_mutex_unlock(&mu);
+    *e = ev; lg("cuEventCreate -> %p", (void *)ev); return 0;
+}
+CUresult cuEventRecord(CUevent e, CUstream s) { HOOK(15);
+    (void)s; NEED_INIT(); Event *ev = as_event(e); if (!ev) return CUDA_ERROR_INVALID_HANDLE;
+    ev->recorded = 1; return 0;
+}
+CUresult cuEventSynchronize(CUevent e) { HOOK(16);
+    NEED_INIT(); return as_event(e) ? 0 : CUDA_ERROR_INVALID_HANDLE;
+}
+CUresult cuEventDestroy(CUevent e) {
+    NEED_INIT(); Event *ev = as_event(e); if (!ev) return CUDA_ERROR_INVALID_HANDLE;
+    ev->magic = 0; free(ev);
+    pthread_mutex_lock(&mu); live_events--; pthread_mutex_unlock(&mu);
+    return 0;
+}
 
 CUresult cuMemGetInfo(size_t *free_, size_t *total) { HOOK(5);
     NEED_INIT();
@@ -434,7 +466,8 @@ static const char *err_name(CUresult e) {
     case 100: return "CUDA_ERROR_NO_DEVICE"; case 101: return "CUDA_ERROR_INVALID_DEVICE";
     case 201: return "CUDA_ERROR_INVALID_CONTEXT"; case 400: return "CUDA_ERROR_INVALID_HANDLE";
     case 500: return "CUDA_ERROR_NOT_FOUND"; case 800: return "CUDA_ERROR_NOT_PERMITTED";
-    case 801: return "CUDA_ERROR_NOT_SUPPORTED"; default: return NULL;
+    case 801: return "CUDA_ERROR_NOT_SUPPORTED"; case 719: return "CUDA_ERROR_LAUNCH_FAILED";
+    default: return NULL;
     }
 }
 CUresult cuGetErrorName(CUresult e, const char **s) {
@@ -449,6 +482,9 @@ int fakecuda_num_mappings(void) { return (int)nmaps; }
  * context (-1: no such device): a backend that retains must release, whatever failed. */
 int fakecuda_num_reservations(void) {
     pthread_mutex_lock(&mu); int n = (int)nresv; pthread_mutex_unlock(&mu); return n;
+}
+long fakecuda_num_events(void) {
+    pthread_mutex_lock(&mu); long n = live_events; pthread_mutex_unlock(&mu); return n;
 }
 int fakecuda_primary_refs(int dev) {
     if (dev < 0 || dev >= MAXDEV) return -1;
@@ -497,6 +533,9 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuMemCreate", (void *)cuMemCreate}, {"cuMemRelease", (void *)cuMemRelease},
     {"cuMemMap", (void *)cuMemMap}, {"cuMemUnmap", (void *)cuMemUnmap},
     {"cuMemSetAccess", (void *)cuMemSetAccess}, {"cuMemGetAccess", (void *)cuMemGetAccess},
+    {"cuEventCreate", (void *)cuEventCreate}, {"cuEventRecord", (void *)cuEventRecord},
+    {"cuEventSynchronize", (void *)cuEventSynchronize}, {"cuEventDestroy", (void *)cuEventDestroy},
+    {"cuEventDestroy_v2", (void *)cuEventDestroy},
     {"cuGetErrorName", (void *)cuGetErrorName}, {"cuGetErrorString", (void *)cuGetErrorString},
 };
 
@@ -516,3 +555,4 @@ CUresult cuMemGetInfo_v2(size_t *f, size_t *t) { return cuMemGetInfo(f, t); }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return cuDevicePrimaryCtxRelease(d); }
 CUresult cuDeviceTotalMem_v2(size_t *b, CUdevice d) { return cuDeviceTotalMem(b, d); }
 CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice d) { return cuDeviceGetUuid(uuid, d); }
+CUresult cuEventDestroy_v2(CUevent e) { return cuEventDestroy(e); }
