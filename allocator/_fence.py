@@ -14,15 +14,19 @@ Until the first :meth:`~UnmapFence.record`, :meth:`~UnmapFence.wait` falls back
 to a device-wide synchronize: correct for an adapter that never records,
 only slower. After a wait, further unmaps need no wait until the next record.
 
-Failures. A :meth:`~UnmapFence.record` that raises leaves the work launched
-before it behind no event: the next wait synchronizes the whole device
-instead. A wait that fails (torch raises ``RuntimeError`` after a kernel
+Failures. A :meth:`~UnmapFence.record` that fails (making or recording the
+event raised) never raises into the engine, which calls it at every step: the
+work launched so far is behind no event, so the next wait synchronizes the
+whole device instead, and the failure is logged (the first one, then at most
+one line per :data:`RECORD_FAILURE_LOG_S`, with the count since). A wait that fails (torch raises ``RuntimeError`` after a kernel
 fault) raises :class:`~allocator.BackendError` with nothing unmapped, so the
 allocators book the pages as still mapped; the next unmap waits again.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -32,7 +36,17 @@ if TYPE_CHECKING:
     from ._backend import Backend
     from ._layout import PageLayout
 
-__all__ = ["DeviceEvent", "FencedBackend", "UnmapFence", "torch_unmap_fence"]
+__all__ = [
+    "RECORD_FAILURE_LOG_S",
+    "DeviceEvent",
+    "FencedBackend",
+    "UnmapFence",
+    "torch_unmap_fence",
+]
+
+_log = logging.getLogger(__name__)
+
+RECORD_FAILURE_LOG_S = 60.0  # at most one log line per this many seconds for failed records
 
 
 class DeviceEvent(Protocol):
@@ -53,7 +67,7 @@ class UnmapFence:
     Owns one reusable event. ``record`` and ``wait`` are called from the
     thread that owns the allocator (the engine's scheduler thread), never
     concurrently. Counters (``waits_on_event``, ``device_syncs``) are for
-    tests and benchmarks.
+    tests and benchmarks; ``record_failures`` counts the records that failed.
     """
 
     def __init__(
@@ -66,6 +80,9 @@ class UnmapFence:
         self._unrecorded = False  # a record failed: the next wait syncs the whole device
         self.waits_on_event = 0
         self.device_syncs = 0
+        self.record_failures = 0
+        self._logged_failures = 0  # record_failures when the last log line was written
+        self._log_due = 0.0  # monotonic time from which the next failure is logged
 
     @property
     def recording(self) -> bool:
@@ -73,15 +90,38 @@ class UnmapFence:
         return self._event is not None
 
     def record(self) -> None:
-        """After a forward pass was launched: later unmaps wait for it to finish."""
-        if self._event is None:
-            self._event = self._make_event()
+        """After a forward pass was launched: later unmaps wait for it to finish.
+
+        Never raises an ``Exception`` (see the module): a failure makes the next
+        wait a whole-device synchronize, and is logged.
+        """
         try:
+            if self._event is None:
+                self._event = self._make_event()
             self._event.record()
-        except BaseException:
+        except BaseException as exc:
             self._unrecorded = True  # the event may not cover the work launched so far
-            raise
+            if not isinstance(exc, Exception):
+                raise
+            self._record_failed(exc)
+            return
         self._pending = True
+
+    def _record_failed(self, exc: Exception) -> None:
+        self.record_failures += 1
+        now = time.monotonic()
+        if now < self._log_due:
+            return
+        failed = self.record_failures - self._logged_failures
+        self._logged_failures, self._log_due = self.record_failures, now + RECORD_FAILURE_LOG_S
+        _log.warning(
+            "kvsidecar: recording the unmap fence's device event failed (%s; %d failure(s) "
+            "since the last report): the next unmap waits for the whole device instead "
+            "(slower, still safe). If it repeats, the device is in error (often a kernel "
+            "fault): check the engine's log and restart the engine",
+            exc,
+            failed,
+        )
 
     def wait(self) -> None:
         """Before an unmap: block until the last recorded work finished (see the module).

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
+import fakecuda
 from test_engine_core_limits import (
     build_core,
     in_foreign_thread,
@@ -111,3 +112,94 @@ def test_fence_recorded_every_step_and_unmaps_wait_on_it(
         if what == "unmap":  # the wait (or an earlier one with no record since) came first
             before = [w for w, _ in log[:index] if w in ("record", "wait")]
             assert before and before[-1] == "wait", log[max(0, index - 4) : index + 1]
+
+
+class _DriverEvent:
+    """``torch.cuda.Event``'s two calls over the driver (cuda-bindings on the stand-in
+    libcuda), raising ``RuntimeError`` on a CUDA error as torch does."""
+
+    def __init__(self, drv: Any) -> None:
+        self._drv = drv
+        self._event = _checked(drv.cuEventCreate(0), "cuEventCreate")[0]
+
+    def record(self) -> None:
+        _checked(self._drv.cuEventRecord(self._event, 0), "cuEventRecord")
+
+    def synchronize(self) -> None:
+        _checked(self._drv.cuEventSynchronize(self._event), "cuEventSynchronize")
+
+
+def _checked(result: Any, what: str) -> tuple[Any, ...]:
+    if int(result[0]) != 0:
+        raise RuntimeError(f"CUDA error: {what} returned {result[0]!r}")
+    return tuple(result[1:])
+
+
+@pytest.fixture
+def driver_thread(fc: fakecuda.FakeCuda) -> Any:
+    """cuda-bindings over the stand-in, device 0's primary context current on this thread."""
+    from cuda.bindings import driver as drv
+
+    _checked(drv.cuInit(0), "cuInit")
+    (dev,) = _checked(drv.cuDeviceGet(0), "cuDeviceGet")
+    (ctx,) = _checked(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    (previous,) = _checked(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    _checked(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    yield drv
+    drv.cuCtxSetCurrent(previous)
+    drv.cuDevicePrimaryCtxRelease(dev)
+
+
+def test_a_failed_event_record_never_ends_the_engine(
+    plugin_env: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fc: fakecuda.FakeCuda,
+    driver_thread: Any,
+) -> None:
+    """The driver refuses ``cuEventRecord`` once, inside ``update_from_output``: the step
+    goes on (it used to raise there, which ends vLLM's EngineCore), and the next unmap
+    syncs the whole device (``cuCtxSynchronize``) instead of trusting a stale event."""
+    drv = driver_thread
+    made: list[UnmapFence] = []
+
+    def claim() -> Any:
+        memory = claim_kv_memory()
+        assert memory is not None
+
+        def synchronize_device() -> None:
+            _checked(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+
+        fence = UnmapFence(lambda: _DriverEvent(drv), synchronize_device)
+        memory.backend = FencedBackend(memory.backend, fence)
+        memory.fence = fence
+        made.append(fence)
+        return memory
+
+    monkeypatch.setattr(_runtime, "claim_kv_memory", claim)
+    core = build_core(plugin_env)
+    runtime = _runtime.current_runtime()
+    assert runtime is not None and runtime.instance is not None and made
+    fence, instance = made[0], runtime.instance
+    fc.reset_calls()
+    fc.fail("cuEventRecord", after=2, count=1)  # the third step's record
+    rng = random.Random(7)
+    try:
+        for i in range(4):
+            tokens = [rng.randrange(10, 3000) for _ in range(rng.randrange(60, 200))]
+            core.add_request(*core.preprocess_add_request(make_request(f"r{i}", tokens, 8)))
+        steps = 0
+        while core.scheduler.has_requests():
+            core.step()  # the failed record raised out of here
+            steps += 1
+        assert steps > 3 and fc.calls("cuEventRecord") == steps
+        assert fence.record_failures == 1
+        in_foreign_thread(lambda: instance.set_limit(0))
+        runtime.safe_point()  # idle: the cached pages are unmapped
+    finally:
+        core.shutdown()
+    state = instance.state()
+    assert state.mapped_bytes == state.floor_bytes  # everything above the floor was unmapped
+    # the first unmap after the failed record synced the device, every other one waited
+    # on the event (without the failure: no device sync at all, the test above)
+    assert fence.device_syncs == 1 and fc.calls("cuCtxSynchronize") == 1
+    assert fence.waits_on_event > 0

@@ -8,6 +8,7 @@ memory itself.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import random
 
@@ -145,11 +146,45 @@ def test_after_a_failed_record_the_next_wait_syncs_the_whole_device(
         fenced.map(1)
     log.clear()
     monkeypatch.setattr(_FlakyEvent, "fail_record", True)
-    with pytest.raises(RuntimeError):
-        fence.record()
+    fence.record()  # never raises into the engine's step
+    assert fence.record_failures == 1
     fenced.unmap(1)
     assert log == ["device-sync"]
     monkeypatch.setattr(_FlakyEvent, "fail_record", False)
     fence.record()  # recording works again: back to event waits
     fenced.unmap(0)
     assert log == ["device-sync", "record", "wait:1"]
+
+
+def test_failed_records_never_raise_and_are_logged_once_per_interval(
+    host: HostBackend, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A device in error fails the record at every step: one warning saying what to do,
+    not one per step (the interval is far from over within the test)."""
+    log: list[str] = []
+    fence = UnmapFence(lambda: _FlakyEvent(host, log), lambda: log.append("device-sync"))
+    monkeypatch.setattr(_FlakyEvent, "fail_record", True)
+    with caplog.at_level(logging.WARNING, logger="allocator._fence"):
+        for _ in range(5):
+            fence.record()
+    assert fence.record_failures == 5
+    warnings = [r for r in caplog.records if r.name == "allocator._fence"]
+    assert len(warnings) == 1
+    assert "illegal memory access" in warnings[0].getMessage()
+    assert "restart the engine" in warnings[0].getMessage()
+
+
+def test_an_event_that_cannot_be_made_is_a_failed_record(host: HostBackend) -> None:
+    """``torch.cuda.Event()`` itself raising (a context in error) is a failed record too."""
+    log: list[str] = []
+
+    def make_event() -> _Event:
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    fence = UnmapFence(make_event, lambda: log.append("device-sync"))
+    fenced = FencedBackend(host, fence)
+    fenced.map(0)
+    fence.record()
+    assert fence.record_failures == 1 and not fence.recording
+    fenced.unmap(0)
+    assert log == ["device-sync"]
