@@ -4,23 +4,30 @@ Kernels run asynchronously: when the scheduler frees a block, the forward
 pass that read it may still be queued on the device, and unmapping its page
 then is an illegal-address fault. One mechanism for every adapter:
 
-* the adapter calls :meth:`UnmapFence.record` after it launched each forward
-  pass (a device event on the current stream);
+* the adapter calls :meth:`UnmapFence.record` after it launched a forward
+  pass (a device event on the stream its forwards run on: the current one, or
+  the one :attr:`UnmapFence.stream` makes current);
 * :class:`FencedBackend` calls :meth:`UnmapFence.wait` before every unmap
-  and the release: it waits for the last recorded event only, so work
-  queued *after* it (the next step, with async scheduling) keeps running.
+  and the release: it records the event again, on that stream, and waits for
+  it. So an unmap waits for every forward launched so far, also one that no
+  record followed: vLLM's batch queue (async scheduling) and SGLang's overlap
+  loop launch a step and return before processing any output when they were
+  idle, and an abort then frees that step's blocks before the next record.
 
 Until the first :meth:`~UnmapFence.record`, :meth:`~UnmapFence.wait` falls back
-to a device-wide synchronize: correct for an adapter that never records,
-only slower. After a wait, further unmaps need no wait until the next record.
+to a device-wide synchronize: correct for an adapter that never records (and
+for work on other streams before the first forward, such as a warm-up), only
+slower.
 
 Failures. A :meth:`~UnmapFence.record` that fails (making or recording the
 event raised) never raises into the engine, which calls it at every step: the
 work launched so far is behind no event, so the next wait synchronizes the
 whole device instead, and the failure is logged (the first one, then at most
-one line per :data:`RECORD_FAILURE_LOG_S`, with the count since). A wait that fails (torch raises ``RuntimeError`` after a kernel
-fault) raises :class:`~allocator.BackendError` with nothing unmapped, so the
-allocators book the pages as still mapped; the next unmap waits again.
+one line per :data:`RECORD_FAILURE_LOG_S`, with the count since). The same holds
+for the record inside :meth:`~UnmapFence.wait`. A wait that fails (torch raises
+``RuntimeError`` after a kernel fault) raises :class:`~allocator.BackendError`
+with nothing unmapped, so the allocators book the pages as still mapped; the
+next unmap waits again.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._errors import BackendError
 
@@ -62,13 +70,18 @@ class DeviceEvent(Protocol):
 
 
 class UnmapFence:
-    """The last recorded "device work done" point, waited for before an unmap.
+    """A device event on the forward stream, recorded and waited for before an unmap.
 
     Owns one reusable event. ``record`` and ``wait`` are called from the
     thread that owns the allocator (the engine's scheduler thread), never
-    concurrently. Counters (``waits_on_event``, ``device_syncs``) are for
-    tests and benchmarks; ``record_failures`` counts the records that failed.
+    concurrently. ``stream``: None (the current stream), or a callable returning a
+    context manager that makes the forward stream current (``torch.cuda.stream(s)``),
+    set by an adapter whose forwards run on a stream of their own. Counters
+    (``waits_on_event``, ``device_syncs``) are for tests and benchmarks;
+    ``record_failures`` counts the records that failed.
     """
+
+    stream: Callable[[], AbstractContextManager[Any]] | None = None
 
     def __init__(
         self, make_event: Callable[[], DeviceEvent], synchronize_device: Callable[[], None]
@@ -76,7 +89,6 @@ class UnmapFence:
         self._make_event = make_event
         self._synchronize_device = synchronize_device
         self._event: DeviceEvent | None = None
-        self._pending = False
         self._unrecorded = False  # a record failed: the next wait syncs the whole device
         self.waits_on_event = 0
         self.device_syncs = 0
@@ -98,14 +110,19 @@ class UnmapFence:
         try:
             if self._event is None:
                 self._event = self._make_event()
-            self._event.record()
+            self._record(self._event)
         except BaseException as exc:
             self._unrecorded = True  # the event may not cover the work launched so far
             if not isinstance(exc, Exception):
                 raise
             self._record_failed(exc)
-            return
-        self._pending = True
+
+    def _record(self, event: DeviceEvent) -> None:
+        if self.stream is None:
+            event.record()
+        else:
+            with self.stream():
+                event.record()
 
     def _record_failed(self, exc: Exception) -> None:
         self.record_failures += 1
@@ -124,20 +141,24 @@ class UnmapFence:
         )
 
     def wait(self) -> None:
-        """Before an unmap: block until the last recorded work finished (see the module).
+        """Before an unmap: block until every forward launched so far finished (the event
+        recorded again now, see the module; a device-wide sync before the first record
+        or after a failed one).
 
         Raises :class:`BackendError` if the device reports a failure; nothing is
         considered waited for then (the next call waits again).
         """
+        event = self._event
+        if event is not None and not self._unrecorded:
+            self.record()  # now: covers a launch that no record of the adapter followed
         try:
-            if self._event is None or self._unrecorded:
+            if event is None or self._unrecorded:
                 self.device_syncs += 1
                 self._synchronize_device()
-                self._unrecorded = self._pending = False
-            elif self._pending:
+                self._unrecorded = False
+            else:
                 self.waits_on_event += 1
-                self._event.synchronize()
-                self._pending = False
+                event.synchronize()
         except RuntimeError as exc:  # torch: a CUDA error (sticky after a kernel fault)
             raise BackendError(
                 f"waiting for the device before an unmap failed ({exc}); nothing was "

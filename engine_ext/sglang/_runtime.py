@@ -181,19 +181,19 @@ class SglangRuntime:
         device-wide sync (allocator.UnmapFence).
 
         SGLang's overlap loop launches forwards on ``forward_stream`` (the batch after
-        this one may be running there now): the event is recorded on that stream.
+        this one may be running there now): the event is recorded on that stream, here
+        and when an unmap records it again before its wait (``UnmapFence.stream``).
         """
         fence = self.fence
         if fence is None:
             return
-        stream = getattr(self.scheduler, "forward_stream", None)
-        if stream is None:
-            fence.record()
-            return
-        import torch
+        if fence.stream is None:
+            stream = getattr(self.scheduler, "forward_stream", None)
+            if stream is not None:
+                import torch
 
-        with torch.cuda.stream(stream):
-            fence.record()
+                fence.stream = lambda: torch.cuda.stream(stream)
+        fence.record()
 
     def _pin_output_ratio(self) -> None:
         """Output reservation (``KVSIDECAR_RESERVE_OUTPUT``): SGLang admits against an

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import ModelRunnerOutput
 
     from engine_ext.ranks import RankGroup
 
@@ -108,15 +109,17 @@ class MultiRankStubWorker(StubWorker):
         memory.backend = backend
         memory.rank_barrier = RankChannelBarrier(backend, wait_s=self.settings.rank_barrier_wait_s)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self._batch = ([], [], [])
-        super().execute_model(scheduler_output)  # bookkeeping; _write collects the KV writes
+        # bookkeeping; _write collects the KV writes
+        output = super().execute_model(scheduler_output)
         blocks, offsets, values = self._batch
         assert self.group is not None
         self.group.run_step(
             {"blocks": blocks, "offsets": offsets, "values": values},
             timeout_s=self.settings.rank_timeout_s,
         )
+        return output
 
     def _write(self, state: _RequestState, num_tokens: int) -> None:
         start = state.num_computed_tokens

@@ -130,7 +130,11 @@ class StubWorker:
         publish_kv_memory(self.memory)
 
     # -- steps --------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Write the scheduled tokens' KV; None (sample next), or vLLM's empty output when
+        nothing was scheduled, as vLLM's GPU model runner answers (with async scheduling
+        the engine then takes this answer as the step's output: sample_tokens is not called).
+        """
         memory = self.memory
         assert memory is not None, "initialize_from_config must run before execute_model"
         if not memory.claimed and not self._mapped_all:
@@ -143,7 +147,13 @@ class StubWorker:
         self._update_cached(scheduler_output)
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             self._write(self._requests[req_id], num_tokens)
+        if not scheduler_output.total_num_scheduled_tokens:
+            from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+            self._scheduled = None
+            return EMPTY_MODEL_RUNNER_OUTPUT
         self._scheduled = scheduler_output
+        return None
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         from vllm.v1.outputs import ModelRunnerOutput

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import ModelRunnerOutput
 
-__all__ = ["StubExecutor"]
+__all__ = ["StubAsyncExecutor", "StubExecutor"]
 
 
 class StubExecutor(Executor):  # type: ignore[misc]  # vLLM is untyped here (pyproject)
@@ -86,11 +86,11 @@ class StubExecutor(Executor):  # type: ignore[misc]  # vLLM is untyped here (pyp
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
-        self.worker.execute_model(scheduler_output)
+        output = self.worker.execute_model(scheduler_output)
         if not non_block:
-            return None
+            return output
         done: Future[ModelRunnerOutput | None] = Future()
-        done.set_result(None)
+        done.set_result(output)
         return done
 
     def sample_tokens(
@@ -113,3 +113,20 @@ class StubExecutor(Executor):  # type: ignore[misc]  # vLLM is untyped here (pyp
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.shutdown()
+
+
+class StubAsyncExecutor(StubExecutor):
+    """``StubExecutor`` that supports vLLM's async scheduling, as ``UniProcExecutor`` does
+    (a GPU server's default). vLLM then builds its ``AsyncScheduler`` and steps with
+    ``EngineCore.step_with_batch_queue``: step N+1 is scheduled before the output of step
+    N is processed, and a request that finishes in step N was already scheduled in N+1.
+    The futures are done when returned (the work runs inline, in order), so this checks
+    the order of vLLM's calls around kvsidecar's hooks, not concurrent device work.
+
+    Selected with ``--distributed-executor-backend
+    engine_ext.cpu_harness.vllm.executor.StubAsyncExecutor``.
+    """
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return True

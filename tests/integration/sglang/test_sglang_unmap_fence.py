@@ -106,3 +106,47 @@ def test_process_batch_result_patch_records_before_the_result_is_processed(
     assert log == ["record", "process"]
     assert wrapped(Scheduler(), object(), object()) == "done"  # no pool: passes through
     assert log == ["record", "process", "process"]
+
+
+def test_the_overlap_loops_forward_stream_is_where_the_fence_records_also_at_a_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang's overlap loop launches on ``scheduler.forward_stream``: the batch-end record
+    and the record an unmap makes before its wait both go there (an event on the current
+    stream would not cover the forward queued on the other one). ``torch.cuda.stream``
+    is a stand-in that notes which stream is current (CPU torch has none)."""
+    import contextlib
+
+    import torch
+
+    from engine_ext.sglang._runtime import SglangRuntime
+
+    current: list[object] = ["default"]
+    seen: list[object] = []
+
+    @contextlib.contextmanager
+    def stream(s: object) -> Any:
+        current.append(s)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    class Event:
+        def record(self) -> None:
+            seen.append(current[-1])
+
+        def synchronize(self) -> None:
+            seen.append("wait")
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    forward = object()
+    fence = UnmapFence(Event, lambda: seen.append("device-sync"))
+
+    class Holder:  # what after_batch reads of the runtime
+        scheduler = type("S", (), {"forward_stream": forward})()
+
+    Holder.fence = fence  # type: ignore[attr-defined]
+    SglangRuntime.after_batch(Holder())  # type: ignore[arg-type]
+    fence.wait()
+    assert seen == [forward, forward, "wait"]

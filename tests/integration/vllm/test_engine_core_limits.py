@@ -77,6 +77,7 @@ def build_core(
     max_model_len: int = 2048,
     max_num_batched_tokens: int = 512,
     enable_prefix_caching: bool = True,
+    executor: type[StubExecutor] = StubExecutor,
 ) -> EngineCore:
     bundle = page_bytes * 4  # 2 layers x (K, V) regions
     args = EngineArgs(
@@ -87,14 +88,18 @@ def build_core(
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
         kv_cache_memory_bytes=num_pages * bundle,
-        distributed_executor_backend=StubExecutor,
+        distributed_executor_backend=executor,
         max_num_seqs=6,
         max_num_batched_tokens=max_num_batched_tokens,
         disable_log_stats=True,
         enforce_eager=True,
     )
     config = args.create_engine_config()
-    return EngineCore(config, executor_class=StubExecutor, log_stats=False)
+    if executor.supports_async_scheduling():
+        # vLLM's CPU platform turns async scheduling off; a GPU server with the uni
+        # executor has it on by default: the loop under test is that one
+        config.scheduler_config.async_scheduling = True
+    return EngineCore(config, executor_class=executor, log_stats=False)
 
 
 def make_request(request_id: str, tokens: list[int], max_tokens: int) -> EngineCoreRequest:
@@ -195,8 +200,8 @@ def drive(
         if limits and step == num_steps:
             run.tail = True
             in_foreign_thread(lambda: instance.set_limit(None))  # let the tail drain
-        outputs, _ = core.step()
-        for client_outputs in outputs.values():
+        outputs, _ = core.step_fn()  # step, or step_with_batch_queue (async scheduling)
+        for client_outputs in (outputs or {}).values():
             for out in client_outputs.outputs:
                 if out.request_id not in live:
                     continue

@@ -104,14 +104,15 @@ def test_fence_recorded_every_step_and_unmaps_wait_on_it(
     finally:
         core.shutdown()
     records = [entry for entry in log if entry[0] == "record"]
-    assert len(records) == stepped > 0  # once per step that ran the scheduler's output
+    # once per step that ran the scheduler's output, and once more at each wait
+    assert len(records) == stepped + fence.waits_on_event and stepped > 0
     assert unmapped  # the limits unmapped pages
     assert ("device-sync", 0) not in log  # every unmap waited on the event, none synced
     assert fence.device_syncs == 0 and fence.waits_on_event > 0
     for index, (what, mapped) in enumerate(log):
-        if what == "unmap":  # the wait (or an earlier one with no record since) came first
-            before = [w for w, _ in log[:index] if w in ("record", "wait")]
-            assert before and before[-1] == "wait", log[max(0, index - 4) : index + 1]
+        if what == "unmap":  # recorded then, and waited for, right before this unmap
+            before = [w for w, _ in log[:index] if w in ("record", "wait", "unmap")]
+            assert before[-2:] == ["record", "wait"], log[max(0, index - 4) : index + 1]
 
 
 class _DriverEvent:

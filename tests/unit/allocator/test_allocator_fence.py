@@ -50,17 +50,58 @@ def _fence(backend: HostBackend, log: list[str]) -> UnmapFence:
     )
 
 
-def test_unmap_waits_for_the_recorded_event_with_the_memory_still_there(host: HostBackend) -> None:
+def test_unmap_records_the_event_again_and_waits_with_the_memory_still_there(
+    host: HostBackend,
+) -> None:
     log: list[str] = []
     fence = _fence(host, log)
     fenced = FencedBackend(host, fence)
     fenced.map_many([0, 1, 2])
     fence.record()
     fenced.unmap_many([1, 2])
-    assert log == ["record", "wait:3"]  # waited while all three pages were still resident
+    # recorded again at the wait, waited while all three pages were still resident
+    assert log == ["record", "record", "wait:3"]
     assert host.mapped_bytes() == PAGE
-    fenced.unmap(0)  # nothing recorded since: no second wait
-    assert log == ["record", "wait:3"] and fence.waits_on_event == 1
+    fenced.unmap(0)  # every unmap waits for what was launched up to it
+    assert log == ["record", "record", "wait:3", "record", "wait:1"]
+    assert fence.waits_on_event == 2 and fence.device_syncs == 0
+
+
+class _Queue:
+    """A device queue: launches complete only when an event recorded after them is waited."""
+
+    def __init__(self) -> None:
+        self.launched = self.done = 0
+
+    def event(self) -> _QueueEvent:
+        return _QueueEvent(self)
+
+
+class _QueueEvent:
+    def __init__(self, queue: _Queue) -> None:
+        self.queue, self.mark = queue, 0
+
+    def record(self) -> None:
+        self.mark = self.queue.launched
+
+    def synchronize(self) -> None:
+        self.queue.done = max(self.queue.done, self.mark)
+
+
+def test_an_unmap_waits_for_a_launch_no_record_followed(host: HostBackend) -> None:
+    """vLLM's batch queue and SGLang's overlap loop: a forward launched from idle is not
+    followed by a record before an abort frees its blocks. The unmap still waits for it."""
+    queue = _Queue()
+    fence = UnmapFence(queue.event, lambda: setattr(queue, "done", queue.launched))
+    fenced = FencedBackend(host, fence)
+    fenced.map_many([0, 1])
+    queue.launched += 1  # step 1
+    fence.record()
+    fenced.unmap(1)  # waits for step 1
+    assert queue.done == 1
+    queue.launched += 1  # step 2, from idle: no record after it
+    fenced.unmap(0)
+    assert queue.done == 2, "a page was unmapped under a step still in flight"
 
 
 def test_without_any_record_every_unmap_syncs_the_device_first(host: HostBackend) -> None:
@@ -80,7 +121,7 @@ def test_release_waits_too(host: HostBackend) -> None:
     fenced.map(7)
     fence.record()
     fenced.release()
-    assert log == ["record", "wait:1"] and host.mapped_bytes() == 0
+    assert log == ["record", "record", "wait:1"] and host.mapped_bytes() == 0
 
 
 def test_random_steps_never_unmap_past_an_unwaited_record(host: HostBackend) -> None:
@@ -91,7 +132,7 @@ def test_random_steps_never_unmap_past_an_unwaited_record(host: HostBackend) -> 
     pages = PageAllocator(FencedBackend(host, fence))
     blocks = BlockAllocator(pages, 2)
     held: list[int] = []
-    pending, ever = False, False
+    ever = False
     for _ in range(400):
         action = rng.random()
         if action < 0.4:
@@ -99,7 +140,7 @@ def test_random_steps_never_unmap_past_an_unwaited_record(host: HostBackend) -> 
             held.extend(got or [])
         elif action < 0.6:
             fence.record()
-            pending = ever = True
+            ever = True
         elif held:
             rng.shuffle(held)
             cut = rng.randint(1, len(held))
@@ -111,11 +152,9 @@ def test_random_steps_never_unmap_past_an_unwaited_record(host: HostBackend) -> 
                 assert new == []
             elif not ever:
                 assert new[0] == f"sync:{before // PAGE}"  # then one sync per further unmap
-            elif pending:
-                assert new == [f"wait:{before // PAGE}"]  # waited with everything resident
-                pending = False
             else:
-                assert new == []  # nothing recorded since the last wait
+                assert new[0] == f"wait:{before // PAGE}"  # waited with everything resident
+                assert all(entry.startswith("wait:") for entry in new)
     assert fence.waits_on_event > 0
 
 
@@ -153,7 +192,20 @@ def test_after_a_failed_record_the_next_wait_syncs_the_whole_device(
     monkeypatch.setattr(_FlakyEvent, "fail_record", False)
     fence.record()  # recording works again: back to event waits
     fenced.unmap(0)
-    assert log == ["device-sync", "record", "wait:1"]
+    assert log == ["device-sync", "record", "record", "wait:1"]
+
+
+def test_a_record_that_fails_inside_the_wait_syncs_the_whole_device(
+    host: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log: list[str] = []
+    fence = UnmapFence(lambda: _FlakyEvent(host, log), lambda: log.append("device-sync"))
+    fenced = FencedBackend(host, fence)
+    fenced.map_many([0, 1])
+    fence.record()
+    monkeypatch.setattr(_FlakyEvent, "fail_record", True)
+    fenced.unmap(1)
+    assert log == ["record", "device-sync"] and fence.record_failures == 1
 
 
 def test_failed_records_never_raise_and_are_logged_once_per_interval(
