@@ -329,7 +329,7 @@ class CudaBackend:
                         drv.cuMemSetAccess(base + offset, length, self._access_list, 1),
                         "cuMemSetAccess",
                     )
-        except BackendError as exc:
+        except Exception as exc:  # cuda-bindings may raise its own (ValueError, TypeError)
             for page in done:
                 try:
                     self._unmap_one(page)
@@ -341,7 +341,9 @@ class CudaBackend:
                 except BackendError:
                     pass  # kept in _stray, retried later
                 raise self._out_of_memory(total, exc) from exc
-            raise
+            if isinstance(exc, BackendError):
+                raise
+            raise _foreign(exc, f"mapping {total} page(s)", "nothing was mapped") from exc
 
     def unmap_many(self, pages: Sequence[int]) -> None:
         """Unmap several pages; a failure leaves that page mapped (retry) and raises."""
@@ -392,9 +394,9 @@ class CudaBackend:
         for handle in extra:
             try:
                 _call(self._drv.cuMemRelease(handle), "cuMemRelease")
-            except BackendError as exc:
+            except Exception as exc:  # noqa: BLE001 -- cuda-bindings' own too: the handle is kept
                 self._stray.append(handle)
-                first = first or exc
+                first = first or _foreign(exc, "cuMemRelease", "the handle is kept, retried")
         first = stuck_error or first
         if first is not None:
             raise first
@@ -476,7 +478,7 @@ class CudaBackend:
             return
         try:
             _call(self._drv.cuMemRelease(handle), "cuMemRelease")
-        except BackendError:  # the unmap itself succeeded: do not fail it
+        except Exception:  # noqa: BLE001 -- the unmap itself succeeded: do not fail it
             self._stray.append(handle)  # held_bytes() shows it; trim_spares()/release() retry
 
     def _create_and_map(self, page: int) -> list[Any | None]:
@@ -489,11 +491,11 @@ class CudaBackend:
                 handle = self._take_handle()
                 try:
                     _call(drv.cuMemMap(base + offset, size, 0, handle, 0), "cuMemMap")
-                except BackendError:
+                except Exception:
                     self._give_back(handle)  # never mapped: a spare within the cap, else freed
                     raise
                 handles[region] = handle
-        except BackendError:
+        except Exception as exc:
             try:
                 self._unmap_regions(page, handles)
             except BackendError:
@@ -501,7 +503,9 @@ class CudaBackend:
                 self._handles[page] = handles  # still mapped there: the next map retries
                 self._num_handles += left
                 self._stuck_page(page)
-            raise
+            if isinstance(exc, BackendError):
+                raise
+            raise _foreign(exc, f"mapping page {page}", "nothing was mapped") from exc
         return handles
 
     def _unmap_one(self, page: int) -> None:
@@ -554,8 +558,8 @@ class CudaBackend:
                 continue
             try:
                 _call(drv.cuMemUnmap(self._bases[region] + offset, size), "cuMemUnmap")
-            except BackendError as exc:
-                first = first or exc
+            except Exception as exc:  # noqa: BLE001 -- cuda-bindings' own too: the slot stays set
+                first = first or _foreign(exc, "cuMemUnmap", "the page stays mapped, retried")
                 continue
             handles[region] = None
             self._give_back(handle)
@@ -577,6 +581,20 @@ def _granularity(driver: Any, prop: Any) -> int:
     return int(
         _call(driver.cuMemGetAllocationGranularity(prop, minimum), "cuMemGetAllocationGranularity")
     )
+
+
+def _foreign(exc: Exception, what: str, outcome: str) -> BackendError:
+    """``exc`` as a :class:`BackendError`: itself if it is one, else what cuda-bindings raised
+    (a ``ValueError`` for a result code it does not know, a ``TypeError``...) explained."""
+    if isinstance(exc, BackendError):
+        return exc
+    error = BackendError(
+        f"{what} failed: cuda-bindings raised {type(exc).__name__} ({exc}); {outcome}. The "
+        "installed cuda-python may not match the NVIDIA driver: install the one for this "
+        "driver's CUDA version (`pip install 'kvsidecar[cuda]'`, docs/allocator.md)"
+    )
+    error.__cause__ = exc
+    return error
 
 
 def _call(result: Any, what: str) -> Any:

@@ -564,3 +564,54 @@ def test_a_failed_map_keeps_no_handle_beyond_the_spare_cap(
     assert fc.used_bytes() == before
     backend.map(0)
     assert backend.held_bytes() == fc.used_bytes() - before == backend.layout.bundle_bytes
+
+
+# ---------------------------------------------------------------- what cuda-bindings raises
+UNKNOWN_RESULT = 12345  # a code cuda-bindings has no CUresult for: it raises ValueError
+
+
+@pytest.mark.parametrize(
+    ("victim", "after"),
+    [
+        ("cuMemSetAccess", 1),  # region 1 of the first run (pages 0, 1): both pages mapped
+        ("cuMemMap", 3),  # region 1 of page 1: page 0 and region 0 of page 1 are mapped
+        ("cuMemCreate", 2),  # page 1's first handle
+    ],
+)
+def test_a_foreign_exception_while_mapping_rolls_back_like_a_backend_error(
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend], victim: str, after: int
+) -> None:
+    """A driver result cuda-bindings cannot decode raises ``ValueError`` out of the binding,
+    not a BackendError: the pages mapped so far are unmapped all the same, no handle beyond
+    the spare cap is kept, the caller gets a BackendError saying what to do, and the next
+    map works."""
+    backend = make(8, 2, spare_handles=0)
+    used, maps = fc.used_bytes(), fc.num_mappings()
+    fc.fail(victim, after=after, count=1, err=UNKNOWN_RESULT)
+    with pytest.raises(BackendError, match=r"cuda-bindings raised ValueError.*nothing was mapped"):
+        backend.map_many([0, 1, 3])
+    assert not any(backend.is_mapped(p) for p in range(8))
+    assert backend.mapped_bytes() == backend.held_bytes() == 0
+    assert fc.num_mappings() == maps and fc.used_bytes() == used
+    base, size = backend.base_address, backend.layout.page_bytes
+    assert not any(fc.mapped_at(base + page * size) for page in (0, 1, 3))
+    backend.map_many([0, 1, 3])
+    assert fc.num_mappings() - maps == 6 and backend.mapped_bytes() == 6 * PAGE
+
+
+def test_a_foreign_exception_from_a_rollback_unmap_leaves_the_page_stuck_not_lost(
+    fc: fakecuda.FakeCuda, make: Callable[..., CudaBackend]
+) -> None:
+    """The rollback's own cuMemUnmap raising ValueError: the page is kept in the books as
+    a failed rollback (its handle counted, the driver's mapping with it) and a trim undoes it."""
+    backend = make(4, 2, spare_handles=0)
+    used, maps = fc.used_bytes(), fc.num_mappings()
+    fc.fail("cuMemMap", after=1, count=1)  # region 1 of page 0
+    fc.fail("cuMemUnmap", count=1, err=UNKNOWN_RESULT)  # its rollback of region 0
+    with pytest.raises(BackendError, match="cuMemMap failed"):
+        backend.map(0)
+    assert not backend.is_mapped(0)
+    assert fc.num_mappings() - maps == 1 and backend.mapped_bytes() == PAGE
+    assert fc.used_bytes() - used == backend.held_bytes()
+    backend.trim_spares()
+    assert fc.num_mappings() == maps and backend.held_bytes() == 0 and fc.used_bytes() == used
