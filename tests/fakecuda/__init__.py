@@ -53,6 +53,7 @@ class FakeCuda:
         self.lib.fakecuda_set_granularity.argtypes = [ctypes.c_size_t]
         self.lib.fakecuda_granularity.restype = ctypes.c_size_t
         self.lib.fakecuda_num_events.restype = ctypes.c_long
+        self.lib.fakecuda_set_strict_ctx.argtypes = [ctypes.c_int]
 
     def fail(
         self, name: str, *, after: int = 0, count: int = 1, err: int = CUDA_ERROR_INVALID_VALUE
@@ -90,6 +91,19 @@ class FakeCuda:
     def primary_refs(self, device: int = 0) -> int:
         """How many times ``device``'s primary context is retained and not yet released."""
         return int(self.lib.fakecuda_primary_refs(device))
+
+    def set_strict_ctx(self, on: bool) -> bool:
+        """Whether every ``cuMem*`` call needs a current context from now on; the old value."""
+        return bool(self.lib.fakecuda_set_strict_ctx(int(on)))
+
+    def current_context(self) -> int:
+        """The calling thread's current context (0: none), through cuda-bindings."""
+        from cuda.bindings import driver
+
+        err, ctx = driver.cuCtxGetCurrent()
+        if int(err) != 0:
+            raise RuntimeError(f"cuCtxGetCurrent failed: {err!r}")
+        return int(ctx)
 
     def num_events(self) -> int:
         """Live ``cuEventCreate`` events (created and not destroyed)."""

@@ -490,6 +490,12 @@ int fakecuda_primary_refs(int dev) {
     if (dev < 0 || dev >= MAXDEV) return -1;
     pthread_mutex_lock(&mu); int n = primary_refs[dev]; pthread_mutex_unlock(&mu); return n;
 }
+/* Test hook: FAKECUDA_STRICT_CTX changed at run time (1: every cuMem* call needs a current
+ * context, as a driver that insists does); returns the old value. */
+int fakecuda_set_strict_ctx(int on) {
+    pthread_mutex_lock(&mu); int old = strict_ctx; strict_ctx = on != 0; pthread_mutex_unlock(&mu);
+    return old;
+}
 /* Test hook: the allocation granularity (FAKECUDA_GRANULARITY) changed at run time, as on a
  * device that reports another one; refused unless a power of two of at least 4096 bytes.
  * Reservations and mappings made before keep their sizes; new calls check the new value. */

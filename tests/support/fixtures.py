@@ -44,7 +44,10 @@ def fc() -> Iterator[fakecuda.FakeCuda]:
         pytest.skip(f"needs the stand-in CUDA driver: {fakecuda.why_not()}")
     loaded.heal()
     granularity = loaded.granularity()
+    strict = loaded.set_strict_ctx(False)  # (reads the setting; put back at once)
+    loaded.set_strict_ctx(strict)
     yield loaded
     loaded.heal()
     loaded.set_total_bytes(fakecuda.DEFAULT_TOTAL_BYTES)
     loaded.set_granularity(granularity)
+    loaded.set_strict_ctx(strict)
