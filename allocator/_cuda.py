@@ -13,9 +13,12 @@ of device memory, so the count is exact for this backend.
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Self
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 from ._errors import AllocatorContractError, BackendError, DeviceOutOfMemory
 from ._layout import PageLayout, check_granularity
@@ -25,6 +28,10 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["CudaBackend"]
+
+_log = logging.getLogger(__name__)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 _CUDA_ERROR_OUT_OF_MEMORY = 2
 
@@ -81,12 +88,28 @@ class _CudaArray:
         }
 
 
+def _in_context(
+    method: Callable[Concatenate[CudaBackend, _P], _R],
+) -> Callable[Concatenate[CudaBackend, _P], _R]:
+    """Run a driver-calling method with the backend's context current on the calling thread
+    (``CudaBackend._current_context``): whatever the thread had current before, it has after."""
+
+    @functools.wraps(method)
+    def in_context(self: CudaBackend, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._current_context():
+            return method(self, *args, **kwargs)
+
+    return in_context
+
+
 class CudaBackend:
     """Pages of one CUDA device mapped on demand into a reserved virtual range.
 
     Owns the reservation, one allocation handle per mapped (page, region), a
     few *spare* handles (created, not mapped: see below) and a retained
-    primary context of ``device``. Not thread-safe: call from the thread that
+    primary context of ``device``, made current on the calling thread for each call
+    that needs the driver and the thread's own put back after (the constructor
+    too: the thread that built it has the context it had). Not thread-safe: call from the thread that
     owns the allocator, except :meth:`device_free_bytes` (any thread).
     Unmapping memory that queued kernels still use is the caller's bug: wrap
     the backend in a :class:`~allocator.FencedBackend` to order unmaps after
@@ -138,25 +161,62 @@ class CudaBackend:
         self._dev = _call(driver.cuDeviceGet(device), "cuDeviceGet")
         self._ctx = _call(driver.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
         try:
-            _call(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-            self._prop = _allocation_prop(driver, device)
-            self._access = driver.CUmemAccessDesc()
-            self._access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            self._access.location.id = device
-            self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            self._access_list = [self._access]
-            self.granularity = _granularity(driver, self._prop)
-            check_granularity(
-                layout, self.granularity, f"CUDA allocation granularity of device {device}"
-            )
-            self.base_address = self._reserve_range()
-            self._bases = [
-                self.base_address + region * layout.region_bytes
-                for region in range(layout.num_regions)
-            ]
+            with self._current_context():
+                self._setup(layout, device)
         except BaseException:
-            driver.cuDevicePrimaryCtxRelease(self._dev)
+            self._release_context_after_failure()
             raise
+
+    def _setup(self, layout: PageLayout, device: int) -> None:
+        """The constructor's driver work, with the context current."""
+        driver = self._drv
+        self._prop = _allocation_prop(driver, device)
+        self._access = driver.CUmemAccessDesc()
+        self._access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._access.location.id = device
+        self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access_list = [self._access]
+        self.granularity = _granularity(driver, self._prop)
+        check_granularity(
+            layout, self.granularity, f"CUDA allocation granularity of device {device}"
+        )
+        self.base_address = self._reserve_range()
+        self._bases = [
+            self.base_address + region * layout.region_bytes for region in range(layout.num_regions)
+        ]
+
+    def _release_context_after_failure(self) -> None:
+        """The constructor failed: give the retained primary context back. A refusal here
+        must not replace the error being raised: it is logged (the context stays retained)."""
+        try:
+            _call(self._drv.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
+        except Exception as exc:  # noqa: BLE001 -- the constructor's own error is raised
+            _log.warning(
+                "kvsidecar: CudaBackend on CUDA device %d failed to start, and giving back the "
+                "device's primary context failed too (%s): it stays retained (one reference "
+                "leaked until the process exits; harmless unless the device is reset). The "
+                "start-up error follows",
+                self.device,
+                exc,
+            )
+
+    @contextmanager
+    def _current_context(self) -> Iterator[None]:
+        """This backend's context current on the calling thread for the block, the thread's
+        own put back after it (nothing switched where it is current already)."""
+        if self._released:  # (release() again: nothing to do, the context is given back)
+            yield
+            return
+        drv = self._drv
+        previous = _call(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if int(previous) == int(self._ctx):
+            yield
+            return
+        _call(drv.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        try:
+            yield
+        finally:
+            drv.cuCtxSetCurrent(previous)
 
     def _reserve_range(self) -> int:
         """``cuMemAddressReserve`` of the whole layout (virtual address space only).
@@ -232,6 +292,7 @@ class CudaBackend:
         """
         return cls(layout, device, load_driver(), spare_handles)
 
+    @_in_context
     def release(self) -> None:
         """Unmap and release every page, free the range, drop the context. Idempotent.
 
@@ -285,6 +346,7 @@ class CudaBackend:
         self.release()
 
     # ------------------------------------------------------------------ mapping
+    @_in_context
     def map(self, page: int) -> None:
         """Map one allocation of ``page_bytes`` per region for ``page`` (a spare, or a new one)."""
         self._check_live()
@@ -294,6 +356,7 @@ class CudaBackend:
             self._finish_rollbacks([page])
         self._map_runs([(page, 1)], 1)
 
+    @_in_context
     def unmap(self, page: int) -> None:
         """Unmap ``page``'s allocations (kept as spares up to the cap, else released)."""
         self._check_live()
@@ -301,6 +364,7 @@ class CudaBackend:
             check_pages([page], self.layout.num_pages, self._mapped, True)  # raises why
         self._unmap_one(page)
 
+    @_in_context
     def map_many(self, pages: Sequence[int]) -> None:
         """Map several pages; access rights are set once per run of consecutive pages.
 
@@ -345,6 +409,7 @@ class CudaBackend:
                 raise
             raise _foreign(exc, f"mapping {total} page(s)", "nothing was mapped") from exc
 
+    @_in_context
     def unmap_many(self, pages: Sequence[int]) -> None:
         """Unmap several pages; a failure leaves that page mapped (retry) and raises."""
         self._check_live()
@@ -371,6 +436,7 @@ class CudaBackend:
         """Device bytes this backend holds: mapped, spare and not-yet-released handles."""
         return (self._num_handles + len(self._spares) + len(self._stray)) * self.layout.page_bytes
 
+    @_in_context
     def trim_spares(self, keep_pages: int = 0) -> None:
         """Release spare handles beyond ``keep_pages`` bundles (and retry unreleased ones).
 

@@ -615,3 +615,81 @@ def test_a_foreign_exception_from_a_rollback_unmap_leaves_the_page_stuck_not_los
     assert fc.used_bytes() - used == backend.held_bytes()
     backend.trim_spares()
     assert fc.num_mappings() == maps and backend.held_bytes() == 0 and fc.used_bytes() == used
+
+
+# ---------------------------------------------------------------- the calling thread's context
+def _in_fresh_thread(work: Callable[[], None]) -> None:
+    """Run ``work`` on a new thread (no CUDA context current there) and re-raise its error."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 -- handed to the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+def test_the_constructing_thread_keeps_its_context_and_every_call_still_works(
+    fc: fakecuda.FakeCuda,
+) -> None:
+    """Reserving used to leave the device's context current on the constructing thread.
+    Now the thread has what it had (none) after the constructor and after each call, and
+    calls work even on a driver that wants a current context for every cuMem* call."""
+    fc.set_strict_ctx(True)
+    refs = fc.primary_refs(0)
+
+    def work() -> None:
+        assert fc.current_context() == 0
+        backend = CudaBackend.reserve(PageLayout(PAGE, 4, 2))
+        assert fc.current_context() == 0
+        backend.map_many([0, 1])
+        backend.unmap(1)
+        backend.map(2)
+        backend.unmap_many([0])
+        backend.trim_spares()
+        assert fc.current_context() == 0
+        assert backend.mapped_bytes() == backend.layout.bundle_bytes
+        backend.release()
+        assert fc.current_context() == 0
+        backend.release()  # idempotent, context or not
+
+    _in_fresh_thread(work)
+    assert fc.primary_refs(0) == refs
+
+
+def test_a_constructor_that_fails_puts_the_threads_context_back(fc: fakecuda.FakeCuda) -> None:
+    refs = fc.primary_refs(0)
+
+    def work() -> None:
+        fc.fail("cuMemAddressReserve", count=1)
+        with pytest.raises(BackendError, match="virtual address space"):
+            CudaBackend.reserve(PageLayout(PAGE, 4, 2))
+        assert fc.current_context() == 0
+
+    _in_fresh_thread(work)
+    assert fc.primary_refs(0) == refs
+
+
+def test_a_refused_context_release_after_a_failed_start_keeps_the_error_and_logs_the_leak(
+    fc: fakecuda.FakeCuda, caplog: pytest.LogCaptureFixture
+) -> None:
+    refs = fc.primary_refs(0)
+    fc.fail("cuMemAddressReserve", count=1, err=fakecuda.CUDA_ERROR_OUT_OF_MEMORY)
+    fc.fail("cuDevicePrimaryCtxRelease", count=1)
+    with (
+        caplog.at_level("WARNING", logger="allocator._cuda"),
+        pytest.raises(BackendError, match="virtual address space"),  # the start's own error
+    ):
+        CudaBackend.reserve(PageLayout(PAGE, 4, 2))
+    leaks = [r.getMessage() for r in caplog.records if r.name == "allocator._cuda"]
+    assert len(leaks) == 1 and "primary context failed too" in leaks[0]
+    assert "cuDevicePrimaryCtxRelease failed" in leaks[0]
+    assert fc.primary_refs(0) == refs + 1  # the leak the line reports
+    fc.lib.cuDevicePrimaryCtxRelease(0)  # (give it back for the next tests)
+    assert fc.primary_refs(0) == refs
