@@ -40,6 +40,7 @@ _NAMES = (
     "STUB_PP",
     "RANK_BARRIER_WAIT_S",
     "RANK_TIMEOUT_S",
+    "RANK_SEND_TIMEOUT_S",
     # the sidecar (sidecar.SidecarSettings)
     "HOST",
     "PORT",

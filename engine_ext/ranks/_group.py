@@ -12,6 +12,12 @@ Where no pidfd can be opened the watcher watches that rank's socket always
 (correct, just a second wake-up per ack). Every wait is a ``poll``, never a
 ``select``: an engine process may hold more than 1024 descriptors, and
 ``select`` cannot take a descriptor numbered 1024 or above.
+
+Sends never block without bound: a rank that takes no byte of what the engine
+sends for ``send_timeout_s`` (its process stopped by SIGSTOP or a debugger, or
+wedged, so its socket buffer filled) is declared dead as if it had exited, and
+killed if this group started it (a stopped rank would still map pages the owner
+gives back once it counts as dead).
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ __all__ = ["RankGroup"]
 
 _log = logging.getLogger("engine_ext.ranks")
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: How long a rank may take no byte of what the engine sends before it counts as dead.
+DEFAULT_SEND_TIMEOUT_S = 60.0
+_SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # a send never sleeps in the kernel
 
 
 @dataclass(slots=True)
@@ -77,10 +86,17 @@ class RankGroup:
     """
 
     def __init__(
-        self, ranks: Sequence[_Rank], procs: Sequence[subprocess.Popen[bytes]] = ()
+        self,
+        ranks: Sequence[_Rank],
+        procs: Sequence[subprocess.Popen[bytes]] = (),
+        *,
+        send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
     ) -> None:
+        if not send_timeout_s > 0:
+            raise ValueError(f"send_timeout_s must be positive; got {send_timeout_s}")
         self._ranks = list(ranks)
         self._procs = list(procs)
+        self.send_timeout_s = send_timeout_s  # a rank that takes no byte this long is dead
         self._lock = threading.Lock()  # rank fields, _watch, _armed, _closed
         self._seq = 0
         self._states: tuple[RankState, ...] = ()  # last answer of states() (engine thread)
@@ -112,8 +128,12 @@ class RankGroup:
         timeout_s: float = 60.0,
         barrier_delay_s: Mapping[int, float] | None = None,
         env: Mapping[str, str] | None = None,
+        send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
     ) -> RankGroup:
-        """Listen on ``socket_path``, start ``world_size`` rank processes, accept them all."""
+        """Listen on ``socket_path``, start ``world_size`` rank processes, accept them all.
+
+        ``send_timeout_s``: a rank that takes no byte of a send for this long is
+        declared dead (and killed); see the module docstring."""
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1; got {world_size}")
         listener = _listen(socket_path)
@@ -142,7 +162,7 @@ class RankGroup:
         finally:
             listener.close()
             _unlink(socket_path)
-        return cls(ranks, procs)
+        return cls(ranks, procs, send_timeout_s=send_timeout_s)
 
     @classmethod
     def spawn_private(
@@ -153,6 +173,7 @@ class RankGroup:
         *,
         timeout_s: float = 60.0,
         barrier_delay_s: Mapping[int, float] | None = None,
+        send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
     ) -> RankGroup:
         """:meth:`spawn` with the rank socket in a fresh private dir under ``runtime_root``.
 
@@ -169,6 +190,7 @@ class RankGroup:
                 world_size,
                 timeout_s=timeout_s,
                 barrier_delay_s=barrier_delay_s,
+                send_timeout_s=send_timeout_s,
             )
         finally:
             private.remove()
@@ -314,9 +336,9 @@ class RankGroup:
         os.write(self._stop_w, b"x")  # the watcher (and any waiting select) returns
         stop = encode_op("stop", 0, {})
         for rank in self._ranks:
-            if rank.alive:
-                try:
-                    rank.sock.sendall(stop)
+            if rank.alive:  # only if the socket takes it at once: a stopped rank's buffer
+                try:  # may be full (the end of stream below stops a rank as well)
+                    rank.sock.send(stop, _SEND_FLAGS)
                 except OSError:
                     pass
             try:
@@ -345,17 +367,68 @@ class RankGroup:
 
     # -- sending (engine thread) -------------------------------------------------------
     def _send_held(self) -> None:
+        """Send the held frames to every live rank; a rank that takes none of them for
+        ``send_timeout_s`` is declared dead (the others are served meanwhile)."""
         if not self._held:
             return
         frames = self._held[0] if len(self._held) == 1 else b"".join(self._held)
         self._held = []
-        for rank in self._ranks:
+        rest: dict[int, memoryview] = {}  # index in _ranks -> what its socket did not take
+        for index, rank in enumerate(self._ranks):
             if not rank.alive:
                 continue
             try:
-                rank.sock.sendall(frames)
+                sent = rank.sock.send(frames, _SEND_FLAGS)
+            except BlockingIOError:
+                sent = 0
             except OSError as exc:
                 self._mark_dead(rank, f"send failed: {exc}")
+                continue
+            if sent < len(frames):
+                rest[index] = memoryview(frames)[sent:]
+        if rest:
+            self._send_rest(rest)
+
+    def _send_rest(self, rest: dict[int, memoryview]) -> None:
+        """Send what is left as the sockets take it; give up on a rank after
+        ``send_timeout_s`` without progress (it is stopped or wedged)."""
+        ranks = self._ranks
+        stalled_at = dict.fromkeys(rest, time.monotonic() + self.send_timeout_s)
+        while rest:
+            now = time.monotonic()
+            for index in [i for i in rest if stalled_at[i] <= now]:
+                del rest[index]
+                self._mark_dead(ranks[index], self._stalled(ranks[index]), kill=True)
+            if not rest:
+                return
+            left = min(stalled_at[i] for i in rest) - now
+            ready = _poll_out([ranks[i].fd for i in rest], self._stop_r, left)
+            if ready is None:  # close() is running: it ends every rank's stream
+                return
+            for index in [i for i in rest if ranks[i].fd in ready]:
+                try:
+                    sent = ranks[index].sock.send(rest[index], _SEND_FLAGS)
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    del rest[index]
+                    self._mark_dead(ranks[index], f"send failed: {exc}")
+                    continue
+                if sent < len(rest[index]):
+                    rest[index] = rest[index][sent:]
+                    stalled_at[index] = time.monotonic() + self.send_timeout_s
+                else:
+                    del rest[index]
+
+    def _stalled(self, rank: _Rank) -> str:
+        """Why a rank whose socket took nothing for ``send_timeout_s`` is dead; what to do."""
+        return (
+            f"its socket took no data for {self.send_timeout_s:g} s (the process is stopped, "
+            "e.g. by SIGSTOP or a debugger, or hung): it counts as dead"
+            + (" and was killed" if self._proc_of(rank) is not None else "")
+            + "; restart the instance, and raise KVSIDECAR_RANK_SEND_TIMEOUT_S if the rank "
+            "was only slow"
+        )
 
     # -- reading acks (under _read_lock) ----------------------------------------------
     def _read_one(self, rank: _Rank) -> None:
@@ -435,7 +508,10 @@ class RankGroup:
                 return
             self._read_one(rank)
 
-    def _mark_dead(self, rank: _Rank, why: str) -> None:
+    def _mark_dead(self, rank: _Rank, why: str, *, kill: bool = False) -> None:
+        """Count ``rank`` dead; ``kill``: its process may still run (stopped, wedged), so end
+        its stream and kill it if this group started it: a dead rank must map nothing, as
+        the owner gives back the pages the live ranks released."""
         with self._lock:
             if not rank.alive:
                 return
@@ -443,9 +519,24 @@ class RankGroup:
             rank.error = why
             self.deaths += 1
             closing = self._closed
+        if kill and not closing:
+            try:
+                rank.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            proc = self._proc_of(rank)
+            if proc is not None:
+                proc.kill()  # SIGKILL ends a stopped process too; close() reaps it
         if not closing:
             _log.error("kvsidecar: rank %d (pid %d) failed: %s", rank.rank, rank.pid, why)
             self._notify()
+
+    def _proc_of(self, rank: _Rank) -> subprocess.Popen[bytes] | None:
+        """The process this group started for ``rank``, while it was not reaped."""
+        for proc in self._procs:
+            if proc.pid == rank.pid and proc.returncode is None:
+                return proc
+        return None
 
     def _notify(self) -> None:
         wake = self._wake
@@ -476,6 +567,22 @@ def _poll(fds: Sequence[int], timeout_s: float | None) -> set[int] | None:
     if any(event & select.POLLNVAL for _, event in events):
         return None
     return {fd for fd, event in events if event & _READY}
+
+
+def _poll_out(fds: Sequence[int], stop: int, timeout_s: float) -> set[int] | None:
+    """The descriptors of ``fds`` that can take data (or ended: the send says how), waiting
+    at most ``timeout_s``; None if ``stop`` is readable or a descriptor was closed."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLOUT)
+    poller.register(stop, select.POLLIN)
+    try:
+        events = poller.poll(max(0, math.ceil(timeout_s * 1000)))
+    except OSError:
+        return None
+    if any(fd == stop or event & select.POLLNVAL for fd, event in events):
+        return None
+    return {fd for fd, _ in events}
 
 
 _RANKS_PREFIX = ".ranks-"

@@ -50,6 +50,8 @@ class MultiRankSettings(BaseSettings):
     stub_pp: int = Field(default=1, ge=1, le=8)  # pipeline stages (each writes its layers)
     rank_barrier_wait_s: float = Field(default=0.05, gt=0, le=5)  # bounded wait per pass
     rank_timeout_s: float = Field(default=60.0, gt=0)  # start-up, map and step acks
+    #: A rank whose socket takes no byte of a send for this long (stopped, wedged) is dead.
+    rank_send_timeout_s: float = Field(default=60.0, gt=0, le=3600)
 
 
 def make_stub_worker(vllm_config: VllmConfig, page_bytes: int) -> StubWorker:
@@ -90,6 +92,7 @@ class MultiRankStubWorker(StubWorker):
             engine.resolved_instance_id("vllm"),
             self.tp * self.pp,
             timeout_s=self.settings.rank_timeout_s,
+            send_timeout_s=self.settings.rank_send_timeout_s,
         )
         block_size = self.vllm_config.cache_config.block_size
         try:
