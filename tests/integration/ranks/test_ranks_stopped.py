@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 
 from allocator import BackendError, HostBackend, PageLayout
 from engine_ext.ranks import RankChannelError, RankedBackend, RankGroup, memfd_view
+from engine_ext.ranks._group import _Rank
 
 LAYOUT = PageLayout(page_bytes=4096, num_pages=8, num_regions=2)
 BLOCK_BYTES = 1024  # 4 blocks per page: block 4 is the first of page 1
@@ -119,3 +121,26 @@ def test_a_briefly_stopped_rank_is_slow_not_dead(tmp_path: Path) -> None:
     finally:
         group.close()
     assert [proc.returncode for proc in group._procs] == [0, 0]
+
+
+def test_close_does_not_wait_on_a_rank_whose_buffer_is_full() -> None:
+    """The last send filled a rank's buffer exactly (nothing stalled yet); the rank is
+    stopped. ``close()`` sends ``stop`` only if the socket takes it at once."""
+    ours, theirs = socket.socketpair()
+    group = RankGroup([_Rank(rank=0, pid=os.getpid(), sock=ours)], send_timeout_s=600)
+    with theirs:
+        ours.setblocking(False)
+        try:
+            while True:
+                ours.send(b"\0" * 4096)
+        except BlockingIOError:
+            pass  # full: a stopped peer would never read it
+        ours.setblocking(True)
+        closer = threading.Thread(target=group.close, name="close")
+        closer.start()
+        closer.join(60)  # bounds a failing test only
+        hung = closer.is_alive()
+        if hung:
+            theirs.close()  # ends the blocked send, so the test ends
+            closer.join()
+        assert not hung, "close() blocked sending stop to a rank with a full buffer"
