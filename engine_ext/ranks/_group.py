@@ -41,7 +41,7 @@ from engine_ext._barrier import BarrierOutcome
 from engine_ext._runtime_dir import RANK_SOCKET_FILE, RuntimeDir
 from engine_ext.protocol import MAX_SOCKET_PATH_BYTES, RankState
 
-from ._wire import FrameReader, RankChannelError, _decode_json, decode_ack, encode_op
+from ._wire import FrameReader, RankChannelError, decode_ack, decode_message, encode_op
 
 __all__ = ["RankGroup"]
 
@@ -654,7 +654,7 @@ def _accept(
     the ranks behind it in the backlog until the start-up timed out."""
     deadline = time.monotonic() + timeout_s
     found: dict[int, _Rank] = {}
-    waiting: dict[int, tuple[socket.socket, bytearray]] = {}  # fd -> connection, bytes read
+    waiting: dict[int, FrameReader[dict[str, Any]]] = {}  # fd -> its connection's hello
     listener.setblocking(False)
     try:
         while len(found) < world_size:
@@ -674,59 +674,48 @@ def _accept(
                     pass
                 else:
                     conn.setblocking(False)
-                    waiting[conn.fileno()] = (conn, bytearray())
+                    waiting[conn.fileno()] = FrameReader(
+                        conn, decode_message, max_frame_bytes=_HELLO_MAX_BYTES
+                    )
             for fd in ready.intersection(waiting):
-                conn, data = waiting[fd]
+                reader = waiting[fd]
                 try:
-                    chunk = conn.recv(_HELLO_MAX_BYTES)
+                    hellos = reader.feed()
                 except BlockingIOError:
                     continue
-                except OSError:
-                    chunk = b""
-                data += chunk
-                hello = _hello(data) if chunk else None
-                if hello is _INCOMPLETE:
-                    continue
+                except (OSError, RankChannelError):  # too long, not JSON, cut short
+                    hellos = None
+                if hellos == []:
+                    continue  # still arriving
                 del waiting[fd]
-                rank = None if hello is None else hello.get("hello")
-                if (
-                    hello is None
-                    or not isinstance(rank, int)
-                    or isinstance(rank, bool)
-                    or not 0 <= rank < world_size
-                    or rank in found
-                    or hello.get("pid") != _peer_pid(conn)
-                ):
+                conn = reader.sock
+                hello = _hello(hellos, reader.buffered, world_size)
+                if hello is None or hello[0] in found or hello[1] != _peer_pid(conn):
                     conn.close()  # not one of our ranks (a probe, a duplicate, a lie): ignore it
                     continue
                 conn.setblocking(True)
-                found[rank] = _Rank(rank=rank, pid=_peer_pid(conn), sock=conn)
+                found[hello[0]] = _Rank(rank=hello[0], pid=_peer_pid(conn), sock=conn)
     except BaseException:
         for rank_ in found.values():
             rank_.sock.close()
         raise
     finally:
-        for conn, _ in waiting.values():
-            conn.close()
+        for reader in waiting.values():
+            reader.sock.close()
     return [found[r] for r in range(world_size)]
 
 
-_INCOMPLETE: dict[str, Any] = {}  # _hello's answer while the hello is still arriving
-
-
-def _hello(data: bytearray) -> dict[str, Any] | None:
-    """The hello in ``data``: the message, :data:`_INCOMPLETE`, or None if it is not one."""
-    if len(data) < 4:
-        return _INCOMPLETE
-    (length,) = struct.unpack_from(">I", data)
-    if length > _HELLO_MAX_BYTES or len(data) > 4 + length:
-        return None  # too long, or more than one message: a rank sends its hello alone
-    if len(data) < 4 + length:
-        return _INCOMPLETE
-    try:
-        return _decode_json(bytes(data[4:]))
-    except RankChannelError:
+def _hello(
+    hellos: list[dict[str, Any]] | None, extra: int, world_size: int
+) -> tuple[int, Any] | None:
+    """The rank a connection's first frames name and the pid they claim, or None if they are
+    not one rank's hello: a rank sends its hello alone (``extra``: bytes received after it)."""
+    if hellos is None or len(hellos) != 1 or extra:
         return None
+    rank = hellos[0].get("hello")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        return None
+    return rank, hellos[0].get("pid")
 
 
 def _unlink(path: str) -> None:

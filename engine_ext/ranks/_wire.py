@@ -5,7 +5,8 @@ socket per rank keeps the frames of that rank in order. Both ends run on one
 host, so bodies use the native byte order.
 
 * rank -> scheduler, once: the hello, a JSON object ``{"hello": rank, "pid": pid}``
-  (:func:`send_message` / :func:`recv_message`);
+  (:func:`send_message`; read with a :class:`FrameReader` over :func:`decode_message`
+  capped to a small size, or :func:`recv_message`);
 * scheduler -> rank: an op, :data:`OP_HEAD` (op code, seq, one integer
   argument, a count) then its payload: ``map``/``unmap`` the pages (int32;
   ``unmap``'s argument is ``after_step``), ``step`` the blocks, offsets and
@@ -29,7 +30,7 @@ import socket
 import struct
 from array import array
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 
 from engine_ext._errors import EngineExtError
 
@@ -41,6 +42,7 @@ __all__ = [
     "FrameReader",
     "RankChannelError",
     "decode_ack",
+    "decode_message",
     "decode_op",
     "encode_ack",
     "encode_op",
@@ -119,7 +121,7 @@ def decode_op(body: bytes) -> dict[str, Any]:
     payload = memoryview(body)[OP_HEAD.size :]
     message: dict[str, Any] = {"op": op, "seq": seq}
     if op == "setup":
-        message.update(_decode_json(bytes(payload)))
+        message.update(decode_message(bytes(payload)))
         return message
     width = {"map": 1, "unmap": 1, "step": 3}.get(op, 0)
     if len(payload) != 4 * width * count:
@@ -154,19 +156,34 @@ class FrameReader(Generic[T]):
     """Reassembles the frames of one socket. Owns the bytes of a partial frame.
 
     :meth:`feed` does exactly one ``recv`` (it blocks only if nothing is
-    there: call it when the socket is readable) and returns every frame
+    there: call it when the socket is readable; on a non-blocking socket with
+    nothing there it raises ``BlockingIOError``) and returns every frame
     completed by it, decoded, in order; :meth:`read` blocks until at least
     one is complete. Never holds a complete frame back, so a readable socket
-    is the only sign that something is left to read. One reader per socket;
-    whoever calls it must hold that socket's read side alone.
+    is the only sign that something is left to read. A frame announced longer
+    than ``max_frame_bytes`` is refused (``RankChannelError``) before its body
+    is read. One reader per socket; whoever calls it must hold that socket's
+    read side alone.
     """
 
-    def __init__(self, sock: socket.socket, decode: Callable[[bytes], T]) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        decode: Callable[[bytes], T],
+        *,
+        max_frame_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
         self.sock = sock
         self._decode = decode
+        self._max = max_frame_bytes
         self._chunks: list[bytes] = []  # bytes received but not yet a complete frame
         self._have = 0  # their total length
         self._need = _HEADER.size  # bytes needed before the next frame can complete
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received that are not part of a complete frame yet (0: between frames)."""
+        return self._have
 
     def feed(self) -> list[T] | None:
         """One ``recv``; the frames it completed (maybe none); ``None`` at a clean end of stream."""
@@ -183,13 +200,19 @@ class FrameReader(Generic[T]):
                 return []
             chunk = b"".join(self._chunks)
         out: list[T] = []
-        decode, unpack_from, header = self._decode, _HEADER.unpack_from, _HEADER.size
+        decode, unpack_from, header, limit = (
+            self._decode,
+            _HEADER.unpack_from,
+            _HEADER.size,
+            self._max,
+        )
         start, end = 0, len(chunk)
         while end - start >= header:
             (length,) = unpack_from(chunk, start)
+            if length > limit:
+                _refuse_length(length, limit)
             stop = start + header + length
             if stop > end:
-                _check_length(length)
                 self._chunks, self._have, self._need = [chunk[start:]], end - start, header + length
                 return out
             out.append(decode(chunk[start + header : stop]))
@@ -223,18 +246,23 @@ def recv_message(sock: socket.socket) -> dict[str, Any] | None:
     _check_length(length)
     body = _recv_exact(sock, length, allow_eof=False)
     assert body is not None
-    return _decode_json(body)
+    return decode_message(body)
 
 
 def _check_length(length: int) -> None:
     if length > MAX_MESSAGE_BYTES:
-        raise RankChannelError(
-            f"a peer announced a {length}-byte message; the limit is "
-            f"{MAX_MESSAGE_BYTES}: is something else on the rank socket?"
-        )
+        _refuse_length(length, MAX_MESSAGE_BYTES)
 
 
-def _decode_json(body: bytes) -> dict[str, Any]:
+def _refuse_length(length: int, limit: int) -> NoReturn:
+    raise RankChannelError(
+        f"a peer announced a {length}-byte message; the limit is "
+        f"{limit}: is something else on the rank socket?"
+    )
+
+
+def decode_message(body: bytes) -> dict[str, Any]:
+    """A JSON frame's body (the hello, a ``setup``'s fields) as the object it must be."""
     try:
         message = json.loads(body)
     except ValueError as exc:

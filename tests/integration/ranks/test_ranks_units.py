@@ -25,7 +25,7 @@ from engine_ext._runtime_dir import (
 )
 from engine_ext.protocol import socket_path_fits
 from engine_ext.ranks import RankChannelError, RankedBackend, RankGroup
-from engine_ext.ranks._wire import recv_message, send_message
+from engine_ext.ranks._wire import FrameReader, decode_message, recv_message, send_message
 
 
 def _dead_pid() -> int:
@@ -223,3 +223,60 @@ def test_a_silent_connection_does_not_hold_up_the_ranks(tmp_path: Path) -> None:
         thread.join()
         for sock in silent:
             sock.close()
+
+
+def test_frame_reader_refuses_a_frame_over_its_cap() -> None:
+    """The cap holds whether the frame is announced alone or arrives whole in one recv."""
+    a, b = socket.socketpair()
+    with a, b:
+        reader = FrameReader(b, decode_message, max_frame_bytes=64)
+        body = b'{"hello": 0, "pad": "' + b"x" * 41 + b'"}'  # exactly 64 bytes: taken
+        a.sendall(struct.pack(">I", len(body)) + body[:10])
+        assert reader.feed() == [] and reader.buffered == 14
+        a.sendall(body[10:])
+        assert reader.feed() == [{"hello": 0, "pad": "x" * 41}] and reader.buffered == 0
+        a.sendall(struct.pack(">I", 65))  # announced alone
+        with pytest.raises(RankChannelError, match="65-byte message; the limit is 64"):
+            reader.feed()
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(struct.pack(">I", 65) + b"{" + b" " * 63 + b"}")  # whole, in one recv
+        with pytest.raises(RankChannelError, match="65-byte message; the limit is 64"):
+            FrameReader(b, decode_message, max_frame_bytes=64).feed()
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [
+        struct.pack(">I", 5000) + b"{" + b" " * 4998 + b"}",  # over the 4 KiB cap
+        struct.pack(">I", 2) + b"{}" + struct.pack(">I", 2) + b"{}",  # two messages
+        struct.pack(">I", 3) + b"{x]",  # not JSON
+    ],
+    ids=["over-4KiB", "two-messages", "not-json"],
+)
+def test_a_bad_hello_is_closed_and_the_ranks_are_accepted(tmp_path: Path, hello: bytes) -> None:
+    path = tmp_path / "r.sock"
+    answers: list[bytes] = []
+
+    def intruder() -> None:
+        deadline = time.monotonic() + 20
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(str(path))
+            sock.sendall(hello)
+            sock.settimeout(20)
+            answers.append(sock.recv(1))  # b"": the scheduler closed this connection
+
+    thread = threading.Thread(target=intruder)
+    thread.start()
+    try:
+        group = RankGroup.spawn(str(path), 2, timeout_s=15)
+        try:
+            thread.join()
+            group.call("probe", 15)
+        finally:
+            group.close()
+    finally:
+        thread.join()
+    assert answers == [b""]
