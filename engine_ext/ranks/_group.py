@@ -236,11 +236,10 @@ class RankGroup:
         so acks that arrive while the engine does not wait still wake it.
         """
         self._send_held()
-        with self._lock:
+        with self._lock:  # kicks under the lock: close() sets _closed under it, then closes
             self._watch = max(self._watch, seq)
-            kick = not self._armed and self._watch_outstanding()
-        if kick:
-            _kick(self._kick_w)
+            if not (self._closed or self._armed) and self._watch_outstanding():
+                _kick(self._kick_w)
 
     def acked_by_all_alive(self, seq: int) -> bool:
         return self.acked_by_all() >= seq

@@ -369,3 +369,22 @@ def test_a_step_writing_outside_its_slots_stops_the_rank_and_writes_nothing(
         owner.release()
     # each rank refused the step and exited (status 1), none died of a fault on the page
     assert [proc.returncode for proc in group._procs] == [1] * (tp * pp)
+
+
+def test_a_watch_after_close_writes_to_no_descriptor() -> None:
+    """close() frees the kick pipe's numbers; a barrier pass that still asks to be woken
+    (the engine thread racing a shutdown) must not write into whatever reuses them."""
+    ours, theirs = socket.socketpair()
+    group = RankGroup([_Rank(rank=0, pid=os.getpid(), sock=ours)])
+    seq = group.broadcast("probe")  # sent, never acked
+    group.close()
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    reused = [os.dup(w) for _ in range(8)]  # the numbers close() freed: one pipe's write end
+    try:
+        group.watch(seq)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 16)  # nothing was written into a reused descriptor
+    finally:
+        for fd in (r, w, *reused):
+            os.close(fd)
+        theirs.close()
