@@ -34,6 +34,24 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+def _connect_first(path: Path) -> socket.socket:
+    """Connect to the rank socket as soon as it listens (before the ranks, which take a
+    Python start-up): the path exists from ``bind``, but a connect before ``listen`` is
+    refused, so retry that too."""
+    deadline = time.monotonic() + 20
+    while True:
+        sock = socket.socket(socket.AF_UNIX)
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.001)
+        else:
+            return sock
+
+
 def test_owner_record_live_dead_reused_missing(tmp_path: Path) -> None:
     write_owner(tmp_path)
     assert owner_alive(tmp_path) is True
@@ -93,11 +111,7 @@ def test_foreign_connection_is_ignored_and_bad_topology_refused(tmp_path: Path) 
     path = tmp_path / "r.sock"
 
     def intruder() -> None:
-        deadline = time.monotonic() + 20
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.connect(str(path))
+        with _connect_first(path) as sock:
             send_message(sock, {"hello": 7, "pid": 1})  # not a rank of this group
 
     thread = threading.Thread(target=intruder)
@@ -200,11 +214,7 @@ def test_a_silent_connection_does_not_hold_up_the_ranks(tmp_path: Path) -> None:
     silent: list[socket.socket] = []
 
     def intruder() -> None:
-        deadline = time.monotonic() + 20
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        sock = socket.socket(socket.AF_UNIX)
-        sock.connect(str(path))
+        sock = _connect_first(path)
         silent.append(sock)  # connected before the ranks, never sends a byte
 
     thread = threading.Thread(target=intruder)
@@ -259,11 +269,7 @@ def test_a_bad_hello_is_closed_and_the_ranks_are_accepted(tmp_path: Path, hello:
     answers: list[bytes] = []
 
     def intruder() -> None:
-        deadline = time.monotonic() + 20
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.connect(str(path))
+        with _connect_first(path) as sock:
             sock.sendall(hello)
             sock.settimeout(20)
             answers.append(sock.recv(1))  # b"": the scheduler closed this connection
