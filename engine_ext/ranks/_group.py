@@ -17,7 +17,8 @@ Sends never block without bound: a rank that takes no byte of what the engine
 sends for ``send_timeout_s`` (its process stopped by SIGSTOP or a debugger, or
 wedged, so its socket buffer filled) is declared dead as if it had exited, and
 killed if this group started it (a stopped rank would still map pages the owner
-gives back once it counts as dead).
+gives back once it counts as dead). A rank that breaks the channel (garbage, an
+ack out of order) is ended the same way.
 """
 
 from __future__ import annotations
@@ -450,7 +451,7 @@ class RankGroup:
                 )
             _, finished, mapped, pages = messages[-1]  # only the last one's figures matter
         except (OSError, RankChannelError) as exc:
-            self._mark_dead(rank, f"channel error: {exc}")
+            self._mark_dead(rank, f"channel error: {exc}", kill=True)  # may still run
             return
         with self._lock:
             rank.acked = seq

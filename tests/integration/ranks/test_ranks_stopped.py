@@ -14,6 +14,8 @@ import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import pytest
 
 from allocator import BackendError, HostBackend, PageLayout
 from engine_ext.ranks import RankChannelError, RankedBackend, RankGroup, memfd_view
-from engine_ext.ranks._group import _Rank
+from engine_ext.ranks._group import _accept, _listen, _Rank
 
 LAYOUT = PageLayout(page_bytes=4096, num_pages=8, num_regions=2)
 BLOCK_BYTES = 1024  # 4 blocks per page: block 4 is the first of page 1
@@ -144,3 +146,38 @@ def test_close_does_not_wait_on_a_rank_whose_buffer_is_full() -> None:
             theirs.close()  # ends the blocked send, so the test ends
             closer.join()
         assert not hung, "close() blocked sending stop to a rank with a full buffer"
+
+
+_GARBLING_RANK = """
+import json, os, socket, struct, sys, time
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(sys.argv[1])
+hello = json.dumps({"hello": 0, "pid": os.getpid()}).encode()
+sock.sendall(struct.pack(">I", len(hello)) + hello)
+sock.recv(1 << 16)  # the probe
+sock.sendall(struct.pack(">I", 5) + b"hello")  # not an ack
+time.sleep(600)  # and goes on running, its view (if it had one) still mapped
+"""
+
+
+def test_a_rank_that_breaks_the_channel_is_ended(tmp_path: Path) -> None:
+    """A rank declared dead for garbage on its socket still runs; it counts as mapping
+    nothing (the owner gives back what the live ranks released), so the group ends it."""
+    path = str(tmp_path / "r.sock")
+    listener = _listen(path)
+    proc = subprocess.Popen([sys.executable, "-c", _GARBLING_RANK, path])
+    try:
+        ranks = _accept(listener, 1, [proc], 30.0)
+    finally:
+        listener.close()
+        os.unlink(path)
+    group = RankGroup(ranks, [proc])
+    try:
+        assert group.wait(group.broadcast("probe"), 30.0).value == "rank_failed"
+        assert "channel error" in group.describe(group.wait(0, 0))
+        assert proc.wait(30) == -signal.SIGKILL
+    finally:
+        group.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
