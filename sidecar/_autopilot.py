@@ -25,6 +25,7 @@ from ._errors import (
     InvalidInputError,
     RequestError,
     RevisionRejectedError,
+    StoreError,
     UnknownDeviceError,
     UnknownInstanceError,
 )
@@ -480,6 +481,28 @@ class Autopilot:
                     p = replace(p, min_bytes=0)
         return p
 
+    async def after_register(self, instance_id: str) -> None:
+        """Store the floor the engine registered with, before its registration is answered:
+        a sidecar that restarts while the engine is dead keeps that much free for it."""
+        async with self._lock:
+            await self._store_floors([instance_id])
+
+    async def _store_floors(self, instance_ids: list[str]) -> None:
+        """Store each instance's reported floor where it differs from the stored one (under
+        the lock: the policy rows' other writers hold it too; a forgotten instance has no
+        row left to write)."""
+        records = self._service.records()
+        rows = []
+        for iid in instance_ids:
+            p, rec = self._policies.get(iid), records.get(iid)
+            if p is None or p.device_id is None or rec is None or rec.observed is None:
+                continue
+            if rec.observed.floor_bytes != p.floor_bytes:
+                rows.append(replace(p, floor_bytes=rec.observed.floor_bytes))
+        if rows:
+            await self._store.put_policies(rows)
+            self._policies.update((p.id, p) for p in rows)
+
     # --- the loop ------------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -491,6 +514,10 @@ class Autopilot:
                 pass
             self._wake.clear()
             async with self._lock:
+                try:
+                    await self._store_floors(list(self._policies))
+                except StoreError as exc:
+                    _log.warning("autopilot: %s; storing the floors next pass", exc.detail)
                 for device_id in self.device_ids():
                     # one device's failure must not hold the others' passes back
                     try:
@@ -662,12 +689,13 @@ class Autopilot:
         peak = self._peak.get(rec.row.id)
         if peak is None or demand >= peak[0] or now - peak[1] > hold:
             peak = self._peak[rec.row.id] = (demand, now)
-        if obs is None:
+        if obs is None:  # not heard from since the sidecar started: its stored floor
             return Member(
                 rec.row.id,
                 live,
                 reported=False,
                 desired=rec.row.limit_bytes,
+                floor=p.floor_bytes,
                 min=p.min_bytes,
                 max=p.max_bytes,
                 weight=p.weight,

@@ -19,7 +19,7 @@ __all__ = ["AutopilotStore", "DeviceRow", "PolicyRow"]
 _DEVICE_COLUMNS = "id, budget_bytes, revision, updated_at, dry_run"
 _POLICY_COLUMNS = (
     "id, device_id, min_bytes, max_bytes, weight, pinned, pin_bytes, source, reason, changed_at, "
-    "pin_revision"
+    "pin_revision, floor_bytes"
 )
 
 
@@ -51,6 +51,9 @@ class PolicyRow:
     # the revision of the operator's pin on a budgeted device (the client's, or the next one
     # when it gave none); None: no pin, or a pin that is the instance's own desired limit
     pin_revision: int | None = None
+    # the floor its engine last reported (what it maps again the moment it restarts): kept
+    # free while the instance is dead, also across a sidecar restart (docs/autopilot.md)
+    floor_bytes: int = 0
 
 
 def _device(row: tuple[object, ...]) -> DeviceRow:
@@ -61,7 +64,7 @@ def _device(row: tuple[object, ...]) -> DeviceRow:
 
 
 def _policy(row: tuple[object, ...]) -> PolicyRow:
-    (iid, device, lo, hi, weight, pinned, pin, source, reason, changed, pin_rev) = row
+    (iid, device, lo, hi, weight, pinned, pin, source, reason, changed, pin_rev, floor) = row
     assert isinstance(iid, str) and isinstance(lo, int) and isinstance(weight, float)
     assert device is None or isinstance(device, str)
     assert hi is None or isinstance(hi, int)
@@ -70,14 +73,15 @@ def _policy(row: tuple[object, ...]) -> PolicyRow:
     assert reason is None or isinstance(reason, str)
     assert changed is None or isinstance(changed, float)
     assert pin_rev is None or isinstance(pin_rev, int)
+    assert isinstance(floor, int)
     return PolicyRow(
-        iid, device, lo, hi, weight, bool(pinned), pin, source, reason, changed, pin_rev
+        iid, device, lo, hi, weight, bool(pinned), pin, source, reason, changed, pin_rev, floor
     )
 
 
 def _put_policy(conn: sqlite3.Connection, row: PolicyRow) -> PolicyRow:
     conn.execute(
-        f"INSERT OR REPLACE INTO policies ({_POLICY_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+        f"INSERT OR REPLACE INTO policies ({_POLICY_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
         (
             row.id,
             row.device_id,
@@ -90,6 +94,7 @@ def _put_policy(conn: sqlite3.Connection, row: PolicyRow) -> PolicyRow:
             row.reason,
             row.changed_at,
             row.pin_revision,
+            row.floor_bytes,
         ),
     )
     return row

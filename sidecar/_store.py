@@ -33,7 +33,8 @@ _log = logging.getLogger("kvsidecar.store")
 # 2: stopped_at (clean engine shutdown); 1 is migrated on open
 # 3: the autopilot's tables (devices, policies; docs/autopilot.md); 2 gains them on open
 # 4: policies.pin_revision (the revision of an operator's pin on a budgeted device)
-_SCHEMA_VERSION = 4
+# 5: policies.floor_bytes (the engine's last reported floor, kept free while it is dead)
+_SCHEMA_VERSION = 5
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS instances (
     id TEXT PRIMARY KEY,
@@ -66,7 +67,8 @@ CREATE TABLE IF NOT EXISTS policies (
     source TEXT,                       -- who set the current desired limit: operator|policy
     reason TEXT,                       -- why the policy set it
     changed_at REAL,                   -- unix seconds of that change
-    pin_revision INTEGER               -- the pin's revision on a budgeted device (NULL: none)
+    pin_revision INTEGER,              -- the pin's revision on a budgeted device (NULL: none)
+    floor_bytes INTEGER NOT NULL DEFAULT 0 -- the engine's last reported floor
 ) STRICT;
 """
 _COLUMNS = (
@@ -76,6 +78,7 @@ _COLUMNS = (
 _COLUMN_NAMES = tuple(c.strip() for c in _COLUMNS.split(","))
 _MIGRATE_1_TO_2 = "ALTER TABLE instances ADD COLUMN stopped_at REAL"
 _MIGRATE_3_TO_4 = "ALTER TABLE policies ADD COLUMN pin_revision INTEGER"
+_MIGRATE_4_TO_5 = "ALTER TABLE policies ADD COLUMN floor_bytes INTEGER NOT NULL DEFAULT 0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +277,7 @@ class Store:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, 2, 3, _SCHEMA_VERSION):
+        if version not in (0, 1, 2, 3, 4, _SCHEMA_VERSION):
             raise SidecarConfigError(
                 f"the database {self.path} has schema version {version}; this sidecar "
                 f"reads version {_SCHEMA_VERSION}: use a newer kvsidecar or another --db"
@@ -284,9 +287,13 @@ class Store:
             conn.execute(_MIGRATE_1_TO_2)
         elif version == 2:  # gains the autopilot's tables below; its own must be ours
             self._check_columns(conn, _COLUMN_NAMES, version)
-        elif version == 3:  # the policies table gains the pin's revision
+        elif version == 3:  # the policies table gains the pin's revision, then the floor
             self._check_columns(conn, _COLUMN_NAMES, version)
             conn.execute(_MIGRATE_3_TO_4)
+            conn.execute(_MIGRATE_4_TO_5)
+        elif version == 4:  # the policies table gains the engine's floor
+            self._check_columns(conn, _COLUMN_NAMES, version)
+            conn.execute(_MIGRATE_4_TO_5)
         conn.executescript(_SCHEMA)
         self._check_columns(conn, _COLUMN_NAMES, _SCHEMA_VERSION)
         conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")

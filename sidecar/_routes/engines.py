@@ -43,7 +43,9 @@ async def register(
     instance_id: InstanceId, body: RegisterBody, service: Service, autopilot: AutopilotDep
 ) -> RegisterReply:
     await autopilot.before_register(instance_id, body)  # device; a returning engine fits
-    return await service.register(instance_id, body)
+    reply = await service.register(instance_id, body)
+    await autopilot.after_register(instance_id)  # its floor, kept free should it die
+    return reply
 
 
 @router.post(

@@ -57,12 +57,14 @@ class SimEngine:
         *,
         mapped: int = 0,
         capacity: int = 16 * GiB,
+        floor: int = 0,
     ) -> None:
         self.client = client
         self.iid = iid
         self.device = device
-        self.mapped = mapped
+        self.mapped = max(mapped, floor)
         self.capacity = capacity
+        self.floor = floor  # what it never gives back (vLLM's null block page)
         self.pinned = 0
         self.waiting = 0
         self.reserved = 0  # the running requests' remaining output (the output reservation)
@@ -71,16 +73,19 @@ class SimEngine:
 
     def state(self, *, apply: bool) -> EngineState:
         limit = self.limit
-        if apply and limit is not None:
-            self.mapped = min(self.mapped, limit)
+        effective = None if limit is None else max(limit, self.floor)
+        if apply and effective is not None:
+            self.mapped = min(self.mapped, effective)
         # the output reservation: the running requests end at mapped + reserved; a limit
         # below that is deferred (also while what is mapped is under it)
-        over = 0 if limit is None else max(0, self.mapped + self.reserved - limit)
+        over = 0 if effective is None else max(0, self.mapped + self.reserved - effective)
         busy = self.pinned or self.waiting or self.reserved
         return EngineState(
             status=Status.DEFERRED if over else Status.APPLIED,
             revision=self.revision,
             limit_bytes=limit,
+            effective_limit_bytes=effective if self.floor else None,
+            floor_bytes=self.floor,
             mapped_bytes=self.mapped,
             overage_bytes=over,
             reason="running_requests" if over else None,

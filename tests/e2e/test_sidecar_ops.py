@@ -636,6 +636,65 @@ def test_a_version_3_database_gains_the_pins_revision(tmp_path: Path) -> None:
         assert view["policy"]["pinned"] is True and view["policy"]["pin_bytes"] == GiB
         assert c.get("/devices/gpu-9").json()["budget_bytes"] == 8 * GiB
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
-    assert conn.execute("SELECT pin_revision FROM policies").fetchall() == [(None,)]
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
+    assert conn.execute("SELECT pin_revision, floor_bytes FROM policies").fetchall() == [(None, 0)]
     conn.close()
+
+
+# the schema a version-4 sidecar created (sidecar/_store.py at schema 4), with its rows
+_V4_DATABASE = """
+    CREATE TABLE instances (id TEXT PRIMARY KEY, limit_bytes INTEGER,
+        revision INTEGER NOT NULL, updated_at REAL NOT NULL, engine TEXT,
+        engine_version TEXT, socket_path TEXT, device_total_bytes INTEGER,
+        registered_at REAL, stopped_at REAL) STRICT;
+    CREATE TABLE ready_probe (k INTEGER PRIMARY KEY, at REAL NOT NULL) STRICT;
+    CREATE TABLE devices (id TEXT PRIMARY KEY, budget_bytes INTEGER,
+        revision INTEGER NOT NULL, updated_at REAL NOT NULL,
+        dry_run INTEGER NOT NULL DEFAULT 0) STRICT;
+    CREATE TABLE policies (id TEXT PRIMARY KEY, device_id TEXT,
+        min_bytes INTEGER NOT NULL DEFAULT 0, max_bytes INTEGER,
+        weight REAL NOT NULL DEFAULT 1.0, pinned INTEGER NOT NULL DEFAULT 0,
+        pin_bytes INTEGER, source TEXT, reason TEXT, changed_at REAL,
+        pin_revision INTEGER) STRICT;
+    INSERT INTO instances VALUES ('pinned', 1073741824, 7, 1.0, 'vllm', '0.33', NULL,
+        NULL, 1.0, NULL);
+    INSERT INTO instances VALUES ('free', 2147483648, 3, 1.0, 'sglang', '0.5', NULL,
+        NULL, 1.0, 2.0);
+    INSERT INTO devices VALUES ('gpu-9', 8589934592, 2, 1.0, 1);
+    INSERT INTO policies VALUES ('pinned', 'gpu-9', 0, NULL, 1.0, 1, 1073741824,
+        'operator', 'operator', 1.0, 7);
+    INSERT INTO policies VALUES ('free', 'gpu-9', 536870912, 4294967296, 2.5, 0, NULL,
+        'policy', 'fair_share', 1.0, NULL);
+    PRAGMA user_version=4;"""
+
+
+def test_a_version_4_database_gains_the_floor_and_keeps_every_row(tmp_path: Path) -> None:
+    """Version 4 (no stored floor) is migrated on open: every row is kept as it was, each
+    instance's floor reads 0 (unknown) until its engine reports one."""
+    path = tmp_path / "v4.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(_V4_DATABASE)
+    before = {
+        table: conn.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall()
+        for table in ("instances", "devices", "policies")
+    }
+    conn.close()
+    with _serve(path) as server, httpx.Client(base_url=server.url) as c:
+        pinned = c.get("/instances/pinned").json()
+        assert (pinned["desired"]["limit_bytes"], pinned["desired"]["revision"]) == (GiB, 7)
+        assert pinned["policy"]["pinned"] is True and pinned["policy"]["pin_bytes"] == GiB
+        free = c.get("/instances/free").json()
+        assert free["status"] == "stopped" and free["policy"]["weight"] == 2.5
+        device = c.get("/devices/gpu-9").json()
+        assert (device["budget_bytes"], device["revision"], device["dry_run"]) == (8 * GiB, 2, True)
+        assert c.get("/readyz").status_code == 200
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
+    after = {
+        table: conn.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall()
+        for table in ("instances", "devices", "policies")
+    }
+    conn.close()
+    assert after["instances"] == before["instances"]
+    assert after["devices"] == before["devices"]
+    assert after["policies"] == [(*row, 0) for row in before["policies"]]
