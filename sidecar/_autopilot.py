@@ -134,9 +134,21 @@ class Autopilot:
         return self._active(self.policy(instance_id).device_id)
 
     def _active(self, device_id: str | None) -> bool:
-        if device_id is None:
+        return device_id is not None and self._row_active(self._devices.get(device_id))
+
+    def _lowers(self, old: DeviceRow, new: DeviceRow) -> bool:
+        """``new`` is a live budget below ``old``, or the first live one (a budget set, out
+        of dry run): the limits written under ``old`` may add up to more than it."""
+        if not self._row_active(new) or new.budget_bytes is None:
             return False
-        dev = self._devices.get(device_id)
+        return (
+            not self._row_active(old)
+            or old.budget_bytes is None
+            or new.budget_bytes < old.budget_bytes
+        )
+
+    def _row_active(self, dev: DeviceRow | None) -> bool:
+        """The autopilot writes limits under this budget (one, not in dry run)."""
         return (
             dev is not None
             and dev.budget_bytes is not None
@@ -240,6 +252,19 @@ class Autopilot:
         async with self._lock:
             if budget is not None:
                 self._check_budget(device_id, budget, {})
+            old = self._devices.get(device_id) or DeviceRow(device_id)
+            # judged here first, so a stale or conflicting budget writes no limit either
+            judged = decide(old.budget_bytes, old.revision, budget, revision)
+            new = replace(
+                old,
+                budget_bytes=budget,
+                revision=judged.revision,
+                dry_run=old.dry_run if dry_run is None else dry_run,
+            )
+            if self._lowers(old, new):
+                # its split is written before anyone reads the budget: no reader sees the
+                # limits of the budget before above it (a grow it writes fits under it too)
+                await self._pass(device_id, new)
             row, decision = await self._store.set_budget(device_id, budget, revision, dry_run)
             self._devices[device_id] = row
         if decision.changed:
@@ -536,9 +561,10 @@ class Autopilot:
                         )
             self._observe_applied()
 
-    async def _pass(self, device_id: str) -> None:
-        """One policy pass over one device (under the lock)."""
-        dev = self._devices.get(device_id)
+    async def _pass(self, device_id: str, dev: DeviceRow | None = None) -> None:
+        """One policy pass over one device (under the lock), under its stored budget or
+        under ``dev``, a budget about to be stored."""
+        dev = self._devices.get(device_id) if dev is None else dev
         if dev is None or dev.budget_bytes is None:
             self._would.pop(device_id, None)
             return
@@ -550,7 +576,7 @@ class Autopilot:
         self._targets.update(targets)
         hysteresis = int(self._settings.autopilot_hysteresis * dev.budget_bytes)
         changes = plan(dev.budget_bytes, members, targets, hysteresis)
-        if not self._active(device_id):
+        if not self._row_active(dev):
             if changes != self._would.get(device_id):
                 for c in changes:
                     _log.info(

@@ -252,18 +252,20 @@ def test_a_device_whose_pass_fails_does_not_hold_the_others_back(
     real_pass = autopilot._pass
     failed: list[str] = []
 
-    async def failing_pass(device_id: str) -> None:
+    async def failing_pass(device_id: str, dev: object = None) -> None:
         if device_id == "a-broken-dev":
             failed.append(device_id)
             raise RuntimeError("a bug in one device's pass")
-        await real_pass(device_id)
+        await real_pass(device_id, dev)
 
-    autopilot._pass = failing_pass
     broken = SimEngine(c, "z", "a-broken-dev")
-    a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
-    for e in (broken, a, b):
-        assert e.register().status_code == 200
+    assert broken.register().status_code == 200
+    # budgeted before its pass breaks: a first budget's PUT runs the pass itself
     assert c.put("/devices/a-broken-dev/budget", json={"budget": "4G"}).status_code == 200
+    autopilot._pass = failing_pass
+    a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+    for e in (a, b):
+        assert e.register().status_code == 200
     assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
     _settle(c, a, b)
     assert _desired(c, "a") == _desired(c, "b") == 4 * GiB

@@ -12,6 +12,7 @@ everything finished, whatever order the requests ended up in.
 
 from __future__ import annotations
 
+import random
 import sqlite3
 import threading
 import time
@@ -171,3 +172,67 @@ def test_device_limits_are_checked_against_the_budget_set_meanwhile(tmp_path: Pa
         _settle(c, a, b)
         dev = c.get(f"/devices/{DEV}").json()
         assert dev["budget_bytes"] == 4 * GiB and dev["sum_limits_bytes"] <= 4 * GiB, dev
+
+
+class _DeviceReader:
+    """Polls ``GET /devices`` from its own thread and client until stopped, keeping every
+    view in which the device's live limits add up to more than its live budget."""
+
+    def __init__(self, url: str) -> None:
+        self.polls = 0
+        self.over: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(url,), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str) -> None:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            while not self._stop.is_set():
+                for dev in client.get("/devices").json()["devices"]:
+                    if _over_budget(dev):
+                        self.over.append(dev)
+                self.polls += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _over_budget(dev: dict[str, Any]) -> bool:
+    """The device has a live budget (not in dry run) and its live instances' limits add up to
+    more (docs/autopilot.md, "Shrink before grow": no pins or mins are involved here)."""
+    total, budget = dev["sum_limits_bytes"], dev["budget_bytes"]
+    return budget is not None and not dev["dry_run"] and total is not None and total > budget
+
+
+def test_no_reader_sees_the_limits_above_a_budget_while_it_is_lowered_and_raised(
+    tmp_path: Path,
+) -> None:
+    """Budgets lowered and raised at random while a reader polls ``/devices``. A lowered
+    budget was shown (and answered) at once, beside the limits of the budget before it,
+    until the next pass wrote the shrinks: the sum of limits read above the budget."""
+    db = tmp_path / "s.db"
+    rng = random.Random(7)
+    with ThreadedSidecar(_settings(db)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        engines = [SimEngine(c, name, DEV) for name in ("a", "b", "c")]
+        for e in engines:
+            assert e.register().status_code == 200
+        assert c.put(f"/devices/{DEV}/budget", json={"budget": "12G"}).status_code == 200
+        _settle(c, *engines)
+        engines[0].pinned, engines[1].waiting = GiB, 3 * GiB  # some demand, some idle
+        reader = _DeviceReader(s.url)
+        answers = []
+        try:
+            for _ in range(30):
+                size = rng.choice([2, 3, 5, 8, 12, 16]) * GiB
+                r = c.put(f"/devices/{DEV}/budget", json={"budget": size})
+                assert r.status_code == 200, r.text
+                answers.append(r.json())
+                for e in rng.sample(engines, rng.randint(0, 3)):
+                    e.sync(apply=rng.random() < 0.7)
+        finally:
+            reader.stop()
+        over = [a for a in answers if _over_budget(a)]
+        assert not over, f"{len(over)} budget answers over the budget, first: {over[0]}"
+        assert reader.polls >= 30, reader.polls
+        assert not reader.over, f"{len(reader.over)} views over the budget: {reader.over[0]}"
