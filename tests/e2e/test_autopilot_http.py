@@ -656,8 +656,9 @@ def test_a_demand_now_goes_before_a_demand_held_through_the_busy_hold(tmp_path: 
     with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
         a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
         assert a.register().status_code == 200 and b.register().status_code == 200
-        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
         b.pinned = 6 * GiB
+        b.sync()  # b's load is reported before the budget's first split (written by its PUT)
+        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
         _settle(c, a, b)
         assert (_desired(c, "a"), _desired(c, "b")) == (0, 8 * GiB)  # a idle: its min only
         b.pinned = b.mapped = 0  # b's requests finished
