@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from prometheus_client import Counter, Histogram
 
-from engine_ext.protocol import EngineState, RegisterBody, Status, format_size
+from engine_ext.protocol import EngineState, RegisterBody, RegisterReply, Status, format_size
 
 from ._autopilot_store import AutopilotStore, DeviceRow, PolicyRow
 from ._errors import (
@@ -439,9 +439,13 @@ class Autopilot:
 
     # --- engine-facing -------------------------------------------------------------------
 
-    async def before_register(self, instance_id: str, body: RegisterBody) -> None:
-        """Refuse a move to another device; record the device; fit a returning engine's
-        kept limit into what its device has left (others may hold its memory now)."""
+    async def register(self, instance_id: str, body: RegisterBody) -> RegisterReply:
+        """An engine registers: refuse a move to another device; record the device; fit a
+        returning engine's kept limit into what its device has left (others may hold its
+        memory now); register it with the service; store its floor (kept free should it
+        die). All under the lock: a pass that ran between the fit and the registration
+        would still count the instance dead (its floor only) and grow the others into the
+        room it was just given."""
         p = self.policy(instance_id)
         if p.device_id is not None and body.device_id is not None and body.device_id != p.device_id:
             raise DeviceMoveError(
@@ -451,32 +455,41 @@ class Autopilot:
                 "it another KVSIDECAR_INSTANCE_ID"
             )
         async with self._lock:
-            if body.device_id is not None and p.device_id is None:
-                p = self._joining_policy(replace(p, device_id=body.device_id))
-                await self._store.put_policies([p])
-                self._policies[instance_id] = p
-            device_id = p.device_id
-            if device_id is None or not self._active(device_id):
-                return
-            budget = self._devices[device_id].budget_bytes
-            assert budget is not None
-            others = [m for m in self._members(device_id) if m.id != instance_id]
-            room = max(0, budget - sum(committed(m) for m in others))
-            rec = self._service.records().get(instance_id)
-            kept = None if rec is None else rec.row.limit_bytes
-            if kept is not None and kept <= room:
-                return
-            if p.pinned and p.pin_bytes is None and kept is not None:
-                p = replace(p, pin_bytes=kept)  # the pin is the kept limit, not the fitted one
-                await self._store.put_policies([p])
-                self._policies[instance_id] = p
-            page = max(1, body.state.page_bundle_bytes)
-            new = room // page * page
-            await self._write(
-                device_id,
-                Change(instance_id, kept, new, "returned_fit"),
-                reason_text=f"kept {format_size(kept)}, {format_size(room)} free on the device",
-            )
+            await self._fit_returning(instance_id, body)
+            reply = await self._service.register(instance_id, body)
+            await self._store_floors([instance_id])
+        return reply
+
+    async def _fit_returning(self, instance_id: str, body: RegisterBody) -> None:
+        """Record the device of a joining instance; fit a returning engine's kept limit into
+        what its device has left (under the lock)."""
+        p = self.policy(instance_id)
+        if body.device_id is not None and p.device_id is None:
+            p = self._joining_policy(replace(p, device_id=body.device_id))
+            await self._store.put_policies([p])
+            self._policies[instance_id] = p
+        device_id = p.device_id
+        if device_id is None or not self._active(device_id):
+            return
+        budget = self._devices[device_id].budget_bytes
+        assert budget is not None
+        others = [m for m in self._members(device_id) if m.id != instance_id]
+        room = max(0, budget - sum(committed(m) for m in others))
+        rec = self._service.records().get(instance_id)
+        kept = None if rec is None else rec.row.limit_bytes
+        if kept is not None and kept <= room:
+            return
+        if p.pinned and p.pin_bytes is None and kept is not None:
+            p = replace(p, pin_bytes=kept)  # the pin is the kept limit, not the fitted one
+            await self._store.put_policies([p])
+            self._policies[instance_id] = p
+        page = max(1, body.state.page_bundle_bytes)
+        new = room // page * page
+        await self._write(
+            device_id,
+            Change(instance_id, kept, new, "returned_fit"),
+            reason_text=f"kept {format_size(kept)}, {format_size(room)} free on the device",
+        )
 
     def _joining_policy(self, p: PolicyRow) -> PolicyRow:
         """An instance joins its device. Its operator's limit and its min, stored before its
@@ -505,12 +518,6 @@ class Autopilot:
                 else:
                     p = replace(p, min_bytes=0)
         return p
-
-    async def after_register(self, instance_id: str) -> None:
-        """Store the floor the engine registered with, before its registration is answered:
-        a sidecar that restarts while the engine is dead keeps that much free for it."""
-        async with self._lock:
-            await self._store_floors([instance_id])
 
     async def _store_floors(self, instance_ids: list[str]) -> None:
         """Store each instance's reported floor where it differs from the stored one (under

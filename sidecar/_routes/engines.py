@@ -40,12 +40,9 @@ RegistrationToken = Annotated[
     summary="An engine starts: record it, answer with the retained desired limit",
 )
 async def register(
-    instance_id: InstanceId, body: RegisterBody, service: Service, autopilot: AutopilotDep
+    instance_id: InstanceId, body: RegisterBody, autopilot: AutopilotDep
 ) -> RegisterReply:
-    await autopilot.before_register(instance_id, body)  # device; a returning engine fits
-    reply = await service.register(instance_id, body)
-    await autopilot.after_register(instance_id)  # its floor, kept free should it die
-    return reply
+    return await autopilot.register(instance_id, body)  # its device, fit, floor; the service
 
 
 @router.post(

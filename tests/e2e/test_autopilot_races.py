@@ -236,3 +236,51 @@ def test_no_reader_sees_the_limits_above_a_budget_while_it_is_lowered_and_raised
         assert not over, f"{len(over)} budget answers over the budget, first: {over[0]}"
         assert reader.polls >= 30, reader.polls
         assert not reader.over, f"{len(reader.over)} views over the budget: {reader.over[0]}"
+
+
+def test_a_pass_during_a_returning_engines_registration_does_not_grow_into_its_room(
+    tmp_path: Path,
+) -> None:
+    """``a`` is dead and comes back; its kept 4G fits beside ``b`` (max 4G) and is answered.
+    A pass that ran while a's registration waited on the store still counted ``a`` dead
+    (its floor only) and grew ``b``, whose max had just been lifted, into a's 4G: both
+    engines were told limits adding up to 12G on an 8G budget."""
+    db = tmp_path / "s.db"
+    settings = SidecarSettings(
+        db_path=db,
+        autopilot_interval_s=60,  # passes run on wakes only: the order below is the test's
+        autopilot_busy_hold_s=0.5,
+        heartbeat_timeout_s=2,  # a is declared dead; b, silent below, is not
+    )
+    with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+        assert a.register().status_code == 200 and b.register().status_code == 200
+        assert c.put("/instances/b/policy", json={"max": "4G"}).status_code == 200
+        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
+        _settle(c, a, b)
+        assert {m["limit_bytes"] for m in c.get(f"/devices/{DEV}").json()["instances"]} == {4 * GiB}
+        wait_until(  # a's engine is gone: b, at its max, does not take a's memory
+            lambda: (b.sync(), c.get("/instances/a").json()["status"] == "unreachable")[1]
+        )
+        b_revision = c.get("/instances/b").json()["desired"]["revision"]
+        back = SimEngine(c, "a", DEV)  # a new engine process under a's id
+        with _db_locked(db):
+            lift = _InFlight(s.url, lambda cl: cl.put("/instances/b/policy", json={"max": None}))
+            time.sleep(REACH_S)  # holds the autopilot's lock while its write waits
+            register = _InFlight(s.url, lambda cl: _register_with(back, cl))
+            time.sleep(REACH_S)  # waits for the lock, then fits a and registers it
+        assert lift.result().status_code == 200
+        assert register.result().status_code == 200
+        time.sleep(REACH_S)  # the passes the lift and a's registration woke have run
+        assert back.limit == 4 * GiB  # its kept limit fitted
+        b_view = c.get("/instances/b").json()["desired"]
+        # b was not told a grow into a's 4G (shrunk again by the pass that saw a live)
+        assert b_view == {**b_view, "limit_bytes": 4 * GiB, "revision": b_revision}, b_view
+        dev = c.get(f"/devices/{DEV}").json()
+        assert dev["sum_limits_bytes"] <= dev["budget_bytes"], dev
+
+
+def _register_with(engine: SimEngine, client: httpx.Client) -> httpx.Response:
+    """``engine`` registers over ``client`` (one of its own thread's)."""
+    engine.client = client
+    return engine.register()
