@@ -77,8 +77,12 @@ _COLUMNS = (
 )
 _COLUMN_NAMES = tuple(c.strip() for c in _COLUMNS.split(","))
 _MIGRATE_1_TO_2 = "ALTER TABLE instances ADD COLUMN stopped_at REAL"
-_MIGRATE_3_TO_4 = "ALTER TABLE policies ADD COLUMN pin_revision INTEGER"
-_MIGRATE_4_TO_5 = "ALTER TABLE policies ADD COLUMN floor_bytes INTEGER NOT NULL DEFAULT 0"
+# the policies table's columns added by 4 and 5 (a version is set after its column is added:
+# a file whose migration was cut short between the two has it already)
+_POLICY_COLUMNS_ADDED = {
+    4: ("pin_revision", "INTEGER"),
+    5: ("floor_bytes", "INTEGER NOT NULL DEFAULT 0"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,13 +291,13 @@ class Store:
             conn.execute(_MIGRATE_1_TO_2)
         elif version == 2:  # gains the autopilot's tables below; its own must be ours
             self._check_columns(conn, _COLUMN_NAMES, version)
-        elif version == 3:  # the policies table gains the pin's revision, then the floor
+        elif version in (3, 4):  # the policies table gains the pin's revision, the floor
             self._check_columns(conn, _COLUMN_NAMES, version)
-            conn.execute(_MIGRATE_3_TO_4)
-            conn.execute(_MIGRATE_4_TO_5)
-        elif version == 4:  # the policies table gains the engine's floor
-            self._check_columns(conn, _COLUMN_NAMES, version)
-            conn.execute(_MIGRATE_4_TO_5)
+            found = {r[1] for r in conn.execute("PRAGMA table_info(policies)")}
+            for added in range(version + 1, _SCHEMA_VERSION + 1):
+                column, declared = _POLICY_COLUMNS_ADDED[added]
+                if column not in found:
+                    conn.execute(f"ALTER TABLE policies ADD COLUMN {column} {declared}")
         conn.executescript(_SCHEMA)
         self._check_columns(conn, _COLUMN_NAMES, _SCHEMA_VERSION)
         conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")

@@ -698,3 +698,20 @@ def test_a_version_4_database_gains_the_floor_and_keeps_every_row(tmp_path: Path
     assert after["instances"] == before["instances"]
     assert after["devices"] == before["devices"]
     assert after["policies"] == [(*row, 0) for row in before["policies"]]
+
+
+def test_a_migration_cut_short_is_finished_on_the_next_start(tmp_path: Path) -> None:
+    """A migration adds its column, then sets the version: a sidecar killed in between
+    (power loss) left a version-4 file that already has ``floor_bytes``. Adding it again
+    failed ("duplicate column"), and the sidecar refused the file for good."""
+    path = tmp_path / "cut.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(_V4_DATABASE)
+    conn.execute("ALTER TABLE policies ADD COLUMN floor_bytes INTEGER NOT NULL DEFAULT 0")
+    conn.commit()
+    conn.close()
+    with _serve(path) as server, httpx.Client(base_url=server.url) as c:
+        assert c.get("/instances/pinned").json()["policy"]["pin_bytes"] == GiB
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
+    conn.close()
