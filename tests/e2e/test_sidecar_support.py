@@ -42,8 +42,10 @@ class SidecarProcess:
         *,
         port: int | None = None,
         log_path: Path | None = None,
+        wrapper: list[str] | None = None,
     ) -> None:
         self.db = db
+        self.wrapper = wrapper or []  # a command the server runs under (it execs its args)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
@@ -55,6 +57,7 @@ class SidecarProcess:
         log = None if self.log_path is None else self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [
+                *self.wrapper,
                 sys.executable,
                 "-m",
                 "sidecar.cli",
