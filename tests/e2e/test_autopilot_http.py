@@ -454,6 +454,33 @@ def test_a_dead_engine_is_reassigned_and_fits_on_return(tmp_path: Path) -> None:
         assert c.get("/instances/a").json()["policy"]["reason"] == "returned_fit"
 
 
+def test_a_silent_engine_that_reports_again_is_fitted_at_once(tmp_path: Path) -> None:
+    """A frozen (not dead) engine: silent past the heartbeat timeout, so B grows into its
+    room, then it reports again, the same report as before it went silent (it never
+    registered again). Its return alone must run a pass (the 60 s timer is the fallback
+    only; B says nothing more): the limits fit the budget again at once."""
+    settings = _settings(tmp_path / "f.db", heartbeat_timeout_s=0.5, autopilot_interval_s=60)
+    with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+        a.register(), b.register()
+        c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
+        _settle(c, a, b)
+        a.pinned, b.waiting = 4 * GiB, 8 * GiB
+        _settle(c, a, b)
+        wait_until(  # A is silent
+            lambda: c.get("/instances/a").json()["status"] == "unreachable", what="unreachable"
+        )
+        b.waiting += GiB  # B's demand moves: a pass, which grows B into A's room
+        wait_until(lambda: (b.sync(), _lim(c, "b") >= 7 * GiB)[1], what="B grown")
+        assert _lim(c, "a") + _lim(c, "b") > 8 * GiB  # A's limit was kept for its return
+        a.sync(grow=False)  # it wakes up: the same state it reported before
+        wait_until(
+            lambda: _lim(c, "a") + _lim(c, "b") <= 8 * GiB,
+            what="the limits fitted to the budget after A's return",
+        )
+        assert c.get("/instances/a").json()["status"] != "unreachable"
+
+
 def test_sidecar_restart_mid_change_keeps_the_budget(tmp_path: Path) -> None:
     db = tmp_path / "r.db"
     with ThreadedSidecar(_settings(db)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
