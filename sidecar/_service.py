@@ -401,16 +401,19 @@ class InstanceService:
             _log.error("instance %s: cannot re-issue the desired limit: %s", rec.row.id, exc.detail)
 
     async def _observe(self, rec: InstanceRecord, state: EngineState) -> None:
+        adopted = state.revision > rec.row.revision  # a limit set on the engine's socket
         await self._adopt_if_newer(rec, state)
         if _other_limit_same_revision(rec, state):
             await self._reissue_desired(rec)
         # A push reply can arrive after a newer report for the same revision (the engine
         # made more passes meanwhile): order by (revision, passes), never by arrival.
         before = rec.observed
-        # silent past the heartbeat timeout (its memory reassigned) and heard from again: a
-        # frozen engine, not a dead one; observed as new, so the autopilot fits it at once
-        returned = rec.row.registered_at is not None and not rec.live(
-            self._now, self._settings.heartbeat_timeout_s
+        # silent past the heartbeat timeout (its memory reassigned) and heard from again (a
+        # frozen engine, not a dead one), or holding a limit the sidecar did not set:
+        # observed as new, so the autopilot fits it to a budget at once
+        as_new = adopted or (
+            rec.row.registered_at is not None
+            and not rec.live(self._now, self._settings.heartbeat_timeout_s)
         )
         if before is None or (state.revision, state.passes) >= (before.revision, before.passes):
             rec.take_report(state)
@@ -419,8 +422,8 @@ class InstanceService:
         self._metrics.observed(rec.view(self._now, self._settings.heartbeat_timeout_s))
         if rec.needs_push():
             self._pusher.wake(rec.row.id)
-        if rec.observed is not None and (returned or rec.observed is not before):
-            self.on_observed(rec.row.id, None if returned else before, rec.observed)
+        if rec.observed is not None and (as_new or rec.observed is not before):
+            self.on_observed(rec.row.id, None if as_new else before, rec.observed)
 
     async def _on_reply(self, instance_id: str, state: EngineState, rejected: bool) -> bool:
         """A push answer. Returns whether the engine now holds the pushed (or a newer) revision."""

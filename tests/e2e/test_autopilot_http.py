@@ -481,6 +481,28 @@ def test_a_silent_engine_that_reports_again_is_fitted_at_once(tmp_path: Path) ->
         assert c.get("/instances/a").json()["status"] != "unreachable"
 
 
+def test_a_limit_set_on_an_engines_socket_is_fitted_at_once_on_a_budgeted_device(
+    tmp_path: Path,
+) -> None:
+    """``kvctl --socket`` bypasses the sidecar: the engine takes a newer revision with 8G on
+    a device whose budget gives it 4G. The sidecar adopts the revision (the newest wins);
+    the adoption alone must run a pass (the timer is 60 s), which writes the policy's
+    limit over it, so the limits fit the budget again at once."""
+    settings = _settings(tmp_path / "k.db", autopilot_interval_s=60)
+    with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+        a.register(), b.register()
+        c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
+        _settle(c, a, b)
+        assert _lim(c, "a") == _lim(c, "b") == 4 * GiB
+        a.revision, a.limit = a.revision + 1, 8 * GiB  # set on its socket directly
+        a.sync(grow=False)  # its report carries the newer revision: adopted
+        wait_until(
+            lambda: _lim(c, "a") + _lim(c, "b") <= 8 * GiB,
+            what="the adopted limit replaced by one that fits the budget",
+        )
+
+
 def test_sidecar_restart_mid_change_keeps_the_budget(tmp_path: Path) -> None:
     db = tmp_path / "r.db"
     with ThreadedSidecar(_settings(db)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
