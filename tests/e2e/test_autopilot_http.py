@@ -427,17 +427,23 @@ def test_dry_run_shows_the_plan_and_writes_nothing(c: httpx.Client) -> None:
     wait_until(lambda: _desired(c, "a") is not None)
 
 
+def _two_busy_at_4g(c: httpx.Client) -> tuple[SimEngine, SimEngine]:
+    """a (4G pinned) and b (8G waiting) on an 8G budget, settled at 4G each."""
+    a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
+    a.register(), b.register()
+    c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
+    # the budget's first limits before the load: an unlimited sim would map B's whole
+    # waiting need at once (its request then runs, and its demand follows its limit)
+    _settle(c, a, b)
+    a.pinned, b.waiting = 4 * GiB, 8 * GiB  # both busy: 4G each
+    _settle(c, a, b)
+    return a, b
+
+
 def test_a_dead_engine_is_reassigned_and_fits_on_return(tmp_path: Path) -> None:
     settings = _settings(tmp_path / "d.db", heartbeat_timeout_s=0.5)
     with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
-        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
-        a.register(), b.register()
-        c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
-        # the budget's first limits before the load: an unlimited sim would map B's whole
-        # waiting need at once (its request then runs, and its demand follows its limit)
-        _settle(c, a, b)
-        a.pinned, b.waiting = 4 * GiB, 8 * GiB  # both busy: 4G each
-        _settle(c, a, b)
+        a, b = _two_busy_at_4g(c)
         kept = _desired(c, "a")
         assert kept == 4 * GiB
         deadline = time.monotonic() + 10
@@ -461,12 +467,7 @@ def test_a_silent_engine_that_reports_again_is_fitted_at_once(tmp_path: Path) ->
     only; B says nothing more): the limits fit the budget again at once."""
     settings = _settings(tmp_path / "f.db", heartbeat_timeout_s=0.5, autopilot_interval_s=60)
     with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
-        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
-        a.register(), b.register()
-        c.put(f"/devices/{DEV}/budget", json={"budget": "8G"})
-        _settle(c, a, b)
-        a.pinned, b.waiting = 4 * GiB, 8 * GiB
-        _settle(c, a, b)
+        a, b = _two_busy_at_4g(c)
         wait_until(  # A is silent
             lambda: c.get("/instances/a").json()["status"] == "unreachable", what="unreachable"
         )
