@@ -9,6 +9,7 @@ when it is recorded and waited on, and what the kernel reports mapped then.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,26 @@ pytestmark = pytest.mark.vllm
 __all__ = ["plugin_env"]
 
 
+def _fence_the_claim(
+    monkeypatch: pytest.MonkeyPatch, fence_for: Callable[[Any], UnmapFence]
+) -> list[UnmapFence]:
+    """The pool claims the KV memory wrapped as the GPU path wraps it (``FencedBackend``
+    over the fence ``fence_for(backend)`` makes); returns the list the fence goes in."""
+    made: list[UnmapFence] = []
+
+    def claim() -> Any:
+        memory = claim_kv_memory()
+        assert memory is not None
+        fence = fence_for(memory.backend)
+        memory.backend = FencedBackend(memory.backend, fence)
+        memory.fence = fence
+        made.append(fence)
+        return memory
+
+    monkeypatch.setattr(_runtime, "claim_kv_memory", claim)
+    return made
+
+
 class _Event:
     """A device event stand-in: logs record/synchronize with the bytes mapped at that time."""
 
@@ -50,16 +71,8 @@ def test_fence_recorded_every_step_and_unmaps_wait_on_it(
 ) -> None:
     log: list[tuple[str, int]] = []
     unmapped: list[int] = []
-    made: list[UnmapFence] = []
 
-    def claim() -> Any:
-        memory = claim_kv_memory()
-        assert memory is not None
-        inner = memory.backend
-        fence = UnmapFence(lambda: _Event(inner, log), lambda: log.append(("device-sync", 0)))
-        memory.backend = FencedBackend(inner, fence)
-        memory.fence = fence
-        made.append(fence)
+    def fence_for(inner: Any) -> UnmapFence:
         original = inner.unmap_many
 
         def unmap_many(pages: Any) -> None:  # after the fence's wait, in the log's order
@@ -68,9 +81,9 @@ def test_fence_recorded_every_step_and_unmaps_wait_on_it(
             original(pages)
 
         inner.unmap_many = unmap_many
-        return memory
+        return UnmapFence(lambda: _Event(inner, log), lambda: log.append(("device-sync", 0)))
 
-    monkeypatch.setattr(_runtime, "claim_kv_memory", claim)
+    made = _fence_the_claim(monkeypatch, fence_for)
     core = build_core(plugin_env)
     runtime = _runtime.current_runtime()
     assert runtime is not None and runtime.instance is not None and made
@@ -161,22 +174,13 @@ def test_a_failed_event_record_never_ends_the_engine(
     goes on (it used to raise there, which ends vLLM's EngineCore), and the next unmap
     syncs the whole device (``cuCtxSynchronize``) instead of trusting a stale event."""
     drv = driver_thread
-    made: list[UnmapFence] = []
 
-    def claim() -> Any:
-        memory = claim_kv_memory()
-        assert memory is not None
+    def synchronize_device() -> None:
+        _checked(drv.cuCtxSynchronize(), "cuCtxSynchronize")
 
-        def synchronize_device() -> None:
-            _checked(drv.cuCtxSynchronize(), "cuCtxSynchronize")
-
-        fence = UnmapFence(lambda: _DriverEvent(drv), synchronize_device)
-        memory.backend = FencedBackend(memory.backend, fence)
-        memory.fence = fence
-        made.append(fence)
-        return memory
-
-    monkeypatch.setattr(_runtime, "claim_kv_memory", claim)
+    made = _fence_the_claim(
+        monkeypatch, lambda _inner: UnmapFence(lambda: _DriverEvent(drv), synchronize_device)
+    )
     core = build_core(plugin_env)
     runtime = _runtime.current_runtime()
     assert runtime is not None and runtime.instance is not None and made
