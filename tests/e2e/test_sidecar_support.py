@@ -155,6 +155,7 @@ class SocketEngine:
         self.mailbox = _RecordingMailbox()
         self.mapped_bytes = mapped_bytes
         self.device_total_bytes = device_total_bytes
+        self.passes = 0  # counted like the real coordinator: the sidecar orders reports by it
         self.server = ControlServer(str(socket_path), self.mailbox)
         self.mailbox.set_state(
             EngineState(
@@ -185,6 +186,7 @@ class SocketEngine:
         if mapped_bytes is not None:
             self.mapped_bytes = mapped_bytes
         self.mailbox.take()
+        self.passes += 1
         target = self.mailbox.desired
         over = 0 if target.limit_bytes is None else max(0, self.mapped_bytes - target.limit_bytes)
         state = EngineState(
@@ -195,6 +197,7 @@ class SocketEngine:
             overage_bytes=over,
             reason="evicting" if over else None,
             capacity_bytes=self.device_total_bytes,
+            passes=self.passes,
         )
         self.mailbox.set_state(state)
         return state
