@@ -13,7 +13,8 @@ engine without limit changes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -80,18 +81,38 @@ class SimDevice:
     """A device queue for the CPU: each step the executor launches stays in flight
     until the engine waits for it (its output future, or the unmap fence), as on a GPU.
     An unmap of a page an in-flight step reads or writes is recorded as a violation:
-    on a GPU it is an illegal-address fault."""
+    on a GPU it is an illegal-address fault.
 
-    def __init__(self) -> None:
+    ``rng``: None, steps complete only when waited for (the worst case); else they
+    also complete, in launch order, at random later points (each launch and each
+    :meth:`point`). ``at_point``: called at the executor's points inside a step
+    (``"execute"`` after a schedule, ``"sample"``, ``"result"`` when the engine waits
+    for a step's output, right before it processes aborts and the output).
+    """
+
+    def __init__(self, rng: random.Random | None = None) -> None:
         self.launched = 0
         self.in_flight: dict[int, set[int]] = {}  # step -> pages of its requests' blocks
         self.violations: list[tuple[int, set[int]]] = []
         self.unmaps = 0
+        self.rng = rng
+        self.at_point: Callable[[str], None] | None = None
 
     def launch(self, pages: set[int]) -> int:
         self.launched += 1
         self.in_flight[self.launched] = pages
+        self._progress()
         return self.launched
+
+    def point(self, name: str) -> None:
+        self._progress()
+        if self.at_point is not None:
+            self.at_point(name)
+
+    def _progress(self) -> None:
+        rng = self.rng
+        if rng is not None and self.in_flight and rng.random() < 0.4:
+            self.complete_through(rng.choice(list(self.in_flight)))
 
     def complete_through(self, step: int) -> None:
         for k in [k for k in self.in_flight if k <= step]:
@@ -145,6 +166,7 @@ class _Completes(Future):  # type: ignore[type-arg]
         self._device, self._step = device, step
 
     def result(self, timeout: float | None = None) -> Any:
+        self._device.point("result")
         self._device.complete_through(self._step)
         return super().result(timeout)
 
@@ -165,18 +187,23 @@ class SimDeviceExecutor(StubAsyncExecutor):
         for req_id in scheduler_output.num_scheduled_tokens:
             pages |= {memory.page_of(b) for b in self.worker._requests[req_id].block_ids}
         self._step = DEVICE.launch(pages)
+        DEVICE.point("execute")
         return _Completes(output, DEVICE, self._step) if non_block else output
 
     def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
         output = self.worker.sample_tokens(grammar_output)
+        DEVICE.point("sample")
         return _Completes(output, DEVICE, self._step) if non_block else output
 
 
-def _sim_fence(monkeypatch: pytest.MonkeyPatch) -> tuple[SimDevice, UnmapFence]:
-    """:data:`DEVICE` fresh, and the worker's KV backend fenced over it (as the GPU path's
-    ``FencedBackend`` over ``CudaBackend``), its unmaps checked."""
+def sim_fence(
+    monkeypatch: pytest.MonkeyPatch, rng: random.Random | None = None
+) -> tuple[SimDevice, UnmapFence]:
+    """:data:`DEVICE` fresh (``rng``: see :class:`SimDevice`), and the worker's KV backend
+    fenced over it (as the GPU path's ``FencedBackend`` over ``CudaBackend``), its unmaps
+    checked."""
     device = DEVICE
-    device.__init__()  # type: ignore[misc]
+    device.__init__(rng)  # type: ignore[misc]
     fence = UnmapFence(lambda: _SimEvent(device), lambda: device.complete_through(device.launched))
 
     def publish(memory: KVMemory) -> None:
@@ -195,7 +222,7 @@ def test_no_page_is_unmapped_under_a_step_still_in_flight(
     """The GPU path's unmap fence on the async loop: the KV backend wrapped in
     ``FencedBackend`` over a simulated device, steps in flight until waited for, limits
     and aborts from ``drive``. No unmap may touch a page of a step not yet finished."""
-    device, fence = _sim_fence(monkeypatch)
+    device, fence = sim_fence(monkeypatch)
     core = build_core(plugin_env, executor=SimDeviceExecutor)
     try:
         assert core.batch_queue is not None
@@ -212,7 +239,7 @@ def test_an_abort_right_after_the_first_step_from_idle_waits_for_that_step(
     """The batch queue's first step after idle returns before any output is processed, so
     no fence was recorded after its launch. A limit and an abort of its request right then
     free and unmap that request's pages: the unmap must wait for the step."""
-    device, _ = _sim_fence(monkeypatch)
+    device, _ = sim_fence(monkeypatch)
     core = build_core(plugin_env, executor=SimDeviceExecutor)
     runtime = _runtime.current_runtime()
     assert runtime is not None and runtime.instance is not None
@@ -225,11 +252,11 @@ def test_an_abort_right_after_the_first_step_from_idle_waits_for_that_step(
             core.step_fn()
         assert not core.scheduler.has_requests()
         in_foreign_thread(lambda: instance.set_limit(0))
-        _idle_pass(core)
+        idle_pass(core)
         unmaps = device.unmaps
         assert unmaps > 0 and not device.in_flight
         in_foreign_thread(lambda: instance.set_limit(None))
-        _idle_pass(core)
+        idle_pass(core)
         # from idle: one call schedules and launches r's prefill and returns at once
         core.add_request(*core.preprocess_add_request(make_request("r", [9] * 200, 50)))
         core.step_fn()
@@ -238,7 +265,7 @@ def test_an_abort_right_after_the_first_step_from_idle_waits_for_that_step(
         core.abort_requests(["r"])
         for _ in range(5):
             core.step_fn()
-        _idle_pass(core)
+        idle_pass(core)
         state = instance.state()
     finally:
         core.shutdown()
@@ -247,7 +274,7 @@ def test_an_abort_right_after_the_first_step_from_idle_waits_for_that_step(
     assert not device.violations, device.violations
 
 
-def _idle_pass(core: Any) -> None:
+def idle_pass(core: Any) -> None:
     """What the busy loop runs when it finds no work (the runtime's idle callback; an
     in-process EngineCore has no busy loop to run it)."""
     runtime = _runtime.current_runtime()

@@ -33,7 +33,7 @@ from vllm.v1.engine.core import EngineCore
 
 from engine_ext import EngineExtConfigError
 from engine_ext.cpu_harness import StubExecutor, make_tiny_model_dir
-from engine_ext.protocol import Status
+from engine_ext.protocol import EngineState, Status
 from engine_ext.vllm import _patches, _runtime, plugin
 from engine_ext.vllm._kv_memory import clear_kv_memory
 from sidecar._reports import report_problem
@@ -208,18 +208,31 @@ def drive(
                 live[out.request_id].extend(out.new_token_ids)
                 if out.finished:
                     run.outputs[out.request_id] = live.pop(out.request_id)
-        state = instance.state()
-        if state.status is Status.APPLIED and state.effective_limit_bytes is not None:
-            assert backend.mapped_bytes() <= state.effective_limit_bytes, state
-            run.applied_checks += 1
-        assert abs(state.mapped_bytes - backend.mapped_bytes()) <= bundle, state
-        # every state the engine reports passes the sidecar's checks (a refused report
-        # leaves the sidecar, and the autopilot, with a stale state)
-        assert report_problem(state, state.limit_bytes, state.revision) is None, state
+        state = check_state(instance, backend)
+        run.applied_checks += limited(state)
         step += 1
         assert step < num_steps * 20, f"requests never finished: {sorted(live)} {state}"
     monkeypatch.setattr(KVCacheManager, "get_computed_blocks", lookup)
     return run
+
+
+def check_state(instance: Any, backend: Any) -> EngineState:
+    """The checks of every step: an applied limit holds in the kernel's measure, the
+    state's mapped bytes follow it (within one page bundle), and the state passes the
+    sidecar's checks (a refused report leaves the sidecar, and the autopilot, with a
+    stale state). Returns the state."""
+    state: EngineState = instance.state()
+    measured = backend.mapped_bytes()
+    if state.status is Status.APPLIED and state.effective_limit_bytes is not None:
+        assert measured <= state.effective_limit_bytes, (measured, state)
+    assert abs(state.mapped_bytes - measured) <= state.page_bundle_bytes, (measured, state)
+    assert report_problem(state, state.limit_bytes, state.revision) is None, state
+    return state
+
+
+def limited(state: EngineState) -> bool:
+    """Whether ``state`` applies a limit (what :func:`check_state` checked against /proc)."""
+    return state.status is Status.APPLIED and state.effective_limit_bytes is not None
 
 
 def test_limits_from_a_foreign_thread_never_break_the_engine_core(
