@@ -49,7 +49,7 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import RequestStatus
 
 from engine_ext.protocol import Status
-from engine_ext.vllm import _runtime
+from engine_ext.vllm import _runtime, plugin
 
 pytestmark = pytest.mark.vllm
 
@@ -235,8 +235,15 @@ def _baseline(plugin_env: Path, seed: int, num_steps: int) -> Run:
 
 
 @pytest.mark.parametrize(
-    ("completion", "num_pages", "seed"),
-    [("waited", 64, 21), ("random", 64, 22), ("waited", 6, 23), ("random", 6, 24)],
+    ("completion", "num_pages", "seed", "settings"),
+    [
+        ("waited", 64, 21, {}),
+        ("random", 64, 22, {}),
+        ("waited", 6, 23, {}),
+        ("random", 6, 24, {}),
+        ("random", 64, 21, {"KVSIDECAR_RESERVE_OUTPUT": "1"}),
+        ("waited", 6, 23, {"KVSIDECAR_RESERVE_PAGES": "3"}),
+    ],
 )
 def test_the_async_loop_survives_aborts_resets_and_limits_at_every_point(
     plugin_env: Path,
@@ -244,13 +251,28 @@ def test_the_async_loop_survives_aborts_resets_and_limits_at_every_point(
     completion: str,
     num_pages: int,
     seed: int,
+    settings: dict[str, str],
 ) -> None:
+    """``completion``: how the simulated device completes steps (``waited``: only when
+    waited for); ``settings``: kvsidecar settings (the output reservation's figures and
+    the page reserve's refills move at every step of this loop too)."""
+    if settings:
+        for key, value in settings.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(_runtime, "_configured", None)
+        plugin.register()  # the settings again (vLLM loads plugins only once)
     num_steps = 500
     baseline = _baseline(plugin_env, seed, num_steps)
     device, fence = sim_fence(monkeypatch, random.Random(seed) if completion == "random" else None)
     core = build_core(plugin_env, num_pages, max_model_len=256, executor=SimDeviceExecutor)
     try:
         assert core.batch_queue is not None
+        configured = _runtime.current_runtime()
+        assert configured is not None  # the settings reached the engine's runtime
+        assert configured.engine_settings.reserve_output == ("KVSIDECAR_RESERVE_OUTPUT" in settings)
+        assert configured.engine_settings.reserve_pages == int(
+            settings.get("KVSIDECAR_RESERVE_PAGES", 0)
+        )
         stressed, chaos = storm(core, seed, num_steps=num_steps, device=device)
         assert chaos is not None
         runtime = _runtime.current_runtime()
