@@ -13,6 +13,8 @@ Public API (everything else in this package is private):
 * :func:`make_document` -- text of vocabulary words (one word = one token);
 * :func:`launch_vllm_server` -> :class:`VllmServer` -- the real ``vllm serve``
   with the stub executor (:data:`STUB_EXECUTOR`) on a free loopback port;
+  ``async_scheduling=True`` runs vLLM's async-scheduling loop instead
+  (:data:`STUB_ASYNC_EXECUTOR`, kept on despite the CPU platform);
 * :func:`free_port` -- a free loopback TCP port;
 * :func:`launch_sglang_server` -> :class:`SglangServer` -- SGLang's real HTTP
   server (``python -m engine_ext.cpu_harness.sglang.serve``: kvsidecar's
@@ -40,6 +42,7 @@ from engine_ext.cpu_harness._tiny_model import TinyModelSpec, make_document, mak
 from engine_ext.cpu_harness._toy_cache import ToyPrefixCache
 from engine_ext.cpu_harness.sglang._launcher import SglangServer, launch_sglang_server
 from engine_ext.cpu_harness.vllm._launcher import (
+    STUB_ASYNC_EXECUTOR,
     STUB_EXECUTOR,
     VllmServer,
     launch_vllm_server,
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
     from engine_ext.cpu_harness.vllm.executor import StubExecutor
 
 __all__ = [
+    "STUB_ASYNC_EXECUTOR",
     "STUB_EXECUTOR",
     "CpuHarness",
     "HarnessConfig",

@@ -41,6 +41,7 @@ _NAMES = (
     "RANK_BARRIER_WAIT_S",
     "RANK_TIMEOUT_S",
     "RANK_SEND_TIMEOUT_S",
+    "HARNESS_ASYNC_SCHEDULING",
     # the sidecar (sidecar.SidecarSettings)
     "HOST",
     "PORT",

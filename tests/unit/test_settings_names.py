@@ -16,6 +16,8 @@ from sidecar._kvctl import CtlSettings
 # read outside a settings class: scripts/dev.sh's cache, the test suite's knobs
 _TOOLS = {"KVSIDECAR_CACHE", "KVSIDECAR_SOAK", "KVSIDECAR_FAKECUDA"}
 # the CPU harness's rank processes (engine_ext.cpu_harness.vllm._multirank, which loads torch)
+# and its async-scheduling plugin (engine_ext.cpu_harness.vllm._async_plugin)
+_HARNESS_ASYNC = {"KVSIDECAR_HARNESS_ASYNC_SCHEDULING"}
 _RANKS = {
     "KVSIDECAR_STUB_TP",
     "KVSIDECAR_STUB_PP",
@@ -31,7 +33,7 @@ def _names(cls: type[BaseSettings]) -> set[str]:
 
 def test_the_known_names_are_the_settings_classes_fields() -> None:
     read = set().union(*map(_names, (EngineSettings, VllmSettings, SidecarSettings, CtlSettings)))
-    assert read | _TOOLS | _RANKS == KNOWN_SETTINGS
+    assert read | _TOOLS | _RANKS | _HARNESS_ASYNC == KNOWN_SETTINGS
 
 
 def test_the_rank_settings_are_known() -> None:
@@ -39,6 +41,12 @@ def test_the_rank_settings_are_known() -> None:
     from engine_ext.cpu_harness.vllm._multirank import MultiRankSettings
 
     assert _names(MultiRankSettings) == _RANKS
+
+
+def test_the_harness_async_scheduling_switch_is_known() -> None:
+    from engine_ext.cpu_harness.vllm._async_plugin import ENV, AsyncSchedulingSettings
+
+    assert _names(AsyncSchedulingSettings) == _HARNESS_ASYNC == {ENV}
 
 
 def test_a_typo_is_named_with_the_closest_known_name() -> None:
