@@ -71,7 +71,10 @@ class Engine(ControlSocket):
         self.wait_state(revision, status="applied")
 
 
-def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine:
+def _start(
+    tmp: Path, model_dir: Path, name: str, env: dict[str, str], *, async_scheduling: bool = False
+) -> Engine:
+    """``vllm serve`` with the plugin on as ``name`` (also used by test_vllm_serve_async.py)."""
     runtime_dir = tmp / name
     server = launch_vllm_server(
         model_dir,
@@ -85,6 +88,7 @@ def _start(tmp: Path, model_dir: Path, name: str, env: dict[str, str]) -> Engine
         },
         extra_args=["--max-num-seqs", "8", "--enable-server-load-tracking"],
         log_path=tmp / f"{name}.log",
+        async_scheduling=async_scheduling,
     )
     return Engine(server, runtime_dir / name / "control.sock", str(model_dir))
 
