@@ -31,9 +31,10 @@ __all__ = ["PushManager", "ReplyHandler"]
 
 _log = logging.getLogger("kvsidecar.push")
 
-#: Called with (instance id, engine state, rejected: 409 stale/conflict); returns whether
-#: the engine now holds the desired revision (False: retry with backoff).
-ReplyHandler = Callable[[str, EngineState, bool], Awaitable[bool]]
+#: Called with (instance id, engine state, rejected: 409 stale/conflict, the revision the
+#: push carried); returns whether the push did its job: the engine holds that revision or a
+#: newer one, or a newer desired superseded it (False: retry with backoff).
+ReplyHandler = Callable[[str, EngineState, bool, int], Awaitable[bool]]
 
 
 class _Worker:
@@ -161,7 +162,7 @@ class PushManager:
         except ValidationError as exc:
             self._fail(instance_id, "bad_reply", str(exc)[:200])
             return False
-        if await self._on_reply(instance_id, state, resp.status_code == 409):
+        if await self._on_reply(instance_id, state, resp.status_code == 409, row.revision):
             return True
         self._fail(instance_id, "rejected", state.message or state.status.value)
         return False

@@ -425,12 +425,15 @@ class InstanceService:
         if rec.observed is not None and (as_new or rec.observed is not before):
             self.on_observed(rec.row.id, None if as_new else before, rec.observed)
 
-    async def _on_reply(self, instance_id: str, state: EngineState, rejected: bool) -> bool:
-        """A push answer. Returns whether the engine now holds the pushed (or a newer) revision."""
+    async def _on_reply(
+        self, instance_id: str, state: EngineState, rejected: bool, pushed: int
+    ) -> bool:
+        """A push answer for revision ``pushed``. Returns whether the push did its job: the
+        engine holds that revision or a newer one, or a newer desired (a PUT that came while
+        the push was on the wire) supersedes it and the worker pushes that one next."""
         rec = self._records.get(instance_id)
         if rec is None:
             return True
-        pushed = rec.row.revision
         problem = report_problem(state, rec.row.limit_bytes, rec.row.revision)
         if problem is not None:
             _log.warning(
@@ -439,7 +442,7 @@ class InstanceService:
             return False
         if not rejected:
             await self._observe(rec, state)
-            return state.revision >= pushed
+            return state.revision >= pushed or rec.row.revision > pushed
         rec.last_seen = self._now
         if state.status is Status.CONFLICT and state.revision <= pushed:
             await self._reissue_desired(rec)

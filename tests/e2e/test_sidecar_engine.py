@@ -140,6 +140,27 @@ def test_a_retained_limit_is_pushed_when_the_registration_reply_is_lost(
     assert view["status"] == "applied" and view["observed"]["revision"] == 1
 
 
+def test_a_put_while_a_push_is_on_the_wire_is_no_push_failure(
+    client: httpx.Client, engine: SocketEngine
+) -> None:
+    """The engine answers the push of revision 1 after revision 2 was stored: that answer is
+    not a failed push (no warning, no failure counted, no back-off); revision 2 follows."""
+    client.post("/instances/llama-a/register", json=engine.register_body())
+    release = engine.mailbox.hold = threading.Event()
+    client.put("/instances/llama-a/limit", json={"limit": "4G"})
+    assert engine.mailbox.holding.wait(10), "the sidecar did not push revision 1"
+    client.put("/instances/llama-a/limit", json={"limit": "3G"})  # revision 2, push in flight
+    engine.mailbox.hold = None
+    release.set()
+    wait_until(lambda: engine.mailbox.pushes[-1:] == [(3 * GiB, 2)])
+    assert engine.mailbox.pushes == [(4 * GiB, 1), (3 * GiB, 2)]
+    metrics = client.get("/metrics").text
+    failures = [ln for ln in metrics.splitlines() if ln.startswith("kvsidecar_push_failures")]
+    assert not any('instance="llama-a"' in ln and not ln.endswith(" 0.0") for ln in failures), (
+        failures
+    )
+
+
 def test_a_newer_engine_revision_is_adopted(client: httpx.Client, engine: SocketEngine) -> None:
     engine.mailbox.publish(5 * GiB, 7)  # set on the socket directly (kvctl --socket)
     engine.engine_pass()

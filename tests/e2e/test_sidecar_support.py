@@ -135,8 +135,14 @@ class _RecordingMailbox(LimitMailbox):
         super().__init__()
         self.pushes: list[tuple[int | None, int]] = []
         self.pushed = threading.Event()
+        self.hold: threading.Event | None = None  # when set: a push waits for it (slow engine)
+        self.holding = threading.Event()  # a push is being held
 
     def publish(self, limit_bytes: int | None, revision: int) -> PublishResult:
+        hold = self.hold
+        if hold is not None:
+            self.holding.set()
+            hold.wait(30)
         result = super().publish(limit_bytes, revision)
         self.pushes.append((limit_bytes, revision))
         self.pushed.set()
