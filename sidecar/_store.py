@@ -76,6 +76,22 @@ _COLUMNS = (
     "device_total_bytes, registered_at, stopped_at"
 )
 _COLUMN_NAMES = tuple(c.strip() for c in _COLUMNS.split(","))
+
+
+def _statements(script: str) -> tuple[str, ...]:
+    """``script`` split into whole SQL statements (a ';' inside a comment does not end one)."""
+    statements: list[str] = []
+    pending = ""
+    for line in script.splitlines(keepends=True):
+        pending += line
+        if sqlite3.complete_statement(pending):
+            statements.append(pending.strip())
+            pending = ""
+    assert not pending.strip(), f"an unfinished statement in the schema: {pending!r}"
+    return tuple(statements)
+
+
+_SCHEMA_STATEMENTS = _statements(_SCHEMA)
 _MIGRATE_1_TO_2 = "ALTER TABLE instances ADD COLUMN stopped_at REAL"
 # the policies table's columns added by 4 and 5 (a version is set after its column is added:
 # a file whose migration was cut short between the two has it already)
@@ -280,6 +296,17 @@ class Store:
     def _prepare(self, conn: sqlite3.Connection) -> None:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
+        # one transaction: a migration cut short (the sidecar killed, a write refused) leaves
+        # the file as it was, never a column added under the old version number
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            self._migrate(conn)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def _migrate(self, conn: sqlite3.Connection) -> None:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version not in (0, 1, 2, 3, 4, _SCHEMA_VERSION):
             raise SidecarConfigError(
@@ -287,25 +314,34 @@ class Store:
                 f"reads version {_SCHEMA_VERSION}: use a newer kvsidecar or another --db"
             )
         if version == 1:
-            self._check_columns(conn, _COLUMN_NAMES[:-1], version)
-            conn.execute(_MIGRATE_1_TO_2)
+            # a sidecar before the migration was one transaction could be killed after
+            # adding the column and before setting the version: the column is there already
+            found = self._instance_columns(conn)
+            if found != _COLUMN_NAMES:
+                self._check_columns(conn, _COLUMN_NAMES[:-1], version)
+                conn.execute(_MIGRATE_1_TO_2)
         elif version == 2:  # gains the autopilot's tables below; its own must be ours
             self._check_columns(conn, _COLUMN_NAMES, version)
         elif version in (3, 4):  # the policies table gains the pin's revision, the floor
             self._check_columns(conn, _COLUMN_NAMES, version)
-            found = {r[1] for r in conn.execute("PRAGMA table_info(policies)")}
+            found_policies = {r[1] for r in conn.execute("PRAGMA table_info(policies)")}
             for added in range(version + 1, _SCHEMA_VERSION + 1):
                 column, declared = _POLICY_COLUMNS_ADDED[added]
-                if column not in found:
+                if column not in found_policies:
                     conn.execute(f"ALTER TABLE policies ADD COLUMN {column} {declared}")
-        conn.executescript(_SCHEMA)
+        for statement in _SCHEMA_STATEMENTS:  # not executescript: it would commit first
+            conn.execute(statement)
         self._check_columns(conn, _COLUMN_NAMES, _SCHEMA_VERSION)
         conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+
+    @staticmethod
+    def _instance_columns(conn: sqlite3.Connection) -> tuple[str, ...]:
+        return tuple(r[1] for r in conn.execute("PRAGMA table_info(instances)"))
 
     def _check_columns(
         self, conn: sqlite3.Connection, expected: tuple[str, ...], version: int
     ) -> None:
-        found = tuple(r[1] for r in conn.execute("PRAGMA table_info(instances)"))
+        found = self._instance_columns(conn)
         if found != expected:
             raise SidecarConfigError(
                 f"the database {self.path} says schema version {version} but its table "

@@ -3,6 +3,7 @@ SQLite on disk, raw sockets where a well-behaved client would hide the problem."
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import sqlite3
@@ -17,6 +18,8 @@ from test_sidecar_support import ThreadedSidecar, db_rows
 
 from engine_ext.protocol import MAX_CLIENT_REVISION, MAX_REVISION, REGISTRATION_HEADER
 from sidecar import SidecarSettings
+from sidecar._errors import SidecarConfigError
+from sidecar._store import Store
 
 MiB, GiB = 1 << 20, 1 << 30
 TOKEN_A = "A" * 32
@@ -589,16 +592,20 @@ def test_a_database_with_foreign_columns_is_one_line(tmp_path: Path) -> None:
         assert "has the columns (id, lim)" in line and "--db" in line
 
 
+# the schema a version-1 sidecar created, with a row
+_V1_DATABASE = """
+    CREATE TABLE instances (id TEXT PRIMARY KEY, limit_bytes INTEGER,
+        revision INTEGER NOT NULL, updated_at REAL NOT NULL, engine TEXT,
+        engine_version TEXT, socket_path TEXT, device_total_bytes INTEGER,
+        registered_at REAL) STRICT;
+    INSERT INTO instances VALUES ('old', 1073741824, 7, 1.0, NULL, NULL, NULL, NULL, NULL);
+    PRAGMA user_version=1;"""
+
+
 def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
     path = tmp_path / "v1.db"
     conn = sqlite3.connect(path)
-    conn.executescript("""
-        CREATE TABLE instances (id TEXT PRIMARY KEY, limit_bytes INTEGER,
-            revision INTEGER NOT NULL, updated_at REAL NOT NULL, engine TEXT,
-            engine_version TEXT, socket_path TEXT, device_total_bytes INTEGER,
-            registered_at REAL) STRICT;
-        INSERT INTO instances VALUES ('old', 1073741824, 7, 1.0, NULL, NULL, NULL, NULL, NULL);
-        PRAGMA user_version=1;""")
+    conn.executescript(_V1_DATABASE)
     conn.close()
     with _serve(path) as server, httpx.Client(base_url=server.url) as c:
         view = c.get("/instances/old").json()
@@ -606,12 +613,8 @@ def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
         assert c.get("/readyz").status_code == 200
 
 
-def test_a_version_3_database_gains_the_pins_revision(tmp_path: Path) -> None:
-    """Version 3 (the autopilot's tables, no ``pin_revision``) is migrated on open: its
-    budget and pin are kept, and a pin with a revision is then recorded."""
-    path = tmp_path / "v3.db"
-    conn = sqlite3.connect(path)
-    conn.executescript("""
+# the schema a version-3 sidecar created, with its rows
+_V3_DATABASE = """
         CREATE TABLE instances (id TEXT PRIMARY KEY, limit_bytes INTEGER,
             revision INTEGER NOT NULL, updated_at REAL NOT NULL, engine TEXT,
             engine_version TEXT, socket_path TEXT, device_total_bytes INTEGER,
@@ -628,7 +631,15 @@ def test_a_version_3_database_gains_the_pins_revision(tmp_path: Path) -> None:
         INSERT INTO devices VALUES ('gpu-9', 8589934592, 2, 1.0, 0);
         INSERT INTO policies VALUES ('old', 'gpu-9', 0, NULL, 1.0, 1, 1073741824,
             'operator', 'operator', 1.0);
-        PRAGMA user_version=3;""")
+        PRAGMA user_version=3;"""
+
+
+def test_a_version_3_database_gains_the_pins_revision(tmp_path: Path) -> None:
+    """Version 3 (the autopilot's tables, no ``pin_revision``) is migrated on open: its
+    budget and pin are kept, and a pin with a revision is then recorded."""
+    path = tmp_path / "v3.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(_V3_DATABASE)
     conn.close()
     with _serve(path) as server, httpx.Client(base_url=server.url) as c:
         view = c.get("/instances/old").json()
@@ -715,3 +726,74 @@ def test_a_migration_cut_short_is_finished_on_the_next_start(tmp_path: Path) -> 
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
     conn.close()
+
+
+def test_a_version_1_migration_cut_short_is_finished_on_the_next_start(tmp_path: Path) -> None:
+    """A sidecar from before the migration was one transaction, killed after adding
+    ``stopped_at`` and before setting the version, left a version-1 file with the column:
+    it was refused for good ("duplicate column")."""
+    path = tmp_path / "cut1.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(_V1_DATABASE)
+    conn.execute("ALTER TABLE instances ADD COLUMN stopped_at REAL")
+    conn.commit()
+    conn.close()
+    with _serve(path) as server, httpx.Client(base_url=server.url) as c:
+        view = c.get("/instances/old").json()
+        assert (view["desired"]["limit_bytes"], view["desired"]["revision"]) == (GiB, 7)
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
+    conn.close()
+
+
+def _schema_of(path: Path) -> tuple[int, list[tuple[Any, ...]]]:
+    conn = sqlite3.connect(path)
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        return version, conn.execute("SELECT type, name, sql FROM sqlite_master").fetchall()
+    finally:
+        conn.close()
+
+
+def test_a_migration_that_fails_part_way_leaves_the_file_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The migration is one transaction: when its second step is refused (here by SQLite's
+    authorizer, as a full disk or a kill would cut it), the first is undone too, and the
+    next start migrates the file whole. (Before, the first column stayed under the old
+    version number.)"""
+    path = tmp_path / "v3.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(_V3_DATABASE)
+    conn.close()
+    before = _schema_of(path)
+    real_connect = sqlite3.connect
+    alters: list[str] = []
+
+    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        opened = real_connect(*args, **kwargs)
+
+        def authorize(action: int, arg1: Any, arg2: Any, *_: Any) -> int:
+            if action == sqlite3.SQLITE_ALTER_TABLE:
+                alters.append(str(arg2))
+                if len(alters) == 2:  # pin_revision went in; floor_bytes is refused
+                    return sqlite3.SQLITE_DENY
+            return sqlite3.SQLITE_OK
+
+        opened.set_authorizer(authorize)
+        return opened
+
+    monkeypatch.setattr("sidecar._store.sqlite3.connect", connect)
+    store = Store(path)
+    try:
+        with pytest.raises(SidecarConfigError, match="cannot be read as a kvsidecar database"):
+            asyncio.run(store.open())
+    finally:
+        asyncio.run(store.close())
+    assert len(alters) == 2
+    assert _schema_of(path) == before
+    monkeypatch.undo()
+    with _serve(path) as server, httpx.Client(base_url=server.url) as c:
+        assert c.get("/instances/old").json()["policy"]["pin_bytes"] == GiB
+    version, _ = _schema_of(path)
+    assert version == 5
