@@ -41,6 +41,7 @@ from test_engine_core_limits import (
     assert_same_outcomes,
     build_core,
     check_state,
+    collect_outputs,
     limited,
     make_request,
     plugin_env,
@@ -206,13 +207,7 @@ def storm(
                 in_foreign_thread(lambda: instance.set_limit(None))  # the tail drains
             chaos.between_steps()
         outputs, _ = core.step_fn()
-        for client_outputs in (outputs or {}).values():
-            for out in client_outputs.outputs:
-                if out.request_id not in live:
-                    continue
-                live[out.request_id].extend(out.new_token_ids)
-                if out.finished:
-                    run.outputs[out.request_id] = live.pop(out.request_id)
+        collect_outputs(outputs, live, run)
         if chaos is not None:
             state = check_state(instance, backend)
             run.applied_checks += limited(state)

@@ -201,19 +201,25 @@ def drive(
             run.tail = True
             in_foreign_thread(lambda: instance.set_limit(None))  # let the tail drain
         outputs, _ = core.step_fn()  # step, or step_with_batch_queue (async scheduling)
-        for client_outputs in (outputs or {}).values():
-            for out in client_outputs.outputs:
-                if out.request_id not in live:
-                    continue
-                live[out.request_id].extend(out.new_token_ids)
-                if out.finished:
-                    run.outputs[out.request_id] = live.pop(out.request_id)
+        collect_outputs(outputs, live, run)
         state = check_state(instance, backend)
         run.applied_checks += limited(state)
         step += 1
         assert step < num_steps * 20, f"requests never finished: {sorted(live)} {state}"
     monkeypatch.setattr(KVCacheManager, "get_computed_blocks", lookup)
     return run
+
+
+def collect_outputs(outputs: Any, live: dict[str, list[int]], run: Run) -> None:
+    """Add one step's new tokens to ``live``; a finished request's tokens move to ``run``
+    (aborted requests, no longer in ``live``, are skipped)."""
+    for client_outputs in (outputs or {}).values():
+        for out in client_outputs.outputs:
+            if out.request_id not in live:
+                continue
+            live[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                run.outputs[out.request_id] = live.pop(out.request_id)
 
 
 def check_state(instance: Any, backend: Any) -> EngineState:
