@@ -27,6 +27,7 @@ from support.threads import in_foreign_thread
 from test_engine_core_limits import (
     assert_same_outcomes,
     build_core,
+    drain_to_zero,
     drive,
     make_request,
     plugin_env,
@@ -59,14 +60,7 @@ def test_limits_on_the_async_scheduling_loop_keep_every_token(
     try:
         assert isinstance(core.scheduler, AsyncScheduler) and core.batch_queue is not None
         stressed = drive(core, 5, num_steps=600, limits=True, monkeypatch=monkeypatch)
-        runtime = _runtime.current_runtime()
-        assert runtime is not None and runtime.instance is not None and runtime.pool is not None
-        instance = runtime.instance
-        backend = runtime.pool._blocks.pages.backend
-        in_foreign_thread(lambda: instance.set_limit(0))  # drained: everything goes back
-        for _ in range(3):
-            core.step_fn()
-        state, measured = instance.state(), backend.mapped_bytes()
+        state, measured = drain_to_zero(core, lambda: [core.step_fn() for _ in range(3)])
     finally:
         core.shutdown()
     assert stressed.publishes > 100 and stressed.applied_checks > 50

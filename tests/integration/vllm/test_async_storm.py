@@ -42,6 +42,7 @@ from test_engine_core_limits import (
     build_core,
     check_state,
     collect_outputs,
+    drain_to_zero,
     limited,
     make_request,
     plugin_env,
@@ -270,13 +271,7 @@ def test_the_async_loop_survives_aborts_resets_and_limits_at_every_point(
         )
         stressed, chaos = storm(core, seed, num_steps=num_steps, device=device)
         assert chaos is not None
-        runtime = _runtime.current_runtime()
-        assert runtime is not None and runtime.instance is not None and runtime.pool is not None
-        instance = runtime.instance
-        backend = runtime.pool._blocks.pages.backend
-        in_foreign_thread(lambda: instance.set_limit(0))  # drained: everything goes back
-        chaos.idle_loop()
-        state, measured = instance.state(), backend.mapped_bytes()
+        state, measured = drain_to_zero(core, chaos.idle_loop)
     finally:
         device.at_point = None
         core.shutdown()

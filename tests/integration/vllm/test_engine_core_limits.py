@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,6 +222,18 @@ def collect_outputs(outputs: Any, live: dict[str, list[int]], run: Run) -> None:
                 run.outputs[out.request_id] = live.pop(out.request_id)
 
 
+def drain_to_zero(core: Any, idle: Callable[[], object]) -> tuple[EngineState, int]:
+    """Set limit 0 from a foreign thread, run ``idle`` (the engine's idle steps), and return
+    the state with the bytes the backend measures: everything but the floor goes back."""
+    runtime = _runtime.current_runtime()
+    assert runtime is not None and runtime.instance is not None and runtime.pool is not None
+    instance = runtime.instance
+    backend = runtime.pool._blocks.pages.backend
+    in_foreign_thread(lambda: instance.set_limit(0))
+    idle()
+    return instance.state(), backend.mapped_bytes()
+
+
 def check_state(instance: Any, backend: Any) -> EngineState:
     """The checks of every step: an applied limit holds in the kernel's measure, the
     state's mapped bytes follow it (within one page bundle), and the state passes the
@@ -265,14 +277,7 @@ def test_limits_without_prefix_caching_never_break_the_engine_core(
     try:
         baseline = drive(core, 11, num_steps=800, limits=False, monkeypatch=monkeypatch)
         stressed = drive(core, 11, num_steps=800, limits=True, monkeypatch=monkeypatch)
-        runtime = _runtime.current_runtime()
-        assert runtime is not None and runtime.instance is not None and runtime.pool is not None
-        instance = runtime.instance
-        backend = runtime.pool._blocks.pages.backend
-        in_foreign_thread(lambda: instance.set_limit(0))  # idle: everything goes back
-        for _ in range(3):
-            core.step()
-        state, measured = instance.state(), backend.mapped_bytes()
+        state, measured = drain_to_zero(core, lambda: [core.step() for _ in range(3)])
     finally:
         core.shutdown()
     # only the floor stays: the page of vLLM's null block
