@@ -13,12 +13,20 @@ Where no pidfd can be opened the watcher watches that rank's socket always
 ``select``: an engine process may hold more than 1024 descriptors, and
 ``select`` cannot take a descriptor numbered 1024 or above.
 
-Sends never block without bound: a rank that takes no byte of what the engine
-sends for ``send_timeout_s`` (its process stopped by SIGSTOP or a debugger, or
-wedged, so its socket buffer filled) is declared dead as if it had exited, and
-killed if this group started it (a stopped rank would still map pages the owner
-gives back once it counts as dead). A rank that breaks the channel (garbage, an
-ack out of order) is ended the same way.
+Sends never wait: what a rank's socket does not take at once (its buffer is
+full) stays in that rank's backlog, in order, and is pushed whenever its socket
+takes more -- by the engine thread while it waits for acks, by the watcher
+otherwise. So a call waits on one deadline, its own, however many ranks are
+stuck. A rank that makes no progress for ``send_timeout_s`` while it owes
+something -- its socket takes no byte of its backlog, or it acks nothing while
+ops it received are outstanding (its process stopped by SIGSTOP or a debugger,
+or wedged) -- is declared dead as if it had exited, and killed if this group
+started it (a stopped rank would still map pages the owner gives back once it
+counts as dead). Every stuck rank is judged against the same clock, so two
+stuck ranks die together, not one ``send_timeout_s`` after the other. A rank
+that breaks the channel (garbage, an ack out of order) is ended the same way.
+``close()`` sends ``stop`` only to a rank whose stream is between frames (no
+backlog), so ``stop`` never lands inside a half-sent op.
 """
 
 from __future__ import annotations
@@ -67,6 +75,8 @@ class _Rank:
     mapped_bytes: int = 0  # the rank's own view (its mprotects; /proc-checked on probe)
     mapped_pages: int = 0
     error: str | None = None
+    unsent: bytes | memoryview = b""  # what its socket has not taken yet (under _send_lock)
+    progress_at: float = 0.0  # last byte taken or ack read, or since when it owes anything
 
     def __post_init__(self) -> None:
         self.reader = FrameReader(self.sock, decode_ack)
@@ -79,7 +89,8 @@ class RankGroup:
     Owns the listening socket (unlinked as soon as every rank connected), the
     per-rank sockets and pidfds, the watcher thread and its kick pipe, and
     the rank processes it spawned. Rank fields change under ``_lock``; socket
-    reads happen only under ``_read_lock`` (acks of one rank stay in order).
+    reads happen only under ``_read_lock`` (acks of one rank stay in order);
+    sends, and each rank's backlog, only under ``_send_lock`` (taken last).
     Frames from :meth:`queue` wait in ``_held`` and leave with the next
     :meth:`broadcast`, :meth:`wait` or :meth:`watch` (one ``send`` per rank).
     ``step`` is the last step handed to the ranks; an ``unmap`` is tagged
@@ -112,6 +123,8 @@ class RankGroup:
         self.watcher_wakeups = 0  # times the watcher woke for a rank (tests, bench: acks must not)
         self.step = -1
         self._read_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # rank.unsent, rank.progress_at, every send
+        self._sent = 0  # the highest seq in every live rank's stream (sent or in its backlog)
         self._kick_r, self._kick_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # re-arm the watcher
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)  # close(): every select returns
         for rank in self._ranks:
@@ -258,7 +271,9 @@ class RankGroup:
         """Wait at most ``timeout_s`` until every live rank acked ``seq``; a dead rank fails it.
 
         Sends what is queued, then reads the acks on this thread, holding the
-        read lock throughout (the watcher cannot take one meanwhile).
+        read lock throughout (the watcher cannot take one meanwhile), and
+        pushes every backlog its socket takes. One deadline for every rank; a
+        rank that makes no progress for ``send_timeout_s`` meanwhile is dead.
         """
         self._send_held()
         deadline = time.monotonic() + timeout_s
@@ -269,15 +284,28 @@ class RankGroup:
                 pending = [r for r in ranks if r.alive and r.acked < seq]
                 if not pending or self._closed:
                     break
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
                 if left <= 0:
                     break
-                ready = _poll([*(r.fd for r in pending), self._stop_r], left)
-                if ready is None:  # a socket closed under us: close() is running
+                with self._send_lock:
+                    backlog = [r for r in ranks if r.alive and r.unsent]
+                    owing = pending + [r for r in backlog if r not in pending]
+                    stall = min(r.progress_at for r in owing) + self.send_timeout_s - now
+                ready = _poll_io(
+                    [r.fd for r in pending],
+                    [r.fd for r in backlog],
+                    self._stop_r,
+                    min(left, max(stall, 0.0)),
+                )
+                if ready is None:  # close() is running (a socket closed under us)
                     break
+                readable, writable = ready
                 for rank in pending:
-                    if rank.fd in ready:
+                    if rank.fd in readable:
                         self._read_one(rank)
+                self._push_ready([r for r in backlog if r.fd in writable])
+                self._judge(pending)
         outcome = BarrierOutcome.CONFIRMED
         for rank in ranks:
             if not rank.alive:
@@ -333,19 +361,24 @@ class RankGroup:
             if self._closed:
                 return
             self._closed = True
-        os.write(self._stop_w, b"x")  # the watcher (and any waiting select) returns
+        os.write(self._stop_w, b"x")  # the watcher (and any waiting poll) returns
         stop = encode_op("stop", 0, {})
-        for rank in self._ranks:
-            if rank.alive:  # only if the socket takes it at once: a stopped rank's buffer
-                try:  # may be full (the end of stream below stops a rank as well)
-                    rank.sock.send(stop, _SEND_FLAGS)
+        with self._send_lock:  # no send of the engine thread's is half done
+            for rank in self._ranks:
+                # stop only between frames (after a half-sent op it would be read as the
+                # op's payload) and only if the socket takes it at once (a stopped rank's
+                # buffer may be full): the end of stream below stops a rank as well
+                if rank.alive and not rank.unsent:
+                    try:
+                        rank.sock.send(stop, _SEND_FLAGS)
+                    except OSError:
+                        pass
+                rank.unsent = b""
+                try:
+                    rank.sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-            try:
-                rank.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            rank.sock.close()
+                rank.sock.close()
         deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             try:
@@ -367,63 +400,88 @@ class RankGroup:
 
     # -- sending (engine thread) -------------------------------------------------------
     def _send_held(self) -> None:
-        """Send the held frames to every live rank; a rank that takes none of them for
-        ``send_timeout_s`` is declared dead (the others are served meanwhile)."""
+        """Hand the held frames to every live rank's socket; what a socket does not take at
+        once stays in that rank's backlog (pushed by :meth:`wait` and the watcher). Never
+        waits."""
         if not self._held:
             return
         frames = self._held[0] if len(self._held) == 1 else b"".join(self._held)
         self._held = []
-        rest: dict[int, memoryview] = {}  # index in _ranks -> what its socket did not take
-        for index, rank in enumerate(self._ranks):
-            if not rank.alive:
-                continue
-            try:
-                sent = rank.sock.send(frames, _SEND_FLAGS)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                self._mark_dead(rank, f"send failed: {exc}")
-                continue
-            if sent < len(frames):
-                rest[index] = memoryview(frames)[sent:]
-        if rest:
-            self._send_rest(rest)
-
-    def _send_rest(self, rest: dict[int, memoryview]) -> None:
-        """Send what is left as the sockets take it; give up on a rank after
-        ``send_timeout_s`` without progress (it is stopped or wedged)."""
-        ranks = self._ranks
-        stalled_at = dict.fromkeys(rest, time.monotonic() + self.send_timeout_s)
-        while rest:
+        failed: list[tuple[_Rank, str]] = []
+        with self._send_lock:
+            if self._closed:  # close() ended every stream
+                return
             now = time.monotonic()
-            for index in [i for i in rest if stalled_at[i] <= now]:
-                del rest[index]
-                self._mark_dead(ranks[index], self._stalled(ranks[index]), kill=True)
-            if not rest:
-                return
-            left = min(stalled_at[i] for i in rest) - now
-            ready = _poll_out([ranks[i].fd for i in rest], self._stop_r, left)
-            if ready is None:  # close() is running: it ends every rank's stream
-                return
-            for index in [i for i in rest if ranks[i].fd in ready]:
-                try:
-                    sent = ranks[index].sock.send(rest[index], _SEND_FLAGS)
-                except BlockingIOError:
+            backlog = False
+            for rank in self._ranks:
+                if not rank.alive:
                     continue
-                except OSError as exc:
-                    del rest[index]
-                    self._mark_dead(ranks[index], f"send failed: {exc}")
-                    continue
-                if sent < len(rest[index]):
-                    rest[index] = rest[index][sent:]
-                    stalled_at[index] = time.monotonic() + self.send_timeout_s
-                else:
-                    del rest[index]
+                if not rank.unsent:
+                    if rank.acked >= self._sent:  # it owes nothing until now
+                        rank.progress_at = now
+                    rank.unsent = frames
+                else:  # behind what it was sent before: after that, in order
+                    rank.unsent = bytes(rank.unsent) + frames
+                error = self._push(rank, now)
+                if error is not None:
+                    failed.append((rank, error))
+                backlog = backlog or bool(rank.unsent)
+            self._sent = self._seq
+        for rank, error in failed:
+            self._mark_dead(rank, error)
+        if backlog:  # the watcher pushes it while the engine does not wait
+            with self._lock:
+                if not self._closed:
+                    _kick(self._kick_w)
 
-    def _stalled(self, rank: _Rank) -> str:
-        """Why a rank whose socket took nothing for ``send_timeout_s`` is dead; what to do."""
+    def _push(self, rank: _Rank, now: float) -> str | None:
+        """Under ``_send_lock``: send what ``rank``'s socket takes of its backlog now; why it
+        failed (the rank is gone), else None."""
+        if not rank.alive or self._closed or not rank.unsent:
+            return None
+        try:
+            sent = rank.sock.send(rank.unsent, _SEND_FLAGS)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            rank.unsent = b""
+            return f"send failed: {exc}"
+        if sent:
+            rank.progress_at = now
+            rank.unsent = b"" if sent == len(rank.unsent) else memoryview(rank.unsent)[sent:]
+        return None
+
+    def _push_ready(self, ranks: Sequence[_Rank]) -> None:
+        """Push the backlogs of ``ranks`` (their sockets said they take more)."""
+        if not ranks:
+            return
+        with self._send_lock:
+            now = time.monotonic()
+            failed = [(r, e) for r in ranks if (e := self._push(r, now)) is not None]
+        for rank, error in failed:
+            self._mark_dead(rank, error)
+
+    def _judge(self, read: Sequence[_Rank]) -> None:
+        """Declare dead (and kill) every live rank that made no progress for ``send_timeout_s``
+        while it owed something: a backlog its socket took no byte of, or -- for the ranks in
+        ``read``, whose sockets the caller just read -- the acks of ops it received."""
+        stuck: list[tuple[_Rank, str]] = []
+        with self._send_lock:
+            now = time.monotonic()
+            for rank in self._ranks:
+                if not rank.alive or rank.progress_at + self.send_timeout_s > now:
+                    continue
+                if rank.unsent:
+                    stuck.append((rank, "its socket took no data"))
+                elif rank in read and rank.acked < self._sent:
+                    stuck.append((rank, "it acknowledged none of the ops it received"))
+        for rank, what in stuck:
+            self._mark_dead(rank, self._stalled(rank, what), kill=True)
+
+    def _stalled(self, rank: _Rank, what: str) -> str:
+        """Why a rank that made no progress for ``send_timeout_s`` is dead; what to do."""
         return (
-            f"its socket took no data for {self.send_timeout_s:g} s (the process is stopped, "
+            f"{what} for {self.send_timeout_s:g} s (the process is stopped, "
             "e.g. by SIGSTOP or a debugger, or hung): it counts as dead"
             + (" and was killed" if self._proc_of(rank) is not None else "")
             + "; restart the instance, and raise KVSIDECAR_RANK_SEND_TIMEOUT_S if the rank "
@@ -453,6 +511,8 @@ class RankGroup:
         except (OSError, RankChannelError) as exc:
             self._mark_dead(rank, f"channel error: {exc}", kill=True)  # may still run
             return
+        with self._send_lock:
+            rank.progress_at = time.monotonic()  # it answers: not stuck
         with self._lock:
             rank.acked = seq
             rank.finished_step = finished
@@ -469,29 +529,40 @@ class RankGroup:
         return self._watch > 0 and any(r.alive and r.acked < self._watch for r in self._ranks)
 
     def _watch_loop(self) -> None:
-        """Sleep until a rank exits or, while a watch is outstanding, a rank socket is readable."""
+        """Sleep until a rank exits, a backlogged rank's socket takes more (pushed here while
+        the engine does not wait) or stalls for ``send_timeout_s`` (dead), or, while a watch is
+        outstanding, a rank socket is readable."""
         while True:
             with self._lock:
                 if self._closed:
                     return
                 self._armed = armed = self._watch_outstanding()
                 live = [r for r in self._ranks if r.alive]
+            with self._send_lock:
+                backlog = {r.fd: r for r in live if r.unsent}
+                stall = min((r.progress_at for r in backlog.values()), default=None)
             exits = {r.pidfd: r for r in live if r.pidfd is not None}
             socks = {r.fd: r for r in live if armed or r.pidfd is None}
-            ready = _poll([self._stop_r, self._kick_r, *exits, *socks], None)
-            if ready is None:  # a descriptor closed under us: close() is running
+            timeout = None
+            if stall is not None:
+                timeout = max(0.0, stall + self.send_timeout_s - time.monotonic())
+            ready = _poll_io([self._kick_r, *exits, *socks], list(backlog), self._stop_r, timeout)
+            if ready is None:  # stop, or a descriptor closed under us: close() is running
                 if self._closed:
                     return
                 continue
-            if self._stop_r in ready:
-                return
-            if self._kick_r in ready:
+            readable_fds, writable_fds = ready
+            if self._kick_r in readable_fds:
                 try:
                     os.read(self._kick_r, 4096)
                 except (BlockingIOError, OSError):
                     pass
-            exited = [exits[fd] for fd in ready if fd in exits]
-            readable = [socks[s] for s in ready if s in socks]
+            self._push_ready([backlog[fd] for fd in writable_fds])
+            exited = [exits[fd] for fd in readable_fds if fd in exits]
+            readable = [socks[s] for s in readable_fds if s in socks]
+            if backlog:
+                with self._read_lock:
+                    self._judge(())  # backlogs only: the acks are read where they are awaited
             if not (exited or readable):
                 continue
             self.watcher_wakeups += 1
@@ -569,20 +640,32 @@ def _poll(fds: Sequence[int], timeout_s: float | None) -> set[int] | None:
     return {fd for fd, event in events if event & _READY}
 
 
-def _poll_out(fds: Sequence[int], stop: int, timeout_s: float) -> set[int] | None:
-    """The descriptors of ``fds`` that can take data (or ended: the send says how), waiting
-    at most ``timeout_s``; None if ``stop`` is readable or a descriptor was closed."""
+def _poll_io(
+    reads: Sequence[int], writes: Sequence[int], stop: int, timeout_s: float | None
+) -> tuple[set[int], set[int]] | None:
+    """The descriptors of ``reads`` that are readable or ended and of ``writes`` that take
+    data (or ended: the send says how), waiting at most ``timeout_s`` (None: no limit);
+    None if ``stop`` is readable or a descriptor was closed (``close()`` is running)."""
     poller = select.poll()
-    for fd in fds:
-        poller.register(fd, select.POLLOUT)
+    masks: dict[int, int] = {}
+    for fd in reads:
+        masks[fd] = masks.get(fd, 0) | select.POLLIN | select.POLLPRI
+    for fd in writes:
+        masks[fd] = masks.get(fd, 0) | select.POLLOUT
+    for fd, mask in masks.items():
+        poller.register(fd, mask)
     poller.register(stop, select.POLLIN)
+    timeout = None if timeout_s is None else max(0, math.ceil(timeout_s * 1000))
     try:
-        events = poller.poll(max(0, math.ceil(timeout_s * 1000)))
+        events = poller.poll(timeout)
     except OSError:
         return None
     if any(fd == stop or event & select.POLLNVAL for fd, event in events):
         return None
-    return {fd for fd, _ in events}
+    readable = {fd for fd, event in events if fd in reads and event & _READY}
+    ended = select.POLLOUT | select.POLLHUP | select.POLLERR
+    writable = {fd for fd, event in events if fd in writes and event & ended}
+    return readable, writable
 
 
 _RANKS_PREFIX = ".ranks-"

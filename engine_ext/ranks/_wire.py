@@ -41,6 +41,7 @@ __all__ = [
     "Ack",
     "FrameReader",
     "RankChannelError",
+    "StreamCutError",
     "decode_ack",
     "decode_message",
     "decode_op",
@@ -68,6 +69,10 @@ T = TypeVar("T")
 
 class RankChannelError(EngineExtError):
     """The rank channel broke: a peer sent garbage, or a rank cannot be reached."""
+
+
+class StreamCutError(RankChannelError):
+    """The peer ended its stream in the middle of a frame (it closed or died while sending)."""
 
 
 class Ack(NamedTuple):
@@ -191,7 +196,7 @@ class FrameReader(Generic[T]):
         chunk = self.sock.recv(_RECV_BYTES if want <= _RECV_BYTES else min(want, 1 << 20))
         if not chunk:
             if self._have:
-                raise RankChannelError("the peer closed the rank socket in the middle of a message")
+                raise StreamCutError("the peer closed the rank socket in the middle of a message")
             return None
         if self._have:  # the rest of a frame that came in pieces: join once, when complete
             self._chunks.append(chunk)

@@ -14,6 +14,10 @@ the KV slot geometry), attaches the memfd into a reservation of its own
 * ``probe`` -- nothing, just an ack;
 * ``stop`` -- release the view and exit.
 
+The end of the stream also stops the rank, cleanly (status 0), even in the
+middle of an op: the engine closed or died while sending it (``close()`` does
+not wait on a stopped rank's full buffer); the cut op is not applied.
+
 Every op is acknowledged *after* it was applied in this process's own
 address space (every ``mprotect`` of the view returned), with the bytes this
 rank maps counted from those calls. Ops that arrive together (one ``recv``)
@@ -38,7 +42,15 @@ from typing import Any
 from allocator import HostBackend, PageLayout
 
 from ._procmaps import view_mapped_bytes
-from ._wire import Ack, FrameReader, RankChannelError, decode_op, encode_ack, send_message
+from ._wire import (
+    Ack,
+    FrameReader,
+    RankChannelError,
+    StreamCutError,
+    decode_op,
+    encode_ack,
+    send_message,
+)
 
 __all__ = ["RankWorker", "SlotGeometry"]
 
@@ -86,6 +98,14 @@ class RankWorker:
                     measure = op == "setup" or op == "probe"
                     acks.append(encode_ack(self._ack(message["seq"], measure=measure)))
                 sock.sendall(acks[0] if len(acks) == 1 else b"".join(acks))
+        except StreamCutError:  # the engine closed (or died) with an op half sent to us:
+            # its end, like any end of stream; the cut op is not applied, nothing to ack
+            print(
+                f"kvsidecar rank {self.rank}: the engine ended the stream in the middle of an "
+                "op (it closed or died while sending); the op was not applied, exiting",
+                flush=True,
+            )
+            return 0
         except (OSError, RankChannelError) as exc:
             print(f"kvsidecar rank {self.rank}: channel closed: {exc}", flush=True)
             return 1

@@ -50,7 +50,8 @@ class MultiRankSettings(BaseSettings):
     stub_pp: int = Field(default=1, ge=1, le=8)  # pipeline stages (each writes its layers)
     rank_barrier_wait_s: float = Field(default=0.05, gt=0, le=5)  # bounded wait per pass
     rank_timeout_s: float = Field(default=60.0, gt=0)  # start-up, map and step acks
-    #: A rank whose socket takes no byte of a send for this long (stopped, wedged) is dead.
+    #: A rank that makes no progress this long while it owes something (takes no byte of what
+    #: was sent, acks none of the ops it received: stopped, wedged) is dead.
     rank_send_timeout_s: float = Field(default=60.0, gt=0, le=3600)
 
 
