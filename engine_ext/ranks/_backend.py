@@ -28,6 +28,7 @@ Thread: the engine thread only (like every backend).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from allocator import AllocatorContractError, BackendError, HostBackend, PageLayout
@@ -57,6 +58,8 @@ class RankedBackend:
         self._page_seq: dict[int, int] = {}  # page -> seq of its in-flight unmap
         self._outbox: list[int] = []  # unmapped by the allocator, not yet sent
         self._outbox_step = -1  # the step those pages were freed after
+        memfd = os.stat(owner.fd_path)  # the ranks' views are checked against it by identity
+        self._memfd = (memfd.st_dev, memfd.st_ino)
         group.set_flush(self.flush)
 
     @classmethod
@@ -197,6 +200,8 @@ class RankedBackend:
         """Wait at most ``wait_s`` for outstanding unmap acks; punch out what all ranks acked.
 
         ``CONFIRMED`` only when nothing is in flight and every rank is alive.
+        A completed release is checked in every idle rank's ``/proc/<pid>/maps``
+        (``RankGroup.check_views``): a rank that acked what it did not apply is dead.
         With a dead rank, pages every *live* rank acked are still given back
         (the dead rank maps nothing any more), but the result stays ``FAILED``.
         """
@@ -204,6 +209,7 @@ class RankedBackend:
         if self._pending:
             self.group.wait(max(self._pending), wait_s)
         acked = self.group.acked_by_all()
+        released = False
         for seq in sorted(self._pending):
             if seq > acked:
                 break  # acks arrive in order: later seqs are not acked either
@@ -211,6 +217,9 @@ class RankedBackend:
             for page in done:
                 del self._page_seq[page]
             self.owner.unmap_many(done)
+            released = True
+        if released:  # before it counts: every rank maps what it acked, says the kernel
+            self.group.check_views(*self._memfd)
         if self._pending:  # the watcher reads the late acks and wakes the engine
             self.group.watch(max(self._pending))
         if self.group.any_dead():

@@ -50,6 +50,7 @@ from engine_ext._barrier import BarrierOutcome
 from engine_ext._runtime_dir import RANK_SOCKET_FILE, RuntimeDir
 from engine_ext.protocol import MAX_SOCKET_PATH_BYTES, RankState
 
+from ._procmaps import file_view_bytes
 from ._wire import FrameReader, RankChannelError, decode_ack, decode_message, encode_op
 
 __all__ = ["RankGroup"]
@@ -353,6 +354,41 @@ class RankGroup:
                 "restart the instance"
             )
         return f"ranks {', '.join(slow)} did not answer in time"
+
+    def check_views(self, device: int, inode: int) -> None:
+        """Compare every live, caught-up rank's view of the file ``(device, inode)`` in
+        ``/proc/<pid>/maps`` (the kernel's list, not the rank's word) with what it acked;
+        a rank whose view disagrees is dead (and killed).
+
+        Only ranks that acked every op sent and have nothing unsent are compared:
+        they are idle, so their view is final. About 0.1 ms per rank (one maps
+        file), paid when a release is confirmed, not per op.
+        """
+        with self._read_lock:  # no ack is read meanwhile
+            with self._send_lock:
+                idle = [r for r in self._ranks if r.alive and not r.unsent]
+                # a rank inside this process (tests) shares its maps with the owner's view
+                idle = [r for r in idle if r.acked >= self._sent and r.pid != os.getpid()]
+            wrong: list[tuple[_Rank, str]] = []
+            for rank in idle:
+                try:
+                    seen = file_view_bytes(rank.pid, device, inode)
+                except OSError:  # gone (its pidfd tells the watcher) or not ours to read
+                    continue
+                if seen != rank.mapped_bytes:
+                    wrong.append(
+                        (
+                            rank,
+                            f"its /proc/{rank.pid}/maps shows {seen} bytes of "
+                            f"the KV memory readable but it acknowledged "
+                            f"{rank.mapped_bytes} (it acked an op it did not apply, "
+                            "or its view is corrupt): it counts as dead"
+                            + (" and was killed" if self._proc_of(rank) else "")
+                            + "; restart the instance",
+                        )
+                    )
+            for rank, why in wrong:
+                self._mark_dead(rank, why, kill=True)
 
     # -- shutdown (any thread) ---------------------------------------------------------
     def close(self, timeout_s: float = 5.0) -> None:

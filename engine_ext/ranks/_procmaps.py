@@ -8,7 +8,9 @@ what that process maps -- measured by the OS, not counted by us.
 
 from __future__ import annotations
 
-__all__ = ["mapped_ranges", "memfd_view", "view_mapped_bytes"]
+import os
+
+__all__ = ["file_view_bytes", "mapped_ranges", "memfd_view", "view_mapped_bytes"]
 
 
 def mapped_ranges(pid: int | str, start: int, length: int) -> list[tuple[int, int]]:
@@ -47,3 +49,20 @@ def memfd_view(pid: int | str, name: str) -> list[tuple[int, int]]:
             low_s, high_s = parts[0].split("-")
             out.append((int(parts[2], 16), int(high_s, 16) - int(low_s, 16)))
     return out
+
+
+def file_view_bytes(pid: int | str, device: int, inode: int) -> int:
+    """Bytes ``pid`` can read of the file ``(device, inode)`` (the KV memfd, by identity).
+
+    The kernel's own list again; a memfd is matched by its inode, not its name
+    (names need not be unique). Raises ``OSError`` if the process is gone."""
+    dev = f"{os.major(device):02x}:{os.minor(device):02x}"
+    total = 0
+    with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 5 or parts[1][0] != "r" or parts[3] != dev or int(parts[4]) != inode:
+                continue
+            low_s, high_s = parts[0].split("-")
+            total += int(high_s, 16) - int(low_s, 16)
+    return total
