@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import os
 import signal
 import sys
 
 from ._worker import RankWorker
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent_pid: int) -> bool:
+    """Have the kernel SIGKILL this rank when the engine that started it dies; False if it is
+    gone already. The end of the socket ends a running rank, but not one stopped (SIGSTOP,
+    a debugger) or hung in a call, which would hold the KV memfd for good."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    return os.getppid() == parent_pid  # it died before the prctl: no signal will come
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +36,15 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="delay every unmap ack by this long (drills and tests)",
     )
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="the engine's pid: this rank is killed when that process dies",
+    )
     args = parser.parse_args(argv)
+    if args.parent_pid is not None and not _die_with_parent(args.parent_pid):
+        return 0  # the engine is gone: nothing to serve
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # runs finally: releases the view
     try:
         return RankWorker(args.socket, args.rank, barrier_delay_s=args.barrier_delay_s).run()

@@ -147,8 +147,12 @@ class RankGroup:
     ) -> RankGroup:
         """Listen on ``socket_path``, start ``world_size`` rank processes, accept them all.
 
-        ``send_timeout_s``: a rank that takes no byte of a send for this long is
-        declared dead (and killed); see the module docstring."""
+        ``send_timeout_s``: a rank that makes no progress for this long is
+        declared dead (and killed); see the module docstring. Each rank is
+        killed by the kernel when the thread that calls this ends (the
+        parent-death signal follows the thread that started the process): call
+        it from the engine's main (busy-loop) thread, which lives as long as the
+        engine, so a ``kill -9`` of the engine ends a stopped or hung rank too."""
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1; got {world_size}")
         listener = _listen(socket_path)
@@ -163,6 +167,8 @@ class RankGroup:
                     socket_path,
                     "--rank",
                     str(rank),
+                    "--parent-pid",  # killed by the kernel when this process dies
+                    str(os.getpid()),
                 ]
                 delay = (barrier_delay_s or {}).get(rank, 0.0)
                 if delay:

@@ -152,3 +152,33 @@ def test_kill9_leftover_is_swept_at_next_start_live_neighbour_untouched(tmp_path
         neighbour.wait(20)
         _close_pipe(neighbour)
     assert sorted(p.name for p in root.iterdir()) == ["foreign"]
+
+
+def test_kill9_of_the_engine_alone_ends_every_rank_even_a_stopped_one(tmp_path: Path) -> None:
+    """``kill -9`` of the engine process only (not its group): a running rank reads the end
+    of its socket and exits; a stopped one (SIGSTOP, a debugger) or one hung in a call never
+    reads it, and held the KV memfd until someone continued it. The kernel ends it (the
+    parent-death signal). Checked in the filesystem and /proc: no rank, no memfd holder,
+    nothing in /dev/shm, only the engine's own runtime dir (swept at the next start)."""
+    root = tmp_path / "run"
+    memfd = f"kvs-k9-alone-{os.getpid()}"
+    shm_before = set(os.listdir("/dev/shm"))
+    proc, info = _start(root, "k9", memfd)
+    try:
+        os.kill(info["ranks"][1], signal.SIGSTOP)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        _close_pipe(proc)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in info["ranks"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [_alive(p) for p in info["ranks"]] == [False, False]
+        assert _memfd_holders(memfd) == []
+        assert sorted(p.name for p in root.iterdir()) == ["k9"]  # no .ranks-* dir
+        assert sorted(p.name for p in (root / "k9").iterdir()) == [OWNER_FILE, "control.sock"]
+        assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if "kvs" in n]
+    finally:
+        for pid in info["ranks"]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        _kill_group(proc)
