@@ -215,3 +215,39 @@ def test_close_with_a_frame_half_sent_lets_the_rank_exit_cleanly(
                 proc.wait()
     assert [proc.returncode for proc in procs] == [0, 0]
     assert "channel closed" not in capfd.readouterr().out
+
+
+def test_start_stop_cycles_with_dead_and_stuck_ranks_leave_nothing(tmp_path: Path) -> None:
+    """Cycles of start, traffic and close -- clean, a rank killed, a rank stuck with a backlog
+    and declared dead -- leave no descriptor (``/proc/self/fd``), thread, file or mapping."""
+    fds, threads = _fds(), threading.active_count()
+    for cycle in range(9):
+        name = f"kvs-cycle-{cycle}"
+        group = RankGroup.spawn_private(tmp_path, "cyc", 2, send_timeout_s=0.3)
+        owner = HostBackend.reserve(LAYOUT, name=name)
+        procs = list(group._procs)
+        try:
+            backend = RankedBackend.start(
+                owner, group, tp=2, pp=1, block_bytes=BLOCK_BYTES, slot_bytes=SLOT_BYTES
+            )
+            backend.map_many([1, 2])
+            if cycle % 3 == 1:
+                os.kill(group.pids[1], signal.SIGKILL)
+            elif cycle % 3 == 2:
+                _small_send_buffer(group, 1)
+                os.kill(group.pids[1], signal.SIGSTOP)
+                with pytest.raises(RankChannelError):
+                    group.run_step(_step(0), timeout_s=0.1)  # leaves a backlog
+                with pytest.raises(RankChannelError, match="rank 1 .* took no data"):
+                    group.run_step(_step(0), timeout_s=30.0)
+            backend.unmap_many([1, 2])
+            backend.settle(5.0)
+        finally:
+            group.close()
+            owner.release()
+        assert all(proc.returncode is not None for proc in procs)
+        assert (cycle % 3 == 0) == (procs[1].returncode == 0)
+        assert f"/memfd:{name}" not in Path("/proc/self/maps").read_text()
+    assert os.listdir(tmp_path) == []
+    assert _fds() == fds
+    assert threading.active_count() == threads
