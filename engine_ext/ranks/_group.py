@@ -367,8 +367,8 @@ class RankGroup:
         a rank whose view disagrees is dead (and killed).
 
         Only ranks that acked every op sent and have nothing unsent are compared:
-        they are idle, so their view is final. About 0.1 ms per rank (one maps
-        file), paid when a release is confirmed, not per op.
+        they are idle, so their view is final. 0.5 ms per rank (a 370-line maps
+        file, the view in 64 pieces), paid when a release is confirmed, not per op.
         """
         with self._read_lock:  # no ack is read meanwhile
             with self._send_lock:
