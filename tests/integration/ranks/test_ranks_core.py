@@ -205,3 +205,35 @@ def test_dead_rank_never_applied_rank_failed_rank0_consistent(make_engine) -> No
     engine.backend.settle(1.0)
     assert engine.rank_pages(engine.group.pids[0]) == engine.scheduler_pages() == want
     assert engine.backend.mapped_bytes() == len(want) * BUNDLE
+
+
+def test_a_rank_killed_mid_release_the_owner_waits_for_every_live_rank(make_engine) -> None:
+    """TP=2 x PP=2, two slow ranks (1: 3 s, 3: 1.5 s per unmap ack); rank 1 is killed with
+    the release in flight. The owner gives a page back only once every *live* rank unmapped
+    it (checked at every pass: each live rank's /proc view within the owner's own), never
+    ``applied``, and in the end the live ranks, the owner and the scheduler agree."""
+    engine = make_engine(2, 2, {1: 3.0, 3: 1.5})
+    _fill(engine)
+    limit = BUNDLE
+    engine.instance.set_limit(limit)
+    assert engine.instance.step().reason == "rank_timeout"
+    os.kill(engine.group.pids[1], signal.SIGKILL)
+    live = [pid for rank, pid in enumerate(engine.group.pids) if rank != 1]
+    deadline = time.monotonic() + 10.0
+    state = engine.instance.step()
+    while time.monotonic() < deadline:
+        assert state.status is not Status.APPLIED
+        owner = engine.rank_pages(os.getpid())  # what the memfd still holds, from /proc
+        for pid in live:
+            assert engine.rank_pages(pid) <= owner, f"pid {pid} maps a page given back"
+        if state.reason == "rank_failed" and not engine.backend.unmaps_in_flight:
+            break
+        engine.woken.wait(0.1)
+        engine.woken.clear()
+        state = engine.instance.step()
+    assert state.reason == "rank_failed" and not engine.backend.unmaps_in_flight, state
+    want = engine.scheduler_pages()
+    assert len(want) * BUNDLE <= limit
+    assert all(engine.rank_pages(pid) == want for pid in live)
+    assert engine.rank_pages(os.getpid()) == want
+    assert [(r.rank, r.alive) for r in state.ranks] == [(0, True), (1, False), (2, True), (3, True)]
