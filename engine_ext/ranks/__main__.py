@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
@@ -15,13 +14,24 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _die_with_parent(parent_pid: int) -> bool:
-    """Have the kernel SIGKILL this rank when the engine that started it dies; False if it is
-    gone already. The end of the socket ends a running rank, but not one stopped (SIGSTOP,
-    a debugger) or hung in a call, which would hold the KV memfd for good."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    """Have the kernel SIGKILL this rank when its parent dies; False if the engine that
+    started it (``parent_pid``) is gone already. The end of the socket ends a running rank,
+    but not one stopped (SIGSTOP, a debugger) or hung in a call, which would hold the KV
+    memfd for good."""
+    libc = ctypes.CDLL(None, use_errno=True)  # libc's symbols are the process's
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    return os.getppid() == parent_pid  # it died before the prctl: no signal will come
+    if os.getppid() == parent_pid:
+        return True
+    # another parent: the engine died before the prctl (no signal will come), or the rank
+    # was started through a wrapper process (then the signal follows the wrapper)
+    try:
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's (a reused pid): not the engine
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.parent_pid is not None and not _die_with_parent(args.parent_pid):
-        return 0  # the engine is gone: nothing to serve
+        print(f"kvsidecar rank {args.rank}: the engine (pid {args.parent_pid}) is gone", flush=True)
+        return 0  # nothing to serve
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # runs finally: releases the view
     try:
         return RankWorker(args.socket, args.rank, barrier_delay_s=args.barrier_delay_s).run()
