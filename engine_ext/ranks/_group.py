@@ -76,7 +76,10 @@ class _Rank:
     mapped_bytes: int = 0  # the rank's own view (its mprotects; /proc-checked on probe)
     mapped_pages: int = 0
     error: str | None = None
-    unsent: bytes | memoryview = b""  # what its socket has not taken yet (under _send_lock)
+    # what its socket has not taken yet (under _send_lock): the frames handed over when it
+    # took them all (the usual case), else a bytearray (appends amortized, and taking bytes
+    # off its front is O(1) in CPython: no copy of the whole backlog per send or per op)
+    unsent: bytes | bytearray = b""
     progress_at: float = 0.0  # last byte taken or ack read, or since when it owes anything
 
     def __post_init__(self) -> None:
@@ -463,7 +466,9 @@ class RankGroup:
                         rank.progress_at = now
                     rank.unsent = frames
                 else:  # behind what it was sent before: after that, in order
-                    rank.unsent = bytes(rank.unsent) + frames
+                    if not isinstance(rank.unsent, bytearray):
+                        rank.unsent = bytearray(rank.unsent)
+                    rank.unsent += frames
                 error = self._push(rank, now)
                 if error is not None:
                     failed.append((rank, error))
@@ -490,7 +495,12 @@ class RankGroup:
             return f"send failed: {exc}"
         if sent:
             rank.progress_at = now
-            rank.unsent = b"" if sent == len(rank.unsent) else memoryview(rank.unsent)[sent:]
+            if sent == len(rank.unsent):
+                rank.unsent = b""
+            elif isinstance(rank.unsent, bytearray):
+                del rank.unsent[:sent]
+            else:
+                rank.unsent = bytearray(memoryview(rank.unsent)[sent:])
         return None
 
     def _push_ready(self, ranks: Sequence[_Rank]) -> None:
