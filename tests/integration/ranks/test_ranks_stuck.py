@@ -24,7 +24,13 @@ from pathlib import Path
 import pytest
 
 from allocator import HostBackend, PageLayout
-from engine_ext.ranks import RankChannelError, RankedBackend, RankGroup, memfd_view
+from engine_ext.ranks import (
+    RankChannelBarrier,
+    RankChannelError,
+    RankedBackend,
+    RankGroup,
+    memfd_view,
+)
 
 LAYOUT = PageLayout(page_bytes=4096, num_pages=8, num_regions=2)
 BLOCK_BYTES, SLOT_BYTES = 1024, 64  # block 4 is the first of page 1
@@ -251,3 +257,43 @@ def test_start_stop_cycles_with_dead_and_stuck_ranks_leave_nothing(tmp_path: Pat
     assert os.listdir(tmp_path) == []
     assert _fds() == fds
     assert threading.active_count() == threads
+
+
+def test_the_barrier_never_waits_on_a_stopped_ranks_full_buffer(tmp_path: Path) -> None:
+    """A pass's barrier (``sync``) waits at most ``wait_s``, also when a stopped rank's buffer
+    fills with its unmaps (the send used to wait up to ``send_timeout_s`` inside the pass).
+    The rank is slow, not dead; continued, it catches up and the release is confirmed."""
+    name = "kvs-barrier-backlog"
+    group = RankGroup.spawn(str(tmp_path / "r.sock"), 2, timeout_s=30, send_timeout_s=60.0)
+    layout = PageLayout(page_bytes=4096, num_pages=256, num_regions=2)
+    owner = HostBackend.reserve(layout, name=name)
+    pids = group.pids
+    try:
+        backend = RankedBackend.start(
+            owner, group, tp=2, pp=1, block_bytes=BLOCK_BYTES, slot_bytes=SLOT_BYTES
+        )
+        barrier = RankChannelBarrier(backend, wait_s=0.01)
+        backend.map_many(list(range(layout.num_pages)))
+        _small_send_buffer(group, 1)
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            outcomes = []
+
+            def passes() -> None:
+                for page in range(layout.num_pages):  # one unmap frame per pass
+                    backend.unmap_many([page])
+                    outcomes.append(barrier.sync().outcome.value)
+
+            assert _in_thread(passes, 30.0, [pids[1]]) == []
+            assert group._ranks[1].unsent, "the rank's buffer never filled: the test is moot"
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+        assert set(outcomes) == {"rank_timeout"} and not group.any_dead()
+        result = RankChannelBarrier(backend, wait_s=30.0).sync()
+        assert result.outcome.value == "confirmed", result
+        assert _view_pages(pids[0], name) == _view_pages(pids[1], name) == 0
+        assert owner.mapped_bytes() == 0
+    finally:
+        group.close()
+        owner.release()
+    assert [proc.returncode for proc in group._procs] == [0, 0]
