@@ -371,7 +371,8 @@ class RankGroup:
 
         Only ranks that acked every op sent and have nothing unsent are compared:
         they are idle, so their view is final. 0.5 ms per rank (a 370-line maps
-        file, the view in 64 pieces), paid when a release is confirmed, not per op.
+        file, the view in 64 pieces): called by ``RankedBackend.probe``, never on the
+        engine's passes (per release it would cost more than the release; issue 17).
         """
         with self._read_lock:  # no ack is read meanwhile
             with self._send_lock:

@@ -2,9 +2,10 @@
 
 Its acks are the only figures the channel has of it, so they would say it maps
 what the limit allows while its address space still maps every page: the
-owner would punch the pages out and the state would say ``confirmed`` (then
-``applied``). The owner checks each rank's view in the kernel's own list,
-``/proc/<pid>/maps``, whenever a release is confirmed; here the test reads
+owner punches the pages out and the barrier says ``confirmed``: the engine's
+passes take acks at their word (a read of every rank's maps per release would
+cost more than the release). ``RankedBackend.probe`` reads each rank's view in
+the kernel's own list, ``/proc/<pid>/maps``, and catches it; here the test reads
 the same file to show what the rank really maps.
 """
 
@@ -16,7 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from allocator import HostBackend, PageLayout
+import pytest
+
+from allocator import BackendError, HostBackend, PageLayout
 from engine_ext.ranks import RankChannelBarrier, RankedBackend, RankGroup, memfd_view
 from engine_ext.ranks._group import _accept, _listen
 
@@ -52,7 +55,7 @@ def _view_pages(pid: int, name: str) -> int:
     return sum(length for _, length in memfd_view(pid, name)) // LAYOUT.bundle_bytes
 
 
-def test_a_rank_that_acks_an_unmap_it_never_applied_is_caught_and_never_confirmed(
+def test_a_rank_that_acks_an_unmap_it_never_applied_is_caught_by_probe(
     tmp_path: Path,
 ) -> None:
     name = "kvs-lying-rank"
@@ -83,8 +86,12 @@ def test_a_rank_that_acks_an_unmap_it_never_applied_is_caught_and_never_confirme
         liar = procs[1].pid
         assert group.states()[1].mapped_bytes == LAYOUT.bundle_bytes  # its word: one page
         assert _view_pages(liar, name) == 3  # the kernel's: three
-        result = barrier.sync()  # completes the release
-        assert result.outcome.value == "rank_failed", result  # it was "confirmed"
+        assert barrier.sync().outcome.value == "confirmed"  # the passes take its word
+        with pytest.raises(BackendError, match=rf"/proc/{liar}/maps shows") as caught:
+            backend.probe(10.0)  # the kernel's word
+        assert "restart the instance" in str(caught.value)
+        result = barrier.sync()
+        assert result.outcome.value == "rank_failed", result
         assert [(s.alive, s.mapped_bytes) for s in result.ranks] == [
             (True, LAYOUT.bundle_bytes),
             (False, 0),
