@@ -151,13 +151,22 @@ class RankGroup:
         """Listen on ``socket_path``, start ``world_size`` rank processes, accept them all.
 
         ``send_timeout_s``: a rank that makes no progress for this long is
-        declared dead (and killed); see the module docstring. Each rank is
-        killed by the kernel when the thread that calls this ends (the
-        parent-death signal follows the thread that started the process): call
-        it from the engine's main (busy-loop) thread, which lives as long as the
-        engine, so a ``kill -9`` of the engine ends a stopped or hung rank too."""
+        declared dead (and killed); see the module docstring. Called from the
+        process's main thread (the engine's busy loop), each rank is killed by the
+        kernel when this process dies, so a ``kill -9`` of the engine ends a stopped
+        or hung rank too. The parent-death signal follows the *thread* that started
+        the process, so from any other thread (which may end before the engine)
+        the ranks do without it: they end with their socket, as before."""
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1; got {world_size}")
+        tie = ["--parent-pid", str(os.getpid())]  # killed by the kernel when this process dies
+        if threading.current_thread() is not threading.main_thread():
+            _log.info(
+                "rank processes started from thread %r, not the main thread: they are not "
+                "tied to this process's death (a stopped rank outlives a kill -9 of the engine)",
+                threading.current_thread().name,
+            )
+            tie = []
         listener = _listen(socket_path)
         procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -170,8 +179,7 @@ class RankGroup:
                     socket_path,
                     "--rank",
                     str(rank),
-                    "--parent-pid",  # killed by the kernel when this process dies
-                    str(os.getpid()),
+                    *tie,
                 ]
                 delay = (barrier_delay_s or {}).get(rank, 0.0)
                 if delay:

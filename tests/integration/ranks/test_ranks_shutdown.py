@@ -214,3 +214,28 @@ def test_a_rank_started_through_a_wrapper_process_serves(tmp_path: Path) -> None
     finally:
         group.close()
     assert proc.returncode == 0
+
+
+def test_ranks_spawned_from_a_short_lived_thread_outlive_it(tmp_path: Path) -> None:
+    """The parent-death signal follows the *thread* that started a process: ranks tied to a
+    thread that then ends were killed with it, while the engine lived on. Spawned from any
+    thread but the main one, the ranks are not tied (they end with their socket)."""
+    import threading
+
+    from engine_ext.ranks import RankGroup
+
+    made: list[RankGroup] = []
+    starter = threading.Thread(
+        target=lambda: made.append(RankGroup.spawn(str(tmp_path / "r.sock"), 2, timeout_s=30)),
+        name="short-lived",
+    )
+    starter.start()
+    starter.join(60)
+    assert made, "the ranks did not start"
+    group = made[0]
+    try:
+        time.sleep(0.5)  # a rank tied to the ended thread is SIGKILLed by now
+        group.call("probe", 30.0)
+        assert [state.alive for state in group.states()] == [True, True]
+    finally:
+        group.close()
