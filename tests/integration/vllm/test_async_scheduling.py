@@ -14,7 +14,6 @@ engine without limit changes.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
+from support.simdevice import SimDevice, device_fence, fenced
 from support.threads import in_foreign_thread
 from test_engine_core_limits import (
     assert_same_outcomes,
@@ -34,7 +34,7 @@ from test_engine_core_limits import (
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-from allocator import FencedBackend, UnmapFence
+from allocator import UnmapFence
 from engine_ext.cpu_harness.vllm import _worker
 from engine_ext.cpu_harness.vllm.executor import StubAsyncExecutor
 from engine_ext.protocol import Status
@@ -42,7 +42,7 @@ from engine_ext.vllm import KVMemory, _runtime, publish_kv_memory
 
 pytestmark = pytest.mark.vllm
 
-__all__ = ["plugin_env"]  # the fixture, imported for this module's tests
+__all__ = ["SimDevice", "plugin_env"]  # the fixture, and the device test_async_storm uses
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -69,86 +69,6 @@ def test_limits_on_the_async_scheduling_loop_keep_every_token(
     assert state.status is Status.APPLIED and state.effective_limit_bytes == state.floor_bytes
     assert measured == state.mapped_bytes == state.floor_bytes, (measured, state)
     assert_same_outcomes(baseline, stressed, min_compared=60)
-
-
-class SimDevice:
-    """A device queue for the CPU: each step the executor launches stays in flight
-    until the engine waits for it (its output future, or the unmap fence), as on a GPU.
-    An unmap of a page an in-flight step reads or writes is recorded as a violation:
-    on a GPU it is an illegal-address fault.
-
-    ``rng``: None, steps complete only when waited for (the worst case); else they
-    also complete, in launch order, at random later points (each launch and each
-    :meth:`point`). ``at_point``: called at the executor's points inside a step
-    (``"execute"`` after a schedule, ``"sample"``, ``"result"`` when the engine waits
-    for a step's output, right before it processes aborts and the output).
-    """
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self.launched = 0
-        self.in_flight: dict[int, set[int]] = {}  # step -> pages of its requests' blocks
-        self.violations: list[tuple[int, set[int]]] = []
-        self.unmaps = 0
-        self.rng = rng
-        self.at_point: Callable[[str], None] | None = None
-
-    def launch(self, pages: set[int]) -> int:
-        self.launched += 1
-        self.in_flight[self.launched] = pages
-        self._progress()
-        return self.launched
-
-    def point(self, name: str) -> None:
-        self._progress()
-        if self.at_point is not None:
-            self.at_point(name)
-
-    def _progress(self) -> None:
-        rng = self.rng
-        if rng is not None and self.in_flight and rng.random() < 0.4:
-            self.complete_through(rng.choice(list(self.in_flight)))
-
-    def complete_through(self, step: int) -> None:
-        for k in [k for k in self.in_flight if k <= step]:
-            del self.in_flight[k]
-
-    def check_unmap(self, pages: Sequence[int]) -> None:
-        self.unmaps += 1
-        for step, touched in self.in_flight.items():
-            hit = touched & set(pages)
-            if hit:
-                self.violations.append((step, hit))
-
-
-class _SimEvent:
-    def __init__(self, device: SimDevice) -> None:
-        self.device = device
-        self.mark = 0
-
-    def record(self) -> None:
-        self.mark = self.device.launched
-
-    def synchronize(self) -> None:
-        self.device.complete_through(self.mark)
-
-
-class _CheckedBackend:
-    """The host backend, its unmaps checked against the device's in-flight steps."""
-
-    def __init__(self, inner: Any, device: SimDevice) -> None:
-        self._inner = inner
-        self._device = device
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def unmap(self, page: int) -> None:
-        self.unmap_many([page])
-
-    def unmap_many(self, pages: Sequence[int]) -> None:
-        if pages:
-            self._device.check_unmap(pages)
-        self._inner.unmap_many(pages)
 
 
 class _Completes(Future):  # type: ignore[type-arg]
@@ -198,11 +118,10 @@ def sim_fence(
     checked."""
     device = DEVICE
     device.__init__(rng)  # type: ignore[misc]
-    fence = UnmapFence(lambda: _SimEvent(device), lambda: device.complete_through(device.launched))
+    fence = device_fence(device)
 
     def publish(memory: KVMemory) -> None:
-        checked = _CheckedBackend(memory.backend, device)
-        memory.backend = FencedBackend(checked, fence)  # type: ignore[arg-type]
+        memory.backend = fenced(memory.backend, device, fence)  # type: ignore[assignment]
         memory.fence = fence
         publish_kv_memory(memory)
 
