@@ -28,7 +28,7 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from allocator import BlockAllocator, PageAllocator
 from engine_ext import EngineSettings
@@ -42,7 +42,40 @@ from engine_ext.sglang import (
     reserve_kv,
 )
 
-__all__ = ["CpuHarness", "HarnessConfig", "HarnessRequest", "single_rank_runtime"]
+__all__ = [
+    "BatchDevice",
+    "CpuHarness",
+    "HarnessConfig",
+    "HarnessRequest",
+    "LaunchedBatch",
+    "single_rank_runtime",
+]
+
+
+class BatchDevice(Protocol):
+    """Where the harness's batches "run" (test instrumentation: a simulated device queue).
+
+    :meth:`launch` is called with the allocator pages a batch reads or writes when the
+    loop launches it, and returns its id; :meth:`complete_through` when the loop waits
+    for that batch's result (SGLang's ``copy_done.synchronize()``).
+    """
+
+    def launch(self, pages: set[int]) -> int: ...
+
+    def complete_through(self, step: int) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class LaunchedBatch:
+    """A batch whose result the overlap loop processes one iteration later.
+
+    ``entries``: per request, its epoch at launch and the token it produced (-1 for an
+    extend, whose result is the prompt checkpoint)."""
+
+    kind: str  # "extend" or "decode"
+    entries: list[tuple[HarnessRequest, int, int]]
+    pages: set[int]
+    device_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +95,9 @@ class HarnessConfig:
     # SGLang's --chunked-prefill-size: tokens prefilled per round; a longer prompt is
     # prefilled in chunks, one chunked request at a time (None: off)
     chunked_prefill_size: int | None = None
+    # SGLang's event_loop_overlap (its default on GPU and CPU): batch N+1 is formed and
+    # launched before the result of batch N is processed (see CpuHarness.iterate)
+    overlap: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -80,6 +116,9 @@ class HarnessRequest:
     extend_end: int = 0  # end of the tokens this round prefills (a chunk, or the prompt)
     done: bool = False
     aborted: bool = False  # aborted by :meth:`CpuHarness.abort` (not in ``finished``)
+    # bumped when the request gives its KV back (finish, abort, retraction): a result of a
+    # batch launched before that is stale (SGLang skips finished and retracted requests)
+    epoch: int = 0
 
     @property
     def seq(self) -> list[int]:
@@ -140,10 +179,14 @@ class CpuHarness:
         self._rids = itertools.count()
         self.num_retracted = 0  # decode shortages answered by retraction (as SGLang does)
         self.num_prefix_hits = 0  # admitted requests that matched a cached prefix
+        self.num_overshoot_frees = 0  # overlap: released with a slot the next batch wrote
         # Test instrumentation: called with "admitted" after admission, before the prefill
         # allocation, and "decode" before the decode capacity check (the points where a
         # foreign thread's limit must not change what the scheduler was promised).
         self.at_point: Callable[[str], None] | None = None
+        # Test instrumentation: the simulated device batches launch on (None: none).
+        self.device: BatchDevice | None = None
+        self.last_batch: LaunchedBatch | None = None  # overlap: launched, result unprocessed
         self.pool = SglangRuntime.attach(
             self,
             settings,
@@ -259,11 +302,38 @@ class CpuHarness:
         req.aborted = True
         return True
 
+    def flush_cache(self) -> bool:
+        """``Scheduler.flush_cache`` (``/flush_cache``): tree, rows and allocator cleared, only
+        when fully idle (in the overlap loop also no result left to process); False else."""
+        if not self.is_fully_idle():
+            return False
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.token_to_kv_pool_allocator.clear()
+        return True
+
     def is_fully_idle(self) -> bool:
-        return not self.waiting and not self.running and self.chunked is None
+        """SGLang's ``is_fully_idle``: no request, and (overlap) no result left to process."""
+        return (
+            not self.waiting
+            and not self.running
+            and self.chunked is None
+            and self.last_batch is None
+        )
 
     def iterate(self) -> None:
-        """One scheduler iteration: pass, admission + prefill, one decode step; idle hook."""
+        """One scheduler iteration: pass, admission + prefill, one decode step; idle hook.
+
+        With ``HarnessConfig.overlap``, SGLang's ``event_loop_overlap`` instead: the pass
+        and the next batch (formed, allocated and launched) come *before* the result of
+        the batch launched in the previous iteration is processed (its finished requests
+        released, its prompts checkpointed, its tokens appended). A request finishing in
+        batch N is then already in batch N+1 (one token over, freed at its release), and
+        a retraction or an abort frees KV that the batch in flight still reads.
+        """
+        if self.config.overlap:
+            self._iterate_overlap()
+            return
         if self.is_fully_idle():
             self.on_idle()
             return
@@ -272,15 +342,81 @@ class CpuHarness:
         if admitted:
             if self.at_point is not None:
                 self.at_point("admitted")
-            self._prefill(admitted)
-            self.pool.after_batch()  # Scheduler.process_batch_result (patched)
-            self.pool.refresh_state()
+            batch: LaunchedBatch | None = self._prefill(admitted)
         elif self.running:
-            self._decode()
-            self.pool.after_batch()
-            self.pool.refresh_state()
+            batch = self._decode()
         else:
             self.on_idle()  # requests wait for memory: a batch-less iteration
+            return
+        self.pool.refresh_state()  # get_next_batch_to_run returns here: the batch is allocated
+        if batch is not None:
+            self._launch(batch)
+        self.pool.after_batch()  # Scheduler.process_batch_result (patched)
+        if batch is not None:
+            self._process_result(batch)
+        self.pool.refresh_state()
+
+    def _iterate_overlap(self) -> None:
+        """``event_loop_overlap``: get_next_batch_to_run (the pass, every iteration), launch
+        it, then process the previous batch's result; ``on_idle`` when there is neither."""
+        self.pool.before_schedule()
+        admitted = self._admit()
+        batch: LaunchedBatch | None = None
+        if admitted:
+            if self.at_point is not None:
+                self.at_point("admitted")
+            batch = self._prefill(admitted)
+        elif self.running:
+            batch = self._decode()
+        self.pool.refresh_state()  # get_next_batch_to_run returns here: the batch is allocated
+        if batch is not None:
+            self._launch(batch)
+        last, self.last_batch = self.last_batch, batch
+        if self.at_point is not None:
+            self.at_point("launched")  # the batch runs; the previous result is not processed
+        if last is not None:
+            self.pool.after_batch()  # Scheduler.process_batch_result (patched)
+            if self.device is not None:
+                self.device.complete_through(last.device_id)  # result.copy_done.synchronize()
+            self._process_result(last)
+            self.pool.refresh_state()
+        elif batch is None:
+            self.on_idle()
+
+    def _launch(self, batch: LaunchedBatch) -> None:
+        """The forward was computed at allocation (CPU); the device, if any, runs it now."""
+        if self.device is not None:
+            batch.device_id = self.device.launch(batch.pages)
+
+    def _process_result(self, batch: LaunchedBatch) -> None:
+        """``process_batch_result``: checkpoint finished prompts, append tokens, release
+        finished requests; results of requests that gave their KV back are skipped. Its
+        frees are held in SGLang's free group until the batch is processed."""
+        allocator = self.token_to_kv_pool_allocator
+        allocator.free_group_begin()
+        try:
+            for req, epoch, token in batch.entries:
+                if req.epoch != epoch or req.row is None:
+                    continue  # finished, aborted or retracted since the launch
+                if batch.kind == "extend":
+                    self._checkpoint(req)
+                    continue
+                req.generated.append(token)
+                if len(req.generated) >= req.max_new_tokens:
+                    self._finish(req)
+        finally:
+            allocator.free_group_end()
+
+    def _pages_of(self, reqs: list[HarnessRequest]) -> set[int]:
+        """Allocator pages holding the KV rows of ``reqs`` (what their forward reads/writes)."""
+        if self.device is None:
+            return set()
+        ps = self.config.page_size
+        table = self.req_to_token_pool.req_to_token
+        blocks: set[int] = set()
+        for req in reqs:
+            blocks.update((table[req.row, : req.kv_len] // ps).tolist())
+        return {self.blocks.page_of(int(b)) for b in blocks}
 
     def run_until_idle(self, max_iterations: int = 10_000, min_seconds: float = 5.0) -> None:
         """Iterate until fully idle; give up after ``max_iterations`` *and* ``min_seconds``.
@@ -426,9 +562,10 @@ class CpuHarness:
             admitted.append(req)
         return admitted
 
-    def _prefill(self, batch: list[HarnessRequest]) -> None:
+    def _prefill(self, batch: list[HarnessRequest]) -> LaunchedBatch:
         """One extend pass: each request's tokens from its KV end (or matched prefix) to its
-        ``extend_end``; a request whose prompt is done joins the running batch."""
+        ``extend_end``; a request whose prompt is done joins the running batch (its prompt
+        is checkpointed when the result is processed)."""
         import torch
         from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
 
@@ -459,8 +596,8 @@ class CpuHarness:
             last_loc=torch.tensor(last_loc),
             extend_num_tokens=int((s - p).sum()),
         )
-        self.pool.refresh_state()  # get_next_batch_to_run returns here: the batch is allocated
         offset = 0
+        done: list[tuple[HarnessRequest, int, int]] = []
         for req, start, end in zip(batch, starts, ends):
             slots = out[offset : offset + end - start]
             offset += end - start
@@ -472,7 +609,8 @@ class CpuHarness:
             if self.chunked is req:
                 self.chunked = None
             self.running.append(req)
-            self._checkpoint(req)
+            done.append((req, req.epoch, -1))
+        return LaunchedBatch("extend", done, self._pages_of(batch))
 
     def _checkpoint(self, req: HarnessRequest) -> None:
         """``checkpoint_kv_cache`` after a prefill (SGLang 0.5.23 publishes the prompt of a
@@ -482,7 +620,8 @@ class CpuHarness:
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 
         ps = self.config.page_size
-        aligned = req.kv_len // ps * ps
+        # the prompt only: in the overlap loop the next batch has written a token past it
+        aligned = min(req.kv_len, len(req.tokens)) // ps * ps
         if aligned <= req.owned_len:
             return
         kv = self.req_to_token_pool.req_to_token[req.row, :aligned].to("cpu").long()
@@ -500,8 +639,10 @@ class CpuHarness:
         req.lock = self.tree_cache.lock(node)
         req.owned_len = len(path)
 
-    def _decode(self) -> None:
-        """One decode step; on shortage SGLang retracts requests to the queue, so do we."""
+    def _decode(self) -> LaunchedBatch | None:
+        """One decode step; on shortage SGLang retracts requests to the queue, so do we.
+        Each request's token is written into its new slot now; it joins the request's
+        output when the result is processed."""
         import torch
 
         allocator = self.token_to_kv_pool_allocator
@@ -514,22 +655,21 @@ class CpuHarness:
                 break
             self._retract(self.running[-1])
         if not self.running:
-            return
+            return None
         batch = list(self.running)
         seq = torch.tensor([r.kv_len + 1 for r in batch])
         last = torch.tensor([int(table[r.row, r.kv_len - 1]) for r in batch])
         out = allocator.alloc_decode(seq, seq, last)
         if out is None:
             raise RuntimeError("decode allocation failed after the capacity check passed")
-        self.pool.refresh_state()  # get_next_batch_to_run returns here: the batch is allocated
+        entries: list[tuple[HarnessRequest, int, int]] = []
         for req, slot in zip(batch, out.tolist()):
             token = self._next_token(req)
             table[req.row, req.kv_len] = slot
             self._write([slot], [token])
-            req.generated.append(token)
             req.kv_len += 1
-            if len(req.generated) >= req.max_new_tokens:
-                self._finish(req)
+            entries.append((req, req.epoch, token))
+        return LaunchedBatch("decode", entries, self._pages_of(batch))
 
     def _decode_pages(self, batch: list[HarnessRequest]) -> int:
         return sum(1 for r in batch if r.kv_len % self.config.page_size == 0)
@@ -542,18 +682,23 @@ class CpuHarness:
         self.tree_cache.unlock(req.lock)
         self.req_to_token_pool.free_rows([req.row])
         req.row, req.lock, req.kv_len, req.prefix_len, req.owned_len = None, None, 0, 0, 0
+        req.epoch += 1
         req.generated.clear()
         self.running.remove(req)
         self.waiting.insert(0, req)
         self.num_retracted += 1
 
     def _finish(self, req: HarnessRequest) -> None:
-        """``cache_finished_req``: insert the page-aligned KV, free duplicates and the tail."""
+        """``cache_finished_req``: insert the page-aligned KV, free duplicates and the tail.
+
+        In the overlap loop the request's KV may run one token past its output (the batch
+        launched before this result was processed): that slot is freed with the tail, as
+        SGLang's ``_release_overallocated_kv_indices`` does."""
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
         ps = self.config.page_size
         kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].to("cpu").long()
-        aligned = req.kv_len // ps * ps
+        aligned = min(req.kv_len, len(req.seq)) // ps * ps
         result = self.tree_cache.insert(
             InsertParams(
                 key=self._key(req.seq[:aligned]),
@@ -567,9 +712,11 @@ class CpuHarness:
             allocator.free(kv[req.owned_len : result.prefix_len])
         if req.kv_len > aligned:
             allocator.free(kv[aligned:])
+        self.num_overshoot_frees += req.kv_len > len(req.seq)
         self.tree_cache.unlock(req.lock)
         self.req_to_token_pool.free_rows([req.row])
         req.row, req.lock, req.done = None, None, True
+        req.epoch += 1
         self.running.remove(req)
         self.finished.append(req)
 
