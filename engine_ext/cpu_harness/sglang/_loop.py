@@ -187,6 +187,10 @@ class CpuHarness:
         # Test instrumentation: the simulated device batches launch on (None: none).
         self.device: BatchDevice | None = None
         self.last_batch: LaunchedBatch | None = None  # overlap: launched, result unprocessed
+        # /pause_generation mode="in_place": SGLang's loops then only call
+        # _record_scheduler_state_for_paused_engine (patched: the idle pass), leaving the
+        # queues, the batch in flight and its unprocessed result as they are
+        self.paused = False
         self.pool = SglangRuntime.attach(
             self,
             settings,
@@ -331,6 +335,9 @@ class CpuHarness:
         batch N is then already in batch N+1 (one token over, freed at its release), and
         a retraction or an abort frees KV that the batch in flight still reads.
         """
+        if self.paused:
+            self.pool.on_idle()  # _record_scheduler_state_for_paused_engine (patched)
+            return
         if self.config.overlap:
             self._iterate_overlap()
             return

@@ -50,12 +50,10 @@ def make_harness(tmp_path: Path) -> Iterator[Callable[..., CpuHarness]]:
         sleep_on_idle: bool = False,
         chunked_prefill_size: int | None = None,
         overlap: bool = False,
-        max_tokens: int = 1020,  # HarnessConfig's default
         **settings: Any,
     ) -> CpuHarness:
         config = HarnessConfig(
             cache=cache,
-            max_tokens=max_tokens,
             sleep_on_idle=sleep_on_idle,
             chunked_prefill_size=chunked_prefill_size,
             overlap=overlap,
