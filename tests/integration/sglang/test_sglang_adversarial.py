@@ -17,17 +17,14 @@ reads back, so a page lost or reused under a request changes them).
 
 from __future__ import annotations
 
-import queue
 import random
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from sglang_support import LimitThread, check_state
 
 from engine_ext.cpu_harness import CpuHarness, HarnessRequest
-from engine_ext.protocol import Status
-from sidecar._reports import report_problem
 
 pytestmark = pytest.mark.sglang
 
@@ -35,39 +32,6 @@ Make = Callable[..., CpuHarness]
 SEED = 11
 STEPS = 1500
 PREFIXES = 4
-
-
-class LimitThread:
-    """A controller thread that publishes the limits the scheduler thread hands it.
-
-    The hand-off makes the point of publication reproducible (fixed seed),
-    while the publish itself runs on a foreign thread, as the control socket's does.
-    """
-
-    def __init__(self, harness: CpuHarness) -> None:
-        self.harness = harness
-        self.inbox: queue.Queue[tuple[int | None] | None] = queue.Queue()
-        self.done = threading.Event()
-        self.errors: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, name="limit-controller", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while (item := self.inbox.get()) is not None:
-            try:
-                self.harness.pool.set_limit(item[0])
-            except BaseException as exc:  # noqa: BLE001 -- reported by the test
-                self.errors.append(exc)
-            self.done.set()
-
-    def publish(self, limit: int | None) -> None:
-        self.done.clear()
-        self.inbox.put((limit,))
-        assert self.done.wait(10), "the controller thread did not publish"
-
-    def stop(self) -> None:
-        self.inbox.put(None)
-        self.thread.join(10)
 
 
 @dataclass
@@ -118,19 +82,7 @@ def _run(h: CpuHarness, *, with_limits: bool) -> Trace:
     def check() -> None:
         available = h.token_to_kv_pool_allocator.available_size()
         trace.min_available = min(trace.min_available, available)
-        assert available >= 0, f"available_size() = {available}"
-        state = h.pool.state()
-        # every state passes the sidecar's report checks (a refused report goes stale there)
-        assert report_problem(state, state.limit_bytes, state.revision) is None, state
-        measured = h.mapped_bytes()
-        # fresh after the iteration's allocations and frees, not one iteration late
-        assert abs(state.mapped_bytes - measured) <= bundle, (state, measured)
-        if state.status is Status.APPLIED:
-            trace.applied_samples += 1
-            effective = state.effective_limit_bytes
-            assert effective is None or measured <= effective, (
-                f"applied but /proc-measured {measured} > effective limit {effective}"
-            )
+        trace.applied_samples += check_state(h)
 
     h.at_point = maybe_publish
     try:

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sglang_support import prompt
+from sglang_support import CappedDevice, prompt
 
-from allocator import DeviceOutOfMemory, PageAllocator
+from allocator import PageAllocator
 from allocator import _pages as allocator_pages
 from engine_ext.cpu_harness import CpuHarness
 from engine_ext.cpu_harness.sglang import _loop as cpu_harness
@@ -26,40 +26,12 @@ from engine_ext.cpu_harness.sglang import _loop as cpu_harness
 Make = Callable[..., CpuHarness]
 
 
-class _Device:
-    """Forwards to a backend; refuses maps beyond ``total_pages`` mapped pages (measured)."""
-
-    def __init__(self, inner: Any, total_pages: int) -> None:
-        self.inner = inner
-        self.total_pages = total_pages
-        self.refusals = 0
-        # besides the foreign thread's random moments, another engine sometimes fills the
-        # device right before a map (seeded): the race is met in every run, not by luck
-        self.just_before = random.Random(33)
-        self.racing = True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def map_many(self, pages: Any) -> None:
-        total = self.total_pages
-        if self.racing and self.just_before.random() < 0.3:
-            total = len(self.inner.mapped_pages())  # full at this very map
-        if len(self.inner.mapped_pages()) + len(pages) > total:
-            self.refusals += 1
-            raise DeviceOutOfMemory(f"no device memory for {len(pages)} page(s)")
-        self.inner.map_many(pages)
-
-    def map(self, page: int) -> None:
-        self.map_many([page])
-
-
-def _install_device(monkeypatch: pytest.MonkeyPatch, *, racing: bool = True) -> list[_Device]:
-    """Every harness built after this maps through a :class:`_Device` (returned list)."""
-    devices: list[_Device] = []
+def _install_device(monkeypatch: pytest.MonkeyPatch, *, racing: bool = True) -> list[CappedDevice]:
+    """Every harness built after this maps through a :class:`CappedDevice` (returned list)."""
+    devices: list[CappedDevice] = []
 
     def pages(backend: Any, **kwargs: Any) -> PageAllocator:
-        device = _Device(backend, total_pages=10_000)
+        device = CappedDevice(backend, total_pages=10_000)
         device.racing = racing
         devices.append(device)
         return PageAllocator(device, **kwargs)  # type: ignore[arg-type]

@@ -3,8 +3,9 @@
 ``KVSIDECAR_SOAK=<first>:<count>`` reruns
 :func:`test_sglang_adversarial.test_random_limits_from_a_foreign_thread` (both
 tree caches, every eviction/reserve setting; plain, with the output
-reservation, and with chunked prefill) once per seed; the default run skips
-this file.
+reservation, and with chunked prefill) and
+:func:`test_sglang_overlap.run_storm` (every case of the overlap-loop storm, on the
+simulated device) once per seed; the default run skips this file.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 from support.soak import soak_seeds
 
 from tests.integration.sglang import test_sglang_adversarial as adversarial
+from tests.integration.sglang import test_sglang_overlap as overlap
 
 pytestmark = pytest.mark.sglang
 
@@ -49,3 +51,22 @@ def test_soak_random_limits(
         return make_harness(*args, **{**extra, **kwargs})
 
     adversarial.test_random_limits_from_a_foreign_thread(make, cache_kind, max_evict, reserve)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("completion", "full_device", "extra"),
+    [(c, f, e) for c, f, _, e in overlap.CASES],
+    ids=overlap.CASE_IDS,
+)
+def test_soak_overlap_storm(
+    make_harness: overlap.Make,
+    cache_kind: str,
+    monkeypatch: pytest.MonkeyPatch,
+    completion: str,
+    full_device: bool,
+    extra: dict[str, Any],
+    seed: int,
+) -> None:
+    # the outcome only: what the chaos reached varies with the seed
+    overlap.run_storm(make_harness, cache_kind, monkeypatch, completion, full_device, seed, extra)
