@@ -144,6 +144,14 @@ class SglangRuntime:
         if self.counts is not None:
             self.counts.verify()  # O(1); a full rescan only if a tree event went unseen
         state = self._step()
+        # a claim refused under the old target (limit 0 while idle): the pass may just have
+        # taken a raised limit, so claim again now, or admission sees no room this iteration
+        if (
+            not self.allocator.padding_held
+            and not self.scheduler.is_fully_idle()
+            and self.allocator.claim_padding()
+        ):
+            self.refresh_state()
         sync_capacity(self.scheduler, self.allocator.capacity_tokens(), self.allocator.page_size)
         return state
 

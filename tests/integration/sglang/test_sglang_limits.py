@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 from sglang_support import fill, prompt
+from support.threads import in_foreign_thread
 
 from engine_ext.cpu_harness import CpuHarness
 from engine_ext.protocol import Status
@@ -209,6 +210,31 @@ def test_limit_zero_drains_and_gives_back_the_padding_page(
     h.pool.set_limit(4 * h.bundle_bytes)
     h.run_until_idle()
     assert waiting.done and 0 < h.mapped_bytes() <= 4 * h.bundle_bytes
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_a_request_waiting_under_limit_zero_starts_in_the_iteration_that_raises_it(
+    make_harness: Make, cache_kind: str, overlap: bool
+) -> None:
+    """Idle under limit 0 the padding page is given back. The pass that takes a raised
+    limit comes before admission in the same iteration, so the request waiting for it
+    is admitted there, and no state reads ``waiting_for_memory`` once the limit fits."""
+    h = make_harness(cache_kind, overlap=overlap)
+    fill(h, 3)
+    in_foreign_thread(lambda: h.pool.set_limit(0))
+    h.idle_until(lambda: h.mapped_bytes() == 0)
+    waiting = h.submit(prompt(1), max_new_tokens=2)
+    for _ in range(3):
+        h.iterate()
+    assert waiting in h.waiting and h.pool.state().waiting_reason == "waiting_for_memory"
+    in_foreign_thread(lambda: h.pool.set_limit(8 * h.bundle_bytes))
+    h.iterate()
+    assert waiting not in h.waiting, "admitted one iteration after the limit was taken"
+    h.iterate()  # the next pass reads the demand of this iteration's admission round
+    state = h.pool.state()
+    assert state.status is Status.APPLIED and state.waiting_reason is None, state
+    h.run_until_idle()
+    assert waiting.done and 0 < h.mapped_bytes() <= 8 * h.bundle_bytes
 
 
 def test_limit_retained_before_start_applies_before_first_request(make_harness: Make) -> None:
