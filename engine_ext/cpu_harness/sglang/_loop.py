@@ -360,6 +360,8 @@ class CpuHarness:
             self._launch(batch)
         self.pool.after_batch()  # Scheduler.process_batch_result (patched)
         if batch is not None:
+            if self.device is not None:
+                self.device.complete_through(batch.device_id)  # result.copy_done.synchronize()
             self._process_result(batch)
         self.pool.refresh_state()
 

@@ -359,3 +359,20 @@ def test_an_abort_right_after_the_first_batch_from_idle_waits_for_that_batch(
     h.idle_until(lambda: h.mapped_bytes() == 0)
     state = h.pool.state()
     assert state.status is Status.APPLIED and state.mapped_bytes == 0 and not device.violations
+
+
+def test_the_normal_loop_waits_for_each_batch_before_its_result(
+    make_harness: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``event_loop_normal`` on the same device: a batch's result is processed after
+    waiting for it, so nothing stays in flight between iterations."""
+    device = SimDevice()
+    on_sim_device(monkeypatch, device)
+    h = make_harness()
+    h.device = device
+    for i in range(6):
+        h.submit(prompt(i), max_new_tokens=3)
+    while not h.is_fully_idle():
+        h.iterate()
+        assert not device.in_flight and h.last_batch is None
+    assert device.launched == 4 and not device.violations  # one prefill, three decodes
