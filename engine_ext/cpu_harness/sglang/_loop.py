@@ -14,7 +14,8 @@ loop calls them in the scheduler's order: before-schedule pass, admission
 (match_prefix, lock), req row + ``alloc_extend``, a "forward" that writes
 each token's id into every layer's K/V rows (a write to an unmapped page
 would fault), the prompt checkpointed into the tree (as SGLang 0.5.23 does
-after a prefill), decode steps, and on finish insert / free duplicates / unlock.
+after a prefill, and with a chunk of a chunked prompt at the top of the next
+round), decode steps, and on finish insert / free duplicates / unlock.
 KV tensors live on a :class:`allocator.HostBackend`, so mapped memory is
 measured from the memfd.
 
@@ -174,6 +175,8 @@ class CpuHarness:
         self.waiting: list[HarnessRequest] = []
         self.running: list[HarnessRequest] = []
         self.chunked: HarnessRequest | None = None  # SGLang's chunked_req: prompt in chunks
+        # SGLang's _pending_chunked_abort_req: the chunked request an abort marked
+        self.pending_chunked_abort: HarnessRequest | None = None
         self.num_parked_chunks = 0  # rounds whose continuation the budget held back
         self.finished: list[HarnessRequest] = []
         self._rids = itertools.count()
@@ -293,10 +296,17 @@ class CpuHarness:
         return req
 
     def abort(self, req: HarnessRequest) -> bool:
-        """Abort a waiting or running request (SGLang finishes a running one as aborted:
-        its KV goes through ``cache_finished_req``). False if it already ended."""
+        """Abort a waiting, chunked or running request (SGLang finishes a running one as
+        aborted: its KV goes through ``cache_finished_req``). The chunked request (in the
+        middle of its prompt's chunks) is only marked, as SGLang's ``abort_request`` does:
+        the next ``get_next_batch_to_run`` releases it before any chunk (see
+        :meth:`_release_pending_chunked_abort`). False if it already ended (or is marked)."""
+        if req.aborted:
+            return False
         if req in self.waiting:
             self.waiting.remove(req)
+        elif req is self.chunked:
+            self.pending_chunked_abort = req
         elif req in self.running:
             self._finish(req)
             self.finished.remove(req)
@@ -345,6 +355,7 @@ class CpuHarness:
             self.on_idle()
             return
         self.pool.before_schedule()
+        self._chunked_between_rounds()
         admitted = self._admit()
         if admitted:
             if self.at_point is not None:
@@ -369,6 +380,7 @@ class CpuHarness:
         """``event_loop_overlap``: get_next_batch_to_run (the pass, every iteration), launch
         it, then process the previous batch's result; ``on_idle`` when there is neither."""
         self.pool.before_schedule()
+        self._chunked_between_rounds()
         admitted = self._admit()
         batch: LaunchedBatch | None = None
         if admitted:
@@ -391,6 +403,35 @@ class CpuHarness:
             self.pool.refresh_state()
         elif batch is None:
             self.on_idle()
+
+    def _chunked_between_rounds(self) -> None:
+        """The top of SGLang's ``get_next_batch_to_run`` for the chunked request (after the
+        adapter's pass, which wraps it): ``process_pending_chunked_abort`` releases a marked
+        one (``release_kv_cache(checkpoint=False)``: its own KV freed, its lock and row
+        released; a chunk still in flight reads pages the unmap fence holds), else its last
+        chunk is stashed (``checkpoint_kv_cache``): inserted into the tree, the lock moved
+        onto it, so its prefix is the tree's, locked, between chunks."""
+        req = self.chunked
+        if req is None:
+            self.pending_chunked_abort = None
+            return
+        if self.pending_chunked_abort is req:
+            self.pending_chunked_abort = None
+            self._release(req)
+            self.chunked = None
+            return
+        self._checkpoint(req)
+
+    def _release(self, req: HarnessRequest) -> None:
+        """``release_kv_cache(checkpoint=False)``: the KV past the tree-owned prefix goes
+        back to the allocator, the lock and the row are released."""
+        kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].to("cpu").long()
+        if req.kv_len > req.owned_len:
+            self.token_to_kv_pool_allocator.free(kv[req.owned_len :])
+        self.tree_cache.unlock(req.lock)
+        self.req_to_token_pool.free_rows([req.row])
+        req.row, req.lock, req.kv_len, req.prefix_len, req.owned_len = None, None, 0, 0, 0
+        req.epoch += 1
 
     def _launch(self, batch: LaunchedBatch) -> None:
         """The forward was computed at allocation (CPU); the device, if any, runs it now."""
@@ -685,13 +726,7 @@ class CpuHarness:
 
     def _retract(self, req: HarnessRequest) -> None:
         """``retract_decode``: give the request's own KV back and queue it again."""
-        kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].to("cpu").long()
-        if req.kv_len > req.owned_len:
-            self.token_to_kv_pool_allocator.free(kv[req.owned_len :])
-        self.tree_cache.unlock(req.lock)
-        self.req_to_token_pool.free_rows([req.row])
-        req.row, req.lock, req.kv_len, req.prefix_len, req.owned_len = None, None, 0, 0, 0
-        req.epoch += 1
+        self._release(req)
         req.generated.clear()
         self.running.remove(req)
         self.waiting.insert(0, req)

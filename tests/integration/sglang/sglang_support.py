@@ -11,6 +11,7 @@ import pytest
 from support.simdevice import SimDevice, device_fence, fenced
 
 from allocator import DeviceOutOfMemory, PageAllocator, UnmapFence
+from engine_ext import count_reclaimable_pages
 from engine_ext.cpu_harness import CpuHarness
 from engine_ext.cpu_harness.sglang import _loop as harness_loop
 from engine_ext.protocol import Status
@@ -82,6 +83,27 @@ def check_state(h: CpuHarness) -> bool:
         f"applied but /proc-measured {measured} > effective limit {effective}"
     )
     return True
+
+
+def check_counts(h: CpuHarness, where: str) -> None:
+    """The block allocator's incremental evictable marks against an independent recount:
+    a full scan of SGLang's tree (the blocks of every unlocked node)."""
+    reclaimer: Any = h.pool.reclaimer
+    scan = reclaimer.scan_unlocked()
+    blocks = h.blocks
+    marked = {b for b in range(blocks.num_blocks) if blocks.is_marked_evictable(b)}
+    assert marked == set(scan), where
+    assert blocks.num_evictable_blocks == len(scan), where
+    assert blocks.num_reclaimable_pages == count_reclaimable_pages(scan, blocks), where
+    assert blocks.num_evictable_blocks * h.config.page_size == h.tree_cache.evictable_size()
+    per_page: dict[int, int] = {}
+    for b in scan:
+        per_page[b // blocks.blocks_per_page] = per_page.get(b // blocks.blocks_per_page, 0) + 1
+    assert all(blocks.evictable_on(p) == per_page.get(p, 0) for p in range(h.pages.num_pages)), (
+        where
+    )
+    counts = h.pool.counts
+    assert counts is not None and counts.num_resyncs == 0, f"{where}: drift repaired by a scan"
 
 
 class CappedDevice:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from sglang_support import check_counts as _check_counts
 
 from engine_ext import count_reclaimable_pages
 from engine_ext.cpu_harness import CpuHarness
@@ -21,30 +22,6 @@ from engine_ext.cpu_harness import CpuHarness
 pytestmark = pytest.mark.sglang
 
 Make = Callable[..., CpuHarness]
-
-
-def _marked(h: CpuHarness) -> set[int]:
-    blocks = h.blocks
-    return {b for b in range(blocks.num_blocks) if blocks.is_marked_evictable(b)}
-
-
-def _check_counts(h: CpuHarness, where: str) -> None:
-    """The incremental marks against a fresh full scan of the tree."""
-    reclaimer: Any = h.pool.reclaimer
-    scan = reclaimer.scan_unlocked()
-    blocks = h.blocks
-    assert _marked(h) == set(scan), where
-    assert blocks.num_evictable_blocks == len(scan), where
-    assert blocks.num_reclaimable_pages == count_reclaimable_pages(scan, blocks), where
-    assert blocks.num_evictable_blocks * h.config.page_size == h.tree_cache.evictable_size()
-    per_page: dict[int, int] = {}
-    for b in scan:
-        per_page[b // blocks.blocks_per_page] = per_page.get(b // blocks.blocks_per_page, 0) + 1
-    assert all(blocks.evictable_on(p) == per_page.get(p, 0) for p in range(h.pages.num_pages)), (
-        where
-    )
-    counts = h.pool.counts
-    assert counts is not None and counts.num_resyncs == 0, f"{where}: drift repaired by a scan"
 
 
 def _check_figures(h: CpuHarness) -> None:

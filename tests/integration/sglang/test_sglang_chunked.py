@@ -1,0 +1,215 @@
+"""SGLang's chunked prefill (``scheduler.chunked_req``) under aborts, limits, flushes and pauses.
+
+A prompt longer than ``--chunked-prefill-size`` is prefilled one chunk per round;
+between rounds SGLang stashes the chunk (``checkpoint_kv_cache``: inserted into the
+tree, locked) and keeps the request in ``chunked_req``, in no queue. An abort of it
+is marked (``_pending_chunked_abort_req``) and released at the top of the next
+``get_next_batch_to_run`` (``release_kv_cache(checkpoint=False)``), while in the
+overlap loop the chunk launched last may still run.
+
+On the CPU harness (both loops, both tree caches, the KV on a simulated device
+whose unmaps are checked against the batches in flight), checked after every
+iteration: the state against the memfd (``check_state``: mapped bytes,
+``applied`` only at or under the limit as measured, the sidecar's report
+checks, ``available_size() >= 0``), the evictable marks against a full rescan
+of the tree, no unmap under a batch in flight, the chunked request's KV (the
+locked prefix and the chunk after it) reading back its prompt's tokens; no
+exception out of the loop (a failed prefill allocation is SGLang's
+``RuntimeError``). Completed requests generate the tokens of a run without
+aborts or limits (the harness computes them from the KV it reads back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sglang_support import check_counts, check_state, on_sim_device, prompt
+from support.simdevice import SimDevice
+
+from engine_ext.cpu_harness import CpuHarness, HarnessRequest
+from engine_ext.protocol import DeferReason, Status
+
+pytestmark = pytest.mark.sglang
+
+Make = Callable[..., CpuHarness]
+CHUNK = 16  # tokens per round: 4 SGLang pages, one allocator page
+LONG = 150  # 10 chunks (the last one 6 tokens)
+VARIANTS = {"plain": {}, "reserves": {"reserve_pages": 3, "reserve_output": True}}
+
+
+@pytest.fixture(params=[False, True], ids=["normal", "overlap"])
+def overlap(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+def _harness(
+    make_harness: Make,
+    monkeypatch: pytest.MonkeyPatch,
+    cache: str,
+    overlap: bool,
+    **settings: Any,
+) -> tuple[CpuHarness, SimDevice]:
+    device = SimDevice()
+    on_sim_device(monkeypatch, device)
+    h = make_harness(cache, chunked_prefill_size=CHUNK, overlap=overlap, **settings)
+    h.device = device
+    return h, device
+
+
+def _reference(make_harness: Make, cache: str, prompts: list[tuple[list[int], int]]) -> list:
+    """The tokens each prompt generates without chunks, aborts or limits."""
+    h = make_harness(cache)
+    reqs = [h.submit(tokens, n) for tokens, n in prompts]
+    h.run_until_idle()
+    return [r.generated for r in reqs]
+
+
+def _kv_reads_back(h: CpuHarness, req: HarnessRequest, where: str) -> None:
+    """The request's KV (the tree-owned, locked prefix and its own chunk) holds its
+    prompt's tokens: a page evicted, reused or unmapped under it would not."""
+    import torch
+
+    assert req.row is not None, where
+    prompt_len = min(req.kv_len, len(req.tokens))  # (a running request's output: its own)
+    slots = h.req_to_token_pool.req_to_token[req.row, :prompt_len].long()
+    got = h.k_buffer[-1][slots, 0, 0].float().tolist()
+    want = torch.tensor(req.tokens[:prompt_len], dtype=torch.float16).float().tolist()
+    assert got == want, f"{where}: request {req.rid}'s KV does not read back its prompt"
+    if req.owned_len:
+        path = h.tree_cache.path_device_indices(req.lock.node)
+        assert path.tolist() == slots[: req.owned_len].tolist(), where
+        assert int(h.tree_cache.protected_size()) >= req.owned_len, where
+
+
+def _cached_len(h: CpuHarness, tokens: list[int]) -> int:
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    match = h.tree_cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+    return int(match.device_prefix_len)
+
+
+def _check(h: CpuHarness, device: SimDevice, where: str) -> bool:
+    applied = check_state(h)
+    check_counts(h, where)
+    assert not device.violations, f"{where}: unmapped under a batch in flight"
+    for req in [h.chunked, *h.running]:
+        if req is not None and req.row is not None:
+            _kv_reads_back(h, req, where)
+    return applied
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_abort_between_chunks_at_every_chunk(
+    make_harness: Make,
+    monkeypatch: pytest.MonkeyPatch,
+    cache_kind: str,
+    overlap: bool,
+    variant: str,
+) -> None:
+    """The k-th long prompt is aborted after its (k+1)-th chunk was launched, for every
+    k, while a short request runs beside it. The abort is taken (it was refused); the
+    next round releases the request and launches no chunk of it; its stashed prefix
+    stays in the tree, unlocked, and a later request over the same prompt reads it
+    back. Nothing leaks (SGLang's strict idle check)."""
+    h, device = _harness(make_harness, monkeypatch, cache_kind, overlap, **VARIANTS[variant])
+    num_chunks = -(-LONG // CHUNK)
+    longs: list[HarnessRequest] = []
+    shorts: list[HarnessRequest] = []
+    for k in range(num_chunks - 1):  # the last chunk completes the prompt: not chunked then
+        long = h.submit(prompt(100 + k, LONG), max_new_tokens=3)
+        shorts.append(h.submit(prompt(200 + k, 9), max_new_tokens=4))
+        longs.append(long)
+        launched = 0
+        while launched <= k:
+            before = long.kv_len
+            h.iterate()
+            _check(h, device, f"k={k}, chunk {launched}")
+            launched += long.kv_len > before
+            assert h.chunked is long, h.describe()
+        assert long.kv_len == (k + 1) * CHUNK
+        assert h.abort(long)  # was False: the chunked request was in no queue
+        assert not h.abort(long)  # once
+        kv_before = h.blocks.num_allocated_blocks
+        h.iterate()
+        _check(h, device, f"k={k}, aborted")
+        assert h.chunked is not long and long.row is None and long.lock is None
+        assert long not in h.running and long not in h.waiting and not long.done
+        assert h.blocks.num_allocated_blocks <= kv_before + 2  # no chunk of it was allocated
+        # what was stashed before the abort stays in the tree (the chunk launched last was
+        # not stashed: the release does not checkpoint), unlocked
+        assert _cached_len(h, long.tokens) == k * CHUNK
+    h.run_until_idle()
+    _check(h, device, "idle")
+    assert int(h.tree_cache.protected_size()) == 0
+    # the aborted prompts' stashed prefixes are in the tree: each is matched, read back
+    # (the harness checks a hit's KV) and completes with the tokens of an unaborted run
+    again = []
+    for r in longs:
+        hits, cached = h.num_prefix_hits, _cached_len(h, r.tokens)
+        again.append(h.submit(list(r.tokens), 3))
+        h.run_until_idle()
+        _check(h, device, "again")
+        assert h.num_prefix_hits - hits == (cached > 0)
+    want = _reference(
+        make_harness,
+        cache_kind,
+        [(r.tokens, r.max_new_tokens) for r in shorts] + [(r.tokens, 3) for r in again],
+    )
+    assert [r.generated for r in shorts + again] == want
+
+
+def test_flush_and_in_place_pause_while_a_chunked_request_is_pending(
+    make_harness: Make, monkeypatch: pytest.MonkeyPatch, cache_kind: str, overlap: bool
+) -> None:
+    """``flush_cache`` is refused while a chunked request is pending (SGLang flushes only
+    when fully idle), also while its abort is marked; an in-place pause leaves it (and
+    the mark) as they are, only the idle pass runs, a limit 0 published then defers on
+    its pages and unmaps nothing it holds; on resume the abort is taken first, then the
+    flush is accepted and limit 0 leaves nothing mapped."""
+    h, device = _harness(make_harness, monkeypatch, cache_kind, overlap)
+    fill_reqs = [h.submit(prompt(500 + i, 20), max_new_tokens=2) for i in range(4)]
+    h.run_until_idle()
+    assert all(r.done for r in fill_reqs)
+    long = h.submit(prompt(600, LONG), max_new_tokens=3)
+    for _ in range(3):
+        h.iterate()
+        _check(h, device, "chunks")
+    assert h.chunked is long and not h.is_fully_idle()
+    assert not h.flush_cache()
+    h.paused = True
+    kv_len = long.kv_len
+    h.pool.set_limit(0)
+    for step in range(5):
+        h.iterate()
+        _check(h, device, f"paused {step}")
+        state = h.pool.state()
+        assert state.status is Status.DEFERRED and state.reason in {
+            DeferReason.RUNNING_REQUESTS.value,
+            DeferReason.EVICTING.value,
+        }
+    assert long.kv_len == kv_len and h.chunked is long  # no chunk while paused
+    assert h.abort(long)
+    assert not h.flush_cache()  # the abort is only marked
+    h.iterate()  # still paused: the mark waits
+    _check(h, device, "paused, abort marked")
+    assert h.chunked is long and long.row is not None
+    h.paused = False
+    h.iterate()
+    _check(h, device, "resumed")
+    assert h.chunked is None and long.row is None
+    h.run_until_idle()
+    assert h.flush_cache()
+    h.iterate()
+    _check(h, device, "flushed")
+    assert h.pool.state().status is Status.APPLIED
+    assert h.mapped_bytes() == 0
+    h.pool.set_limit(None)
+    again = h.submit(prompt(600, LONG), max_new_tokens=3)
+    h.run_until_idle()
+    _check(h, device, "again")
+    assert again.generated == _reference(make_harness, cache_kind, [(again.tokens, 3)])[0]
