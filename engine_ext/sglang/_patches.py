@@ -355,6 +355,11 @@ TOUCHES: tuple[Touch, ...] = (
         "_accounting rebinds the observer the load inquirer holds",
     ),
     Touch(
+        f"{_SCHED}:Scheduler.chunked_req",
+        V0_5_23,
+        "_runtime counts the request in the middle of a chunked prefill as running",
+    ),
+    Touch(
         f"{_COMPONENTS}.invariant_checker:SchedulerInvariantChecker.max_total_num_tokens",
         V0_5_23,
         "_accounting sets the leak check's total",

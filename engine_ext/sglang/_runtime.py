@@ -350,10 +350,17 @@ def _token_counts(req: Any) -> tuple[int, int, int]:
 
 
 def _num_running(scheduler: Any) -> int:
+    """The running batch's requests, plus the request in the middle of a chunked prefill:
+    SGLang keeps it in ``chunked_req`` (neither queued nor in the running batch) while it
+    holds its prompt's KV so far and takes a chunk each round."""
     batch = getattr(scheduler, "running_batch", None)  # SGLang's Scheduler
     if batch is not None:
-        return len(getattr(batch, "reqs", None) or ())
-    return len(getattr(scheduler, "running", ()))  # the CPU harness
+        running = len(getattr(batch, "reqs", None) or ())
+        chunked = getattr(scheduler, "chunked_req", None)
+    else:
+        running = len(getattr(scheduler, "running", ()))  # the CPU harness
+        chunked = getattr(scheduler, "chunked", None)
+    return running + (chunked is not None)
 
 
 def _install_signal_cleanup(instance: ElasticInstance) -> None:

@@ -21,11 +21,12 @@ aborts or limits (the harness computes them from the KV it reads back).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sglang_support import check_counts, check_state, on_sim_device, prompt
+from sglang_support import LimitThread, check_counts, check_state, on_sim_device, prompt
 from support.simdevice import SimDevice
 
 from engine_ext.cpu_harness import CpuHarness, HarnessRequest
@@ -163,6 +164,86 @@ def test_abort_between_chunks_at_every_chunk(
     assert [r.generated for r in shorts + again] == want
 
 
+def _limits(h: CpuHarness) -> list[int]:
+    """0, one page, just below what is mapped, and a random page count."""
+    bundle = h.bundle_bytes
+    mapped = h.mapped_bytes()
+    return [0, bundle, max(mapped - bundle - 1, 0), random.Random(5).randrange(2, 12) * bundle]
+
+
+def test_limits_from_a_foreign_thread_while_a_long_prompt_is_mid_chunk(
+    make_harness: Make, monkeypatch: pytest.MonkeyPatch, cache_kind: str, overlap: bool
+) -> None:
+    """Each limit arrives (from a foreign thread) between admission and the chunk's
+    allocation, mid-prompt, over a tree full of other prompts' cache. The prompt's
+    locked prefix is never evicted or unmapped (its KV reads back at every iteration);
+    while it holds more than the limit the state says deferred, with a reason that is
+    true (``evicting`` only while there is something to evict, else
+    ``running_requests``); once it ended and the cache was evicted, applied, with the
+    memory measured under the limit."""
+    h, device = _harness(make_harness, monkeypatch, cache_kind, overlap)
+    for i in range(12):  # other prompts' cache, evictable
+        h.submit(prompt(300 + i, 30), max_new_tokens=2)
+    h.run_until_idle()
+    controller = LimitThread(h)
+    bundle = h.bundle_bytes
+    try:
+        for round_, limit in enumerate(_limits(h)):
+            controller.publish(None)
+            long = h.submit(prompt(400 + round_, 200), max_new_tokens=3)
+            while long.kv_len < 3 * CHUNK:
+                h.iterate()
+                _check(h, device, f"limit {limit}: before")
+            assert h.chunked is long
+            pending = [limit]
+
+            def publish(point: str, pending: list[int] = pending) -> None:
+                if point == "admitted" and pending:
+                    controller.publish(pending.pop())
+
+            h.at_point = publish
+            deferred = after_done = 0
+            for step in range(400):
+                h.iterate()
+                _check(h, device, f"limit {limit}: step {step}")
+                state = h.pool.state()
+                held = h.pages.num_in_use * bundle
+                taken = not pending and state.limit_bytes == limit  # at the pass after it
+                if taken and long.row is not None and held > (state.effective_limit_bytes or 0):
+                    assert state.status is Status.DEFERRED, (state, h.describe())
+                    deferred += 1
+                if state.status is Status.DEFERRED:  # the reason agrees with the figures
+                    if state.reason == DeferReason.EVICTING.value:  # (of the same state)
+                        assert state.evictable_bytes > 0, state
+                    else:
+                        assert state.reason == DeferReason.RUNNING_REQUESTS.value, state
+                        assert state.evictable_bytes == 0, state
+                        assert state.pinned_bytes > (state.effective_limit_bytes or 0), state
+                        # something runs, or (overlap) the pass ran while the last batch was
+                        # in flight: the padding page it held is drained at the idle pass
+                        padding = h.is_fully_idle() and h.blocks.num_allocated_blocks == 1
+                        assert state.num_running_requests > 0 or padding, (step, state)
+                if long.done:
+                    after_done += 1
+                    if state.status is Status.APPLIED:
+                        break
+                    # its KV is the tree's now: the next pass evicts it (capped passes)
+                    assert after_done <= 3, (state, h.describe())
+            h.at_point = None
+            assert long.done, h.describe()
+            assert deferred > 0 or limit >= h.pages.num_in_use * bundle
+            state = h.pool.state()
+            assert state.status is Status.APPLIED, (state, h.describe())
+            assert h.mapped_bytes() <= max(limit, state.effective_limit_bytes or 0)
+    finally:
+        h.at_point = None
+        controller.stop()
+    assert not controller.errors, controller.errors
+    h.pool.set_limit(None)
+    h.run_until_idle()
+    _check(h, device, "idle")
+
+
 def test_flush_and_in_place_pause_while_a_chunked_request_is_pending(
     make_harness: Make, monkeypatch: pytest.MonkeyPatch, cache_kind: str, overlap: bool
 ) -> None:
@@ -213,3 +294,27 @@ def test_flush_and_in_place_pause_while_a_chunked_request_is_pending(
     h.run_until_idle()
     _check(h, device, "again")
     assert again.generated == _reference(make_harness, cache_kind, [(again.tokens, 3)])[0]
+
+
+def test_a_request_in_chunked_prefill_counts_as_running(
+    make_harness: Make, monkeypatch: pytest.MonkeyPatch, cache_kind: str, overlap: bool
+) -> None:
+    """SGLang keeps the request in the middle of its chunks in ``chunked_req``, neither
+    queued nor in the running batch. The state counted it nowhere: an engine prefilling a
+    long prompt above a limit said ``deferred``, ``running_requests``, with
+    ``num_running_requests: 0`` and nothing waiting."""
+    h, device = _harness(make_harness, monkeypatch, cache_kind, overlap)
+    long = h.submit(prompt(700, LONG), max_new_tokens=3)
+    h.iterate()
+    h.iterate()
+    assert h.chunked is long and not h.running and not h.waiting
+    h.pool.set_limit(0)
+    h.iterate()  # the pass takes the limit; the chunk is served above it
+    _check(h, device, "mid-chunk")
+    state = h.pool.state()
+    assert state.status is Status.DEFERRED
+    assert state.reason == DeferReason.RUNNING_REQUESTS.value
+    assert state.num_running_requests == 1 and state.num_waiting_requests == 0
+    h.pool.set_limit(None)
+    h.run_until_idle()
+    assert long.done and h.pool.state().num_running_requests == 0
