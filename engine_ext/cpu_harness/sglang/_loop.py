@@ -316,6 +316,31 @@ class CpuHarness:
         req.aborted = True
         return True
 
+    def pause_retract(self) -> None:
+        """``/pause_generation`` mode="retract": (overlap) the result in flight processed
+        first, then every running request and the chunked one released without a
+        checkpoint (``retract_all``) and queued again (SGLang's ``_add_request_to_queue``:
+        at the end), ``chunked_req`` cleared; generation stays paused (set ``paused``
+        False to continue). A chunked request whose abort was only marked is retracted
+        like the others and, as in SGLang, the mark is then dropped: it runs again."""
+        last, self.last_batch = self.last_batch, None
+        if last is not None:
+            self.pool.after_batch()
+            if self.device is not None:
+                self.device.complete_through(last.device_id)
+            self._process_result(last)
+        retracted = list(self.running)
+        if self.chunked is not None:
+            retracted.append(self.chunked)
+        for req in retracted:
+            self._release(req)
+            req.generated.clear()
+            self.waiting.append(req)
+        self.running.clear()
+        self.chunked = None
+        self.paused = True
+        self.pool.refresh_state()
+
     def flush_cache(self) -> bool:
         """``Scheduler.flush_cache`` (``/flush_cache``): tree, rows and allocator cleared, only
         when fully idle (in the overlap loop also no result left to process); False else."""

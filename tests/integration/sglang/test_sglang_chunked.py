@@ -22,6 +22,7 @@ aborts or limits (the harness computes them from the KV it reads back).
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -318,3 +319,121 @@ def test_a_request_in_chunked_prefill_counts_as_running(
     h.pool.set_limit(None)
     h.run_until_idle()
     assert long.done and h.pool.state().num_running_requests == 0
+
+
+STORM_STEPS = 500
+
+
+def _storm_prompt(rng: random.Random) -> list[int]:
+    """Long prompts over a few shared starts (hits on stashed chunks), some short ones."""
+    if rng.random() < 0.3:
+        return [rng.randrange(1, 2000) for _ in range(rng.randrange(2, 12))]
+    base = rng.randrange(3)
+    start = [(base * 53 + j * 7 + 3) % 1900 + 1 for j in range(rng.choice((16, 40, 64)))]
+    return start + [rng.randrange(1, 2000) for _ in range(rng.randrange(1, 140))]
+
+
+def _storm(
+    h: CpuHarness, device: SimDevice, seed: int, *, limits: bool, stats: Counter[str]
+) -> dict[int, Any]:
+    """Seeded traffic of long prompts; with ``limits``, also aborts (mostly of the chunked
+    request), limits from a foreign thread at every point of the iteration, flushes,
+    in-place and retracting pauses. Returns the generated tokens per completed request."""
+    rng = random.Random(seed)  # the same prompts in every run of a seed
+    chaos = random.Random(seed + 1)
+    controller = LimitThread(h) if limits else None
+    bundle, num_pages = h.bundle_bytes, h.pages.num_pages
+    reqs: list[HarnessRequest] = []
+
+    def maybe_publish(point: str) -> None:
+        if controller is None or chaos.random() > 0.1:
+            return
+        roll = chaos.random()
+        mapped = h.mapped_bytes()
+        if roll < 0.2:
+            limit: int | None = 0
+        elif roll < 0.35:
+            limit = bundle
+        elif roll < 0.5:
+            limit = max(mapped - bundle - 1, 0)
+        elif roll < 0.65:
+            limit = None
+        else:
+            limit = chaos.randrange(0, num_pages + 1) * bundle
+        controller.publish(limit)
+
+    h.at_point = maybe_publish
+    paused_for = 0
+    try:
+        for step in range(STORM_STEPS):
+            if rng.random() < 0.3:
+                reqs.append(h.submit(_storm_prompt(rng), max_new_tokens=rng.randrange(1, 8)))
+            if limits:
+                roll = chaos.random()
+                if roll < 0.06 and h.chunked is not None:
+                    stats["chunked_aborts"] += h.abort(h.chunked)
+                elif roll < 0.08 and reqs:
+                    h.abort(chaos.choice(reqs))
+                elif roll < 0.1:
+                    fully_idle = h.is_fully_idle()
+                    assert h.flush_cache() == fully_idle
+                elif roll < 0.12 and not h.paused:
+                    if chaos.random() < (0.3 if h.chunked is not None else 0.7):
+                        h.paused, paused_for = True, chaos.randrange(1, 4)
+                    else:
+                        stats["chunked_retracts"] += h.chunked is not None
+                        h.pause_retract()
+                        paused_for = chaos.randrange(0, 3)
+                if h.paused:
+                    if paused_for <= 0:
+                        h.paused = False
+                    paused_for -= 1
+            maybe_publish("between")
+            h.iterate()
+            stats["deferred"] += not _check(h, device, f"step {step}")
+            if limits and step % 125 == 124:
+                controller.publish(None)  # type: ignore[union-attr]
+        h.at_point = None
+        h.paused = False
+        if controller is not None:
+            controller.publish(None)
+        h.run_until_idle()
+        _check(h, device, "idle")
+    finally:
+        h.at_point = None
+        if controller is not None:
+            controller.stop()
+    assert controller is None or not controller.errors, controller.errors
+    for req in reqs:
+        assert req.done or req.aborted, f"request {req.rid}: {h.describe()}"
+    return {req.rid: req.generated for req in reqs if req.done}
+
+
+@pytest.mark.parametrize("seed", [3])
+def test_chunked_prefill_storm(
+    make_harness: Make,
+    monkeypatch: pytest.MonkeyPatch,
+    cache_kind: str,
+    overlap: bool,
+    seed: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Aborts between chunks, limits from a foreign thread at every point, flushes, in-place
+    and retracting pauses (the chunked request retracted with the running ones), the page
+    reserve and the output reservation, over long prompts in 16-token chunks; every
+    iteration checked (module doc). Every completed request generated the tokens of the
+    run without any of it, in the normal loop."""
+    reference_h, ref_device = _harness(make_harness, monkeypatch, cache_kind, False)
+    reference = _storm(reference_h, ref_device, seed, limits=False, stats=Counter())
+    h, device = _harness(
+        make_harness, monkeypatch, cache_kind, overlap, reserve_pages=2, reserve_output=True
+    )
+    stats: Counter[str] = Counter()
+    got = _storm(h, device, seed, limits=True, stats=stats)
+    assert len(got) > 60
+    print(dict(stats), h.num_parked_chunks, h.token_to_kv_pool_allocator.num_prefill_overdrafts)
+    assert stats["chunked_aborts"] >= 5 and stats["chunked_retracts"] >= 2, stats
+    assert {rid: got[rid] for rid in got.keys() & reference.keys()} == {
+        rid: reference[rid] for rid in got.keys() & reference.keys()
+    }
+    assert "out of memory" not in caplog.text.lower()
