@@ -216,8 +216,9 @@ class SglangRuntime:
             tracker.decay = 0.0
 
     def _reserved_growth(self) -> tuple[int, int]:
-        """Output reservation: (pages the running requests may still add, how many of them
-        the free pages under the target cannot hold). O(running)."""
+        """Output reservation: (pages the running requests, and the one in the middle of a
+        chunked prefill, may still add, how many of them the free pages under the target
+        cannot hold). O(running)."""
         page = self.allocator.page_size
         reserved = 0
         for req in _running_requests(self.scheduler):
@@ -225,6 +226,10 @@ class SglangRuntime:
             more = -(-(prompt + max_new) // page) - -(-(prompt + out) // page)
             if more > 0:
                 reserved += more
+        chunked = _chunked_request(self.scheduler)
+        if chunked is not None:  # the rest of its prompt's chunks, then its whole output
+            prompt, _out, max_new = _token_counts(chunked)
+            reserved += max(0, -(-(prompt + max_new) // page) - -(-_held_tokens(chunked) // page))
         pages = self.allocator.blocks.pages
         if pages.target_pages is None:
             return reserved, 0
@@ -350,17 +355,31 @@ def _token_counts(req: Any) -> tuple[int, int, int]:
 
 
 def _num_running(scheduler: Any) -> int:
-    """The running batch's requests, plus the request in the middle of a chunked prefill:
-    SGLang keeps it in ``chunked_req`` (neither queued nor in the running batch) while it
-    holds its prompt's KV so far and takes a chunk each round."""
+    """The running batch's requests, plus the request in the middle of a chunked prefill
+    (see :func:`_chunked_request`)."""
     batch = getattr(scheduler, "running_batch", None)  # SGLang's Scheduler
     if batch is not None:
         running = len(getattr(batch, "reqs", None) or ())
-        chunked = getattr(scheduler, "chunked_req", None)
     else:
         running = len(getattr(scheduler, "running", ()))  # the CPU harness
-        chunked = getattr(scheduler, "chunked", None)
-    return running + (chunked is not None)
+    return running + (_chunked_request(scheduler) is not None)
+
+
+def _chunked_request(scheduler: Any) -> Any:
+    """The request in the middle of a chunked prefill, or None: SGLang keeps it in
+    ``chunked_req`` (neither queued nor in the running batch) while it holds its prompt's
+    KV so far and takes a chunk each round."""
+    if getattr(scheduler, "running_batch", None) is not None:  # SGLang's Scheduler
+        return getattr(scheduler, "chunked_req", None)
+    return getattr(scheduler, "chunked", None)  # the CPU harness
+
+
+def _held_tokens(req: Any) -> int:
+    """Token slots a request holds in its row (its prefix and the chunks so far)."""
+    kv = getattr(req, "kv", None)
+    if kv is not None:  # SGLang's Req: its row spans [0, kv_allocated_len)
+        return int(kv.kv_allocated_len)
+    return int(req.kv_len)  # the CPU harness
 
 
 def _install_signal_cleanup(instance: ElasticInstance) -> None:

@@ -437,3 +437,40 @@ def test_chunked_prefill_storm(
         rid: reference[rid] for rid in got.keys() & reference.keys()
     }
     assert "out of memory" not in caplog.text.lower()
+
+
+def test_output_reservation_counts_the_rest_of_a_chunked_prompt(
+    make_harness: Make, monkeypatch: pytest.MonkeyPatch, cache_kind: str, overlap: bool
+) -> None:
+    """With ``reserve_output``, ``applied`` promises the engine stays under the limit while
+    it holds (docs/limits.md). A limit that fits what a prompt in the middle of its chunks
+    holds now said ``applied`` (``reserved_bytes`` 0: the chunked request was not among
+    the running ones), then every continuation went above it (4 pages to 11)."""
+    h, device = _harness(make_harness, monkeypatch, cache_kind, overlap, reserve_output=True)
+    long = h.submit(prompt(800, LONG), max_new_tokens=40)
+    h.iterate()
+    h.iterate()
+    assert h.chunked is long
+    bundle = h.bundle_bytes
+    limit = h.mapped_bytes() + bundle
+    h.pool.set_limit(limit)
+    ps, per_page = h.config.page_size, h.blocks.blocks_per_page
+    applied_at: int | None = None
+    for step in range(200):
+        h.iterate()
+        applied = _check(h, device, f"step {step}")
+        state = h.pool.state()
+        if h.chunked is long:  # what it may still add: the rest of its prompt, its output
+            held = -(-long.kv_len // ps)
+            more = -(-(LONG + 40) // ps) - held
+            assert state.reserved_bytes >= more // per_page * bundle, (state, long.kv_len)
+            assert state.status is Status.DEFERRED, state
+            assert state.reason == DeferReason.RUNNING_REQUESTS.value, state
+        if applied and applied_at is None:
+            applied_at = step
+        if applied_at is not None:  # applied holds: the memory stays under the limit
+            assert h.mapped_bytes() <= limit, (step, applied_at, state)
+        if long.done and applied:
+            break
+    assert long.done and applied_at is not None
+    assert long.generated == _reference(make_harness, cache_kind, [(long.tokens, 40)])[0]
