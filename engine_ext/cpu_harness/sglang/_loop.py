@@ -578,6 +578,9 @@ class CpuHarness:
 
         ps = self.config.page_size
         admitted: list[HarnessRequest] = []
+        full = len(self.running) >= self.config.max_running
+        if self.chunked is None and (full or not self.waiting):
+            return admitted  # get_new_batch_prefill returns before it builds a PrefillAdder
         budget = self.token_to_kv_pool_allocator.create_prefill_budget(self.tree_cache)
         budget.total_offset += self._running_offset()
         rem_chunk = self.config.chunked_prefill_size
