@@ -250,7 +250,9 @@ class SglangRuntime:
         scheduler, allocator = self.scheduler, self.allocator
         waiting = _num_waiting(scheduler)
         refused = allocator.refused_tokens if waiting else 0
-        parked = allocator.parked_chunk_tokens
+        # set by the last admission round, which SGLang skips with nothing queued and no
+        # chunked request: a parked chunk whose request was aborted or retracted is gone
+        parked = allocator.parked_chunk_tokens if _chunked_request(scheduler) is not None else 0
         pages = allocator.blocks.pages
         limited = pages.target_pages is not None and pages.target_pages < pages.num_pages
         page = allocator.page_size

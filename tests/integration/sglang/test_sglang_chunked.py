@@ -474,3 +474,42 @@ def test_output_reservation_counts_the_rest_of_a_chunked_prompt(
             break
     assert long.done and applied_at is not None
     assert long.generated == _reference(make_harness, cache_kind, [(long.tokens, 40)])[0]
+
+
+def test_an_aborted_chunk_that_waited_for_the_device_leaves_no_wait_behind(
+    make_harness: Make, monkeypatch: pytest.MonkeyPatch, cache_kind: str, overlap: bool
+) -> None:
+    """A continuation the full device parks reads ``device_out_of_memory`` with its chunk
+    in ``waiting_bytes``. Aborted, with nothing else queued, SGLang builds no admission
+    budget again (``get_new_batch_prefill`` returns first), so the parked chunk stayed in
+    the state of an idle engine until the next request came."""
+    device = SimDevice()
+    made = on_sim_device(monkeypatch, device, total_pages=10_000)
+    h = make_harness(cache_kind, chunked_prefill_size=CHUNK, overlap=overlap)
+    h.device = device
+    capped = made[-1][1]
+    assert capped is not None
+    long = h.submit(prompt(900, LONG), max_new_tokens=3)
+    h.iterate()
+    h.pool.before_schedule()  # unused promises go back: only the chunk's pages stay mapped
+    capped.total_pages = len(capped.inner.mapped_pages())  # another engine fills the device
+    for step in range(12):
+        h.iterate()
+        _check(h, device, f"step {step}")
+        if h.pool.state().waiting_reason == "device_out_of_memory":
+            break
+    state = h.pool.state()
+    assert h.chunked is long and state.waiting_reason == "device_out_of_memory", state
+    assert state.waiting_bytes > 0 and state.num_running_requests == 1
+    assert h.abort(long)
+    for step in range(3):
+        h.iterate()
+        _check(h, device, f"aborted {step}")
+    assert h.is_fully_idle() and long.row is None
+    state = h.pool.state()
+    assert state.waiting_reason is None and state.waiting_bytes == 0, state
+    assert state.num_running_requests == 0 and state.num_waiting_requests == 0
+    capped.total_pages = 10_000
+    again = h.submit(prompt(900, LONG), max_new_tokens=3)
+    h.run_until_idle()
+    assert again.generated == _reference(make_harness, cache_kind, [(again.tokens, 3)])[0]
