@@ -13,7 +13,9 @@ file behind.
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
 import time
 from collections.abc import Iterator
@@ -145,6 +147,94 @@ def test_limit_lowered_while_generation_is_paused_applies_in_the_overlap_loop(
         assert engine.results([pool.submit(engine.generate, p, 8, 180) for p in prompts]) == (
             reference
         )
+
+
+LONG = make_document(3800, seed=9)  # 30 chunks of CHUNK tokens (a few ms each here)
+ALONE = [make_document(3900, seed=10 + i) for i in range(8)]  # 31 chunks each
+
+
+def _left_mid_prefill(engine: Engine, text: str, leave_after_s: float) -> str:
+    """A streamed ``/generate`` whose client goes away when no token came within
+    ``leave_after_s`` (the prompt is still being prefilled, chunk by chunk, or waits for
+    its turn): SGLang aborts it. "streamed" if a token came first."""
+    deadline = time.monotonic() + leave_after_s
+    try:
+        with httpx.stream(
+            "POST",
+            engine.server.base_url + "/generate",
+            json={
+                "text": text,
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+                "stream": True,
+            },
+            timeout=leave_after_s,
+        ) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:]).get("output_ids"):
+                    return "streamed"  # a token came first: the prefill was over
+                if time.monotonic() > deadline:
+                    return "left"
+    except httpx.TimeoutException:
+        return "left"
+    return "finished"
+
+
+def test_long_prompts_left_mid_prefill_while_limits_arrive(engine: Engine) -> None:
+    """Long prompts (prefilled in chunks) whose clients leave mid-prefill, some over the
+    stashed chunks of the ones left before, while limits 0, one page bundle, just below
+    what is mapped and a random one arrive over the control socket (the sidecar's
+    path), then a limit the requests kept can run under. The server keeps serving (the
+    kept requests' tokens are those of an unlimited run); once the requests ended the
+    memory measured from ``/proc`` is at or under each limit set afterwards; while a
+    long prompt is prefilled alone the state counts it as running."""
+    engine.flush()
+    kept = [f"{DOC} kept {i}" for i in range(4)]
+    reference = [engine.generate(p, max_new_tokens=8)[0] for p in kept]
+    warm = engine.quiet_state()
+    bundle = warm["page_bundle_bytes"]
+
+    rng = random.Random(9)
+    limits = [0, bundle, warm["mapped_bytes"] - bundle - 1, rng.randrange(2, 40) * bundle]
+    with ThreadPoolExecutor(16) as pool:
+        left = [
+            pool.submit(_left_mid_prefill, engine, text, 0.02 + 0.04 * i)
+            for i, text in enumerate(
+                [f"{LONG} {i}" for i in range(5)] + [f"{i} {LONG}" for i in range(5)]
+            )
+        ]
+        futures = [pool.submit(engine.generate, p, 8, 300) for p in kept]
+        for limit in limits:
+            engine.set_limit(limit)
+            time.sleep(0.3)
+        engine.set_limit(warm["mapped_bytes"] + 64 * bundle)  # the kept requests fit
+        outcomes = [f.result() for f in left]
+        assert engine.results(futures, timeout_s=240) == reference
+    print(f"\nclients that left before a token: {outcomes.count('left')} of {len(outcomes)}")
+    assert outcomes.count("left") >= 5, outcomes  # (one prompt is prefilled at a time)
+    assert engine.healthy()
+    for limit in (warm["mapped_bytes"] // 2, bundle, 0):
+        revision = engine.set_limit(limit)
+        applied = engine.wait_state(revision, status="applied")
+        measured = engine.server.kv_memfd_bytes()
+        assert applied["mapped_bytes"] == measured <= limit, (applied, measured)
+    engine.wait_state(engine.set_limit(None), status="applied")
+    assert engine.generate(kept[0], max_new_tokens=8)[0] == reference[0]
+    # eight at once, one prefilled in chunks at a time: the state counts it as running
+    with ThreadPoolExecutor(8) as pool:
+        alone = [pool.submit(engine.generate, text, 1, 300) for text in ALONE]
+        seen: list[tuple[int, int]] = []
+        while not all(f.done() for f in alone):
+            state = engine.state()
+            seen.append((state["num_running_requests"], state["num_waiting_requests"]))
+            time.sleep(0.005)
+        engine.results(alone, timeout_s=240)
+    queued = [s for s in seen if s[1] >= 1]  # one chunked (or just done), the others wait
+    counted = [s for s in queued if s[0] == 1]
+    print(
+        f"states with requests queued behind a chunked one: {len(queued)}, counted {len(counted)}"
+    )
+    assert len(counted) >= 3 and 2 * len(counted) >= len(queued), seen  # was (0, 2), (0, 1)
+    assert [p for p in log_problems(engine.server.log_text()) if "Traceback" not in p] == []
 
 
 def test_zz_sigint_to_the_process_group_removes_socket_and_owner_file(engine: Engine) -> None:
