@@ -360,6 +360,11 @@ TOUCHES: tuple[Touch, ...] = (
         "_runtime counts the request in the middle of a chunked prefill as running",
     ),
     Touch(
+        "sglang.srt.managers.schedule_batch:ReqKvInfo.kv_allocated_len",
+        V0_5_23,
+        "_runtime reads what the chunked request holds (output reservation)",
+    ),
+    Touch(
         f"{_COMPONENTS}.invariant_checker:SchedulerInvariantChecker.max_total_num_tokens",
         V0_5_23,
         "_accounting sets the leak check's total",
