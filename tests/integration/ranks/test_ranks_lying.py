@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from allocator import BackendError, HostBackend, PageLayout
-from engine_ext.ranks import RankChannelBarrier, RankedBackend, RankGroup, memfd_view
-from engine_ext.ranks._group import _accept, _listen
+from engine_ext.ranks import RankChannelBarrier, RankedBackend, memfd_view
+
+from ._accepting import accept_ranks
 
 LAYOUT = PageLayout(page_bytes=4096, num_pages=8, num_regions=2)
 REPO = Path(__file__).resolve().parents[3]
@@ -61,19 +62,16 @@ def test_a_rank_that_acks_an_unmap_it_never_applied_is_caught_by_probe(
     name = "kvs-lying-rank"
     path = str(tmp_path / "r.sock")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    listener = _listen(path)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "engine_ext.ranks", "--socket", path, "--rank", "0"], env=env
-        ),
-        subprocess.Popen([sys.executable, "-c", _LYING_RANK, path, "1"], env=env),
-    ]
-    try:
-        ranks = _accept(listener, 2, procs, 30.0)
-    finally:
-        listener.close()
-        os.unlink(path)
-    group = RankGroup(ranks, procs)
+    group, procs = accept_ranks(
+        path,
+        lambda: [
+            subprocess.Popen(
+                [sys.executable, "-m", "engine_ext.ranks", "--socket", path, "--rank", "0"],
+                env=env,
+            ),
+            subprocess.Popen([sys.executable, "-c", _LYING_RANK, path, "1"], env=env),
+        ],
+    )
     owner = HostBackend.reserve(LAYOUT, name=name)
     try:
         backend = RankedBackend.start(owner, group, tp=2, pp=1, block_bytes=1024, slot_bytes=64)

@@ -187,8 +187,7 @@ def test_kill9_of_the_engine_alone_ends_every_rank_even_a_stopped_one(tmp_path: 
 def test_a_rank_started_through_a_wrapper_process_serves(tmp_path: Path) -> None:
     """A launcher that forks the rank (not exec) is its parent, not the engine: the rank must
     not take that for "the engine is gone" and exit (the start-up then failed)."""
-    from engine_ext.ranks import RankGroup
-    from engine_ext.ranks._group import _accept, _listen
+    from ._accepting import accept_ranks
 
     path = str(tmp_path / "r.sock")
     rank = [sys.executable, "-m", "engine_ext.ranks", "--socket", path, "--rank", "0"]
@@ -197,18 +196,16 @@ def test_a_rank_started_through_a_wrapper_process_serves(tmp_path: Path) -> None
         "-c",
         "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))",
     ]
-    listener = _listen(path)
-    proc = subprocess.Popen(
-        [*wrapper, *rank, "--parent-pid", str(os.getpid())],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+    group, (proc,) = accept_ranks(
+        path,
+        lambda: [
+            subprocess.Popen(
+                [*wrapper, *rank, "--parent-pid", str(os.getpid())],
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+            )
+        ],
     )
-    try:
-        ranks = _accept(listener, 1, [proc], 30.0)
-    finally:
-        listener.close()
-        os.unlink(path)
-    group = RankGroup(ranks, [proc])
     try:
         group.call("probe", 30.0)
     finally:

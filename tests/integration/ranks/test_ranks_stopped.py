@@ -23,7 +23,9 @@ import pytest
 
 from allocator import BackendError, HostBackend, PageLayout
 from engine_ext.ranks import RankChannelError, RankedBackend, RankGroup, memfd_view
-from engine_ext.ranks._group import _accept, _listen, _Rank
+from engine_ext.ranks._group import _Rank
+
+from ._accepting import accept_ranks
 
 LAYOUT = PageLayout(page_bytes=4096, num_pages=8, num_regions=2)
 BLOCK_BYTES = 1024  # 4 blocks per page: block 4 is the first of page 1
@@ -164,14 +166,9 @@ def test_a_rank_that_breaks_the_channel_is_ended(tmp_path: Path) -> None:
     """A rank declared dead for garbage on its socket still runs; it counts as mapping
     nothing (the owner gives back what the live ranks released), so the group ends it."""
     path = str(tmp_path / "r.sock")
-    listener = _listen(path)
-    proc = subprocess.Popen([sys.executable, "-c", _GARBLING_RANK, path])
-    try:
-        ranks = _accept(listener, 1, [proc], 30.0)
-    finally:
-        listener.close()
-        os.unlink(path)
-    group = RankGroup(ranks, [proc])
+    group, (proc,) = accept_ranks(
+        path, lambda: [subprocess.Popen([sys.executable, "-c", _GARBLING_RANK, path])]
+    )
     try:
         assert group.wait(group.broadcast("probe"), 30.0).value == "rank_failed"
         assert "channel error" in group.describe(group.wait(0, 0))
