@@ -176,17 +176,22 @@ class Storm:
 
 
 def storm(
-    core: EngineCore, seed: int, *, num_steps: int, device: SimDevice | None
+    core: EngineCore,
+    seed: int,
+    *,
+    num_steps: int,
+    device: SimDevice | None,
+    chaos_class: type[Storm] = Storm,
 ) -> tuple[Run, Storm | None]:
     """Arrivals drawn from ``seed`` (the same in every run); with ``device``, the chaos of
-    :class:`Storm` and the checks of every step. Returns the run and what the chaos did."""
+    ``chaos_class`` and the checks of every step. Returns the run and what the chaos did."""
     rng = random.Random(seed)
     run = Run()
     runtime = _runtime.current_runtime()
     assert runtime is not None and runtime.instance is not None and runtime.pool is not None
     instance = runtime.instance
     backend = runtime.pool._blocks.pages.backend
-    chaos = Storm(core, seed, device, run) if device is not None else None
+    chaos = chaos_class(core, seed, device, run) if device is not None else None
     live = chaos.live if chaos is not None else {}
     docs = [[rng.randrange(10, 3000) for _ in range(rng.choice((40, 64, 100)))] for _ in range(6)]
     step = next_id = 0
