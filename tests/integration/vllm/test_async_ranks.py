@@ -41,7 +41,7 @@ from engine_ext._barrier import BarrierOutcome
 from engine_ext.cpu_harness.vllm._multirank import MultiRankStubWorker
 from engine_ext.protocol import EngineState, Status
 from engine_ext.ranks import RankedBackend, RankGroup, memfd_view
-from engine_ext.vllm import _runtime
+from engine_ext.vllm import _runtime, plugin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -64,8 +64,8 @@ def rank_pages(pid: int, backend: RankedBackend) -> set[int]:
 
 
 def check_ranks(backend: RankedBackend, state: EngineState) -> None:
-    """Every rank alive, its view between the scheduler's pages and the owner's, within an
-    applied limit."""
+    """Every rank alive, its view between the scheduler's pages and the owner's (all three
+    the same when no unmap is in flight), within an applied limit."""
     group = backend.group
     assert not group.any_dead(), group.describe(BarrierOutcome.FAILED)
     assert all(r.alive for r in state.ranks) and len(state.ranks) == group.world_size
@@ -76,6 +76,8 @@ def check_ranks(backend: RankedBackend, state: EngineState) -> None:
         pages = rank_pages(pid, backend)
         assert scheduler <= pages, f"rank pid {pid} lacks pages {sorted(scheduler - pages)}"
         assert pages <= owner, f"rank pid {pid} maps pages {sorted(pages - owner)} given back"
+        if not backend.unmaps_in_flight:  # every unmap acked and punched out: one view
+            assert pages == owner == scheduler, (pid, sorted(pages ^ owner), sorted(owner))
         if state.status is Status.APPLIED and state.effective_limit_bytes is not None:
             assert len(pages) * layout.bundle_bytes <= state.effective_limit_bytes, (pid, state)
 
@@ -135,12 +137,13 @@ def slow_rank(monkeypatch: pytest.MonkeyPatch, rank: int, delay_s: float) -> Non
 
 
 @pytest.mark.parametrize(
-    ("tp", "pp", "num_pages", "seed", "slow"),
+    ("tp", "pp", "num_pages", "seed", "slow", "settings"),
     [
-        (2, 1, 64, 31, False),
-        (2, 1, 6, 32, False),
-        (2, 2, 8, 33, False),
-        (2, 1, 16, 34, True),
+        (2, 1, 64, 31, False, {}),
+        (2, 1, 6, 32, False, {}),
+        (2, 2, 8, 33, False, {}),
+        (2, 1, 16, 34, True, {}),
+        (2, 1, 12, 35, False, {"KVSIDECAR_RESERVE_PAGES": "3", "KVSIDECAR_RESERVE_OUTPUT": "1"}),
     ],
 )
 def test_the_async_loop_with_ranks_survives_the_storm(
@@ -151,7 +154,15 @@ def test_the_async_loop_with_ranks_survives_the_storm(
     num_pages: int,
     seed: int,
     slow: bool,
+    settings: dict[str, str],
 ) -> None:
+    """``slow``: rank 1's unmap acks outlast the barrier's wait; ``settings``: kvsidecar
+    settings (a page reserve refilled at safe points maps pages on every rank too)."""
+    if settings:
+        for key, value in settings.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(_runtime, "_configured", None)
+        plugin.register()  # the settings again (vLLM loads plugins only once)
     num_steps = 200 if slow else 300
     baseline = _baseline(plugin_env, seed, num_steps)  # synchronous, one rank, no limits
     monkeypatch.setenv("KVSIDECAR_STUB_TP", str(tp))
@@ -164,6 +175,11 @@ def test_the_async_loop_with_ranks_survives_the_storm(
         worker = core.model_executor.worker  # type: ignore[attr-defined]
         assert isinstance(worker, MultiRankStubWorker) and worker.group is not None
         assert core.batch_queue is not None and worker.group.world_size == tp * pp
+        configured = _runtime.current_runtime()
+        assert configured is not None  # the settings reached the engine's runtime
+        assert configured.engine_settings.reserve_pages == int(
+            settings.get("KVSIDECAR_RESERVE_PAGES", 0)
+        )
         stressed, chaos = ranked_storm(core, seed, num_steps)
         state, measured = drain_to_zero(core, chaos.idle_loop)
         runtime = _runtime.current_runtime()
