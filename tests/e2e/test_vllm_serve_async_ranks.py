@@ -7,9 +7,9 @@ servers for the module, started side by side: ``tp2`` (that loop with the ranks,
 registered with a real sidecar) and ``ref`` (the synchronous single-rank loop: the
 reference outputs, since the stub's tokens are computed from the KV read back). What
 each rank maps is read from its ``/proc/<pid>/maps``. The module ends with SIGTERM to
-``tp2``'s API server; fresh ``tp2`` servers get SIGINT (Ctrl-C, to the whole group)
-and ``kill -9`` of the API server alone, mid-generation: every rank process must end
-and no socket or shared-memory file may stay.
+``tp2``'s API server; fresh ``tp2`` servers get SIGINT (Ctrl-C, to the whole group),
+``kill -9`` of the API server alone and ``kill -9`` of one rank, mid-generation: every
+rank process must end and no socket or shared-memory file may stay.
 """
 
 from __future__ import annotations
@@ -179,8 +179,8 @@ def test_limit_zero_while_idle_unmaps_every_rank(engines: tuple[Engine, Engine])
 
 def _stop_mid_generation(tmp_path: Path, model_dir: Path, name: str, how: str) -> None:
     """A fresh ``tp2`` server, one streamed request running, then ``how``: ``sigint`` to
-    the whole group (Ctrl-C) or ``kill9`` of the API server alone. Every process, rank
-    and socket must go."""
+    the whole group (Ctrl-C), ``kill9`` of the API server alone, or ``kill9-rank`` of one
+    rank process. Every process, rank and socket must go."""
     engine = _start(tmp_path, model_dir, name, {**TP2, **_vllm_ipc_dir()}, async_scheduling=True)
     try:
         tree = engine.server.pids()
@@ -192,8 +192,10 @@ def _stop_mid_generation(tmp_path: Path, model_dir: Path, name: str, how: str) -
             held = _ipc_paths(engine.server)
             if how == "sigint":
                 os.killpg(engine.server.proc.pid, signal.SIGINT)
-            else:
+            elif how == "kill9":
                 os.kill(engine.server.proc.pid, signal.SIGKILL)  # the API server only
+            else:  # a rank dies: the next step fails, the EngineCore ends, vLLM's server too
+                os.kill(ranks[1], signal.SIGKILL)
             engine.server.proc.wait(timeout=60)
             wait_until(
                 lambda: not any(_alive(p) for p in tree),
@@ -208,6 +210,9 @@ def _stop_mid_generation(tmp_path: Path, model_dir: Path, name: str, how: str) -
         engine.server.stop()
     assert ASYNC_LOOP in engine.server.log_text()
     _assert_nothing_left(engine, held, log)
+    if how == "kill9-rank":  # the EngineCore's last words name the rank and what to do
+        assert f"rank 1 (pid {ranks[1]}): the rank process exited" in log, log[-4000:]
+        assert "restart the instance" in log
 
 
 def test_sigint_to_the_process_group_ends_every_rank(tmp_path: Path, model_dir: Path) -> None:
@@ -216,3 +221,9 @@ def test_sigint_to_the_process_group_ends_every_rank(tmp_path: Path, model_dir: 
 
 def test_kill_9_of_the_api_server_ends_every_rank(tmp_path: Path, model_dir: Path) -> None:
     _stop_mid_generation(tmp_path, model_dir, "tp2-kill", "kill9")
+
+
+def test_kill_9_of_a_rank_ends_the_server_and_every_process(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    _stop_mid_generation(tmp_path, model_dir, "tp2-rank", "kill9-rank")
