@@ -17,7 +17,9 @@ rank mapping only the floor.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,13 +28,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
+from support import wait_until
+from support.threads import in_foreign_thread
 from test_async_scheduling import DEVICE, SimDeviceExecutor
 from test_async_storm import Storm, _baseline, storm
 from test_engine_core_limits import (
+    Run,
     assert_same_outcomes,
     build_core,
     check_state,
     drain_to_zero,
+    make_request,
     plugin_env,
 )
 from vllm.v1.engine.core import EngineCore
@@ -40,8 +46,9 @@ from vllm.v1.engine.core import EngineCore
 from engine_ext._barrier import BarrierOutcome
 from engine_ext.cpu_harness.vllm._multirank import MultiRankStubWorker
 from engine_ext.protocol import EngineState, Status
-from engine_ext.ranks import RankedBackend, RankGroup, memfd_view
+from engine_ext.ranks import RankChannelError, RankedBackend, RankGroup, memfd_view
 from engine_ext.vllm import _runtime, plugin
+from sidecar._reports import report_problem
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -205,3 +212,49 @@ def test_the_async_loop_with_ranks_survives_the_storm(
     floor_pages = state.floor_bytes // backend.layout.bundle_bytes
     assert all(len(view) == floor_pages for view in views), views
     assert_same_outcomes(baseline, stressed, min_compared=20)
+
+
+def test_a_rank_that_dies_while_the_async_loop_idles_is_reported_at_once(
+    plugin_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank killed while the engine has no work: its pidfd wakes the busy loop (a WAKEUP
+    on the input queue, the idle callback armed), whose idle pass reports ``rank_failed``;
+    a limit published after that is never ``applied``, and the next step fails naming the
+    rank."""
+    monkeypatch.setenv("KVSIDECAR_STUB_TP", "2")
+    DEVICE.__init__(None)  # type: ignore[misc]
+    core = build_core(plugin_env, 16, max_model_len=256, executor=SimDeviceExecutor)
+    try:
+        runtime = _runtime.current_runtime()
+        assert runtime is not None and runtime.instance is not None
+        instance = runtime.instance
+        chaos = Storm(core, 0, DEVICE, Run())  # only its idle loop, what EngineCoreProc runs
+        chaos.calm = True
+        runtime._pass()
+        core.add_request(*core.preprocess_add_request(make_request("a", [7] * 60, 5)))
+        while core.scheduler.has_requests() or core.batch_queue:
+            core.step_fn()
+        chaos.idle_loop()
+        assert instance.state().status is Status.APPLIED
+        worker = core.model_executor.worker  # type: ignore[attr-defined]
+        victim = worker.group.pids[1]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not core.input_queue.empty(), what="the dead rank woke the engine")
+        chaos.idle_loop()
+        state = instance.state()
+        assert state.status is Status.DEFERRED and state.reason == "rank_failed", state
+        assert [(r.rank, r.alive) for r in state.ranks] == [(0, True), (1, False)]
+        assert report_problem(state, state.limit_bytes, state.revision) is None, state
+        in_foreign_thread(lambda: instance.set_limit(0))
+        chaos.idle_loop()
+        state = instance.state()
+        assert state.status is Status.DEFERRED and state.reason == "rank_failed", state
+        core.add_request(*core.preprocess_add_request(make_request("b", [9] * 60, 5)))
+        with pytest.raises(
+            RankChannelError, match=f"rank 1 \\(pid {victim}\\).*restart the instance"
+        ):
+            for _ in range(5):
+                core.step_fn()
+    finally:
+        DEVICE.at_point = None
+        core.shutdown()
