@@ -7,7 +7,8 @@ servers for the module, started side by side: ``tp2`` (that loop with the ranks,
 registered with a real sidecar) and ``ref`` (the synchronous single-rank loop: the
 reference outputs, since the stub's tokens are computed from the KV read back). What
 each rank maps is read from its ``/proc/<pid>/maps``. The module ends with SIGTERM to
-``tp2``'s API server; fresh ``tp2`` servers get SIGINT (Ctrl-C, to the whole group),
+``tp2``'s API server while idle; fresh ``tp2`` servers get SIGTERM (the API server
+alone), SIGINT (Ctrl-C, to the whole group),
 ``kill -9`` of the API server alone and ``kill -9`` of one rank, mid-generation: every
 rank process must end and no socket or shared-memory file may stay.
 """
@@ -179,8 +180,8 @@ def test_limit_zero_while_idle_unmaps_every_rank(engines: tuple[Engine, Engine])
 
 def _stop_mid_generation(tmp_path: Path, model_dir: Path, name: str, how: str) -> None:
     """A fresh ``tp2`` server, one streamed request running, then ``how``: ``sigint`` to
-    the whole group (Ctrl-C), ``kill9`` of the API server alone, or ``kill9-rank`` of one
-    rank process. Every process, rank and socket must go."""
+    the whole group (Ctrl-C), ``sigterm`` or ``kill9`` of the API server alone, or
+    ``kill9-rank`` of one rank process. Every process, rank and socket must go."""
     engine = _start(tmp_path, model_dir, name, {**TP2, **_vllm_ipc_dir()}, async_scheduling=True)
     try:
         tree = engine.server.pids()
@@ -192,6 +193,8 @@ def _stop_mid_generation(tmp_path: Path, model_dir: Path, name: str, how: str) -
             held = _ipc_paths(engine.server)
             if how == "sigint":
                 os.killpg(engine.server.proc.pid, signal.SIGINT)
+            elif how == "sigterm":
+                engine.server.signal(signal.SIGTERM)  # the API server only, as an orchestrator
             elif how == "kill9":
                 os.kill(engine.server.proc.pid, signal.SIGKILL)  # the API server only
             else:  # a rank dies: the next step fails, the EngineCore ends, vLLM's server too
@@ -217,6 +220,12 @@ def _stop_mid_generation(tmp_path: Path, model_dir: Path, name: str, how: str) -
 
 def test_sigint_to_the_process_group_ends_every_rank(tmp_path: Path, model_dir: Path) -> None:
     _stop_mid_generation(tmp_path, model_dir, "tp2-int", "sigint")
+
+
+def test_sigterm_to_the_api_server_mid_generation_ends_every_rank(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    _stop_mid_generation(tmp_path, model_dir, "tp2-term", "sigterm")
 
 
 def test_kill_9_of_the_api_server_ends_every_rank(tmp_path: Path, model_dir: Path) -> None:
