@@ -19,8 +19,13 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+from support import wait_until
 
 from engine_ext._runtime_dir import OWNER_FILE
+from engine_ext.ranks.__main__ import SIGNAL_GRACE_S
+
+from ._toy import BLOCK_SIZE, ToyEngine
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -236,3 +241,33 @@ def test_ranks_spawned_from_a_short_lived_thread_outlive_it(tmp_path: Path) -> N
         assert [state.alive for state in group.states()] == [True, True]
     finally:
         group.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_group_leaves_the_ranks_serving_until_the_engine_closes(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """Ctrl-C (SIGINT) or a service manager's stop (SIGTERM) reaches every process of the
+    group, the ranks with the engine, which may be in a step just then: the ranks must
+    still serve it (a rank that exited at once failed that step, and vLLM's EngineCore
+    ended with a fatal dead-rank error instead of its orderly shutdown), and exit when
+    the engine closes the stream."""
+    engine = ToyEngine(tmp_path, 2, 1)
+    pids = engine.group.pids
+    try:
+        req = engine.admit([100 + i for i in range(3 * BLOCK_SIZE)])
+        assert req is not None
+        for pid in pids:  # delivered before a rank reads the next op: its handler runs first
+            os.kill(pid, sig)
+        engine.decode(req, 2 * BLOCK_SIZE)  # steps and a map of a new page, on every rank
+        engine.finish(req)
+        engine.backend.probe(timeout_s=30)  # every rank alive, its /proc view as acked
+        assert not engine.group.any_dead()
+    finally:
+        engine.close()
+    # the engine closed the stream: the ranks exit now, well before their grace ends
+    wait_until(
+        lambda: not any(_alive(p) for p in pids),
+        timeout_s=SIGNAL_GRACE_S / 2,
+        what="the ranks to exit when the engine closed",
+    )
