@@ -18,7 +18,7 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -156,6 +156,45 @@ def _stream(engine: Engine, prompt: str, max_tokens: int, stop_after: int | None
     return "".join(text)
 
 
+def stream_through_limits(
+    engine: Engine,
+    api: httpx.Client,
+    instance_id: str,
+    prompts: list[str],
+    *,
+    max_tokens: int,
+    dropped: int,
+    full: int,
+    bundle: int,
+    after_each: Callable[[], None] = lambda: None,
+) -> tuple[list[str], list[str]]:
+    """Stream ``prompts``, and ``dropped`` clients that leave early, while the sidecar sets
+    limits from half of ``full`` down to one page bundle and lifts them: each limit reaches
+    the engine while it generates; the smallest leave requests waiting for memory (they do
+    not fit under them) until the last raise. ``after_each`` runs after each limit is
+    taken. Returns the streamed texts and the dropped clients' outcomes."""
+    with ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(_stream, engine, p, max_tokens) for p in prompts]
+        leaving = [
+            pool.submit(_stream, engine, f"{DOC} dropped {i}", 2000, stop_after=10 + 20 * i)
+            for i in range(dropped)
+        ]
+        wait_until(
+            lambda: engine.state()["num_running_requests"] >= 4,
+            what="requests running",
+            period_s=0.005,
+        )
+        for limit in (full // 2, 4 * bundle, full // 3, bundle, None):
+            if limit is None:
+                reply = api.delete(f"/instances/{instance_id}/limit")
+            else:
+                reply = api.put(f"/instances/{instance_id}/limit", json={"limit": limit})
+            assert reply.status_code in (200, 202), reply.text
+            wait_until(lambda v=limit: engine.state()["limit_bytes"] == v, what=f"limit {limit}")
+            after_each()
+        return [f.result() for f in streams], [f.result() for f in leaving]
+
+
 def test_the_server_runs_the_async_scheduling_loop(engines: tuple[Engine, Engine]) -> None:
     fast, sync = engines
     fast.complete("warm up", max_tokens=2)
@@ -187,28 +226,9 @@ def test_sidecar_limits_while_streaming_with_disconnects(
     _fill_prefix_cache(fast)
     full = fast.state()["mapped_bytes"]
     bundle = fast.state()["page_bundle_bytes"]
-    with ThreadPoolExecutor(16) as pool:
-        streams = [pool.submit(_stream, fast, p, 256) for p in kept]
-        dropped = [
-            pool.submit(_stream, fast, f"{DOC} dropped {i}", 2000, stop_after=10 + 20 * i)
-            for i in range(8)
-        ]
-        wait_until(
-            lambda: fast.state()["num_running_requests"] >= 4,
-            what="requests running",
-            period_s=0.005,
-        )
-        # each limit reaches the engine while it generates; the smallest ones leave
-        # requests waiting for memory (they do not fit under them) until the last raise
-        for limit in (full // 2, 4 * bundle, full // 3, bundle, None):
-            if limit is None:
-                reply = api.delete("/instances/async/limit")
-            else:
-                reply = api.put("/instances/async/limit", json={"limit": limit})
-            assert reply.status_code in (200, 202), reply.text
-            wait_until(lambda v=limit: fast.state()["limit_bytes"] == v, what=f"limit {limit}")
-        texts = [f.result() for f in streams]
-        outcomes = [f.result() for f in dropped]
+    texts, outcomes = stream_through_limits(
+        fast, api, "async", kept, max_tokens=256, dropped=8, full=full, bundle=bundle
+    )
     assert outcomes == ["disconnected"] * 8
     assert texts == reference
     # the dropped requests were aborted: nothing is left in the engine

@@ -33,6 +33,7 @@ from test_vllm_serve_async import (
     _remove_vllm_ipc_dirs,
     _stream,
     _vllm_ipc_dir,
+    stream_through_limits,
 )
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
@@ -123,33 +124,24 @@ def test_limits_while_streaming_with_disconnects_hold_on_every_rank(
 
     def check_ranks() -> None:
         # while requests run, a view may move between two reads (a step maps a page):
-        # both ranks alive here, their views against the limit once idle (below)
-        state = tp2.state()
-        assert len(rank_views(tp2)) == 2 and len(state["ranks"]) == 2, state
-        assert all(r["alive"] for r in state["ranks"]), state
+        # both ranks alive here (five reads after each limit), their views against the
+        # limit once idle (below)
+        for _ in range(5):
+            state = tp2.state()
+            assert len(rank_views(tp2)) == 2 and len(state["ranks"]) == 2, state
+            assert all(r["alive"] for r in state["ranks"]), state
 
-    with ThreadPoolExecutor(16) as pool:
-        streams = [pool.submit(_stream, tp2, p, 200) for p in kept]
-        dropped = [
-            pool.submit(_stream, tp2, f"{DOC} dropped {i}", 2000, stop_after=10 + 20 * i)
-            for i in range(6)
-        ]
-        wait_until(
-            lambda: tp2.state()["num_running_requests"] >= 4,
-            what="requests running",
-            period_s=0.005,
-        )
-        for limit in (full // 2, 4 * bundle, full // 3, bundle, None):
-            if limit is None:
-                reply = api.delete("/instances/tp2/limit")
-            else:
-                reply = api.put("/instances/tp2/limit", json={"limit": limit})
-            assert reply.status_code in (200, 202), reply.text
-            wait_until(lambda v=limit: tp2.state()["limit_bytes"] == v, what=f"limit {limit}")
-            for _ in range(5):
-                check_ranks()
-        texts = [f.result() for f in streams]
-        outcomes = [f.result() for f in dropped]
+    texts, outcomes = stream_through_limits(
+        tp2,
+        api,
+        "tp2",
+        kept,
+        max_tokens=200,
+        dropped=6,
+        full=full,
+        bundle=bundle,
+        after_each=check_ranks,
+    )
     assert outcomes == ["disconnected"] * 6
     assert texts == reference  # the single-rank synchronous server's tokens
     wait_until(lambda: tp2.requests_in_flight() == 0, what="the API server holds no request")
