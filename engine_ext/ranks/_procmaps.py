@@ -9,6 +9,7 @@ what that process maps -- measured by the OS, not counted by us.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 __all__ = ["file_view_bytes", "mapped_ranges", "memfd_view", "view_mapped_bytes"]
 
@@ -33,22 +34,30 @@ def view_mapped_bytes(pid: int | str, start: int, length: int) -> int:
     return sum(high - low for low, high in mapped_ranges(pid, start, length))
 
 
+def _readable_mappings(pid: int | str) -> Iterator[tuple[list[str], int]]:
+    """Every readable mapping in ``/proc/<pid>/maps`` that maps a file: its fields (address
+    range, perms, offset, device, inode, path) and its length."""
+    with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 5 or parts[1][0] != "r":
+                continue
+            low_s, high_s = parts[0].split("-")
+            yield parts, int(high_s, 16) - int(low_s, 16)
+
+
 def memfd_view(pid: int | str, name: str) -> list[tuple[int, int]]:
     """``(file_offset, length)`` of every readable mapping ``pid`` holds of memfd ``name``.
 
     Independent of any counter: the kernel's own list of the process's
     mappings, matched by the memfd's name (``/memfd:<name> (deleted)``).
     """
-    out: list[tuple[int, int]] = []
     prefix = f"/memfd:{name}"
-    with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
-        for line in maps:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6 or not parts[5].startswith(prefix) or parts[1][0] != "r":
-                continue
-            low_s, high_s = parts[0].split("-")
-            out.append((int(parts[2], 16), int(high_s, 16) - int(low_s, 16)))
-    return out
+    return [
+        (int(parts[2], 16), length)
+        for parts, length in _readable_mappings(pid)
+        if len(parts) == 6 and parts[5].startswith(prefix)
+    ]
 
 
 def file_view_bytes(pid: int | str, device: int, inode: int) -> int:
@@ -57,12 +66,8 @@ def file_view_bytes(pid: int | str, device: int, inode: int) -> int:
     The kernel's own list again; a memfd is matched by its inode, not its name
     (names need not be unique). Raises ``OSError`` if the process is gone."""
     dev = f"{os.major(device):02x}:{os.minor(device):02x}"
-    total = 0
-    with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
-        for line in maps:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 5 or parts[1][0] != "r" or parts[3] != dev or int(parts[4]) != inode:
-                continue
-            low_s, high_s = parts[0].split("-")
-            total += int(high_s, 16) - int(low_s, 16)
-    return total
+    return sum(
+        length
+        for parts, length in _readable_mappings(pid)
+        if parts[3] == dev and int(parts[4]) == inode
+    )
