@@ -76,3 +76,29 @@ def test_an_engine_names_a_misspelt_enable_switch(
         assert not load_engine_settings().enable
     assert "KVSIDECAR_ENABLED is not a kvsidecar setting" in caplog.text
     assert "did you mean KVSIDECAR_ENABLE?" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("KVSIDECAR_RANK_SEND_TIMEOUT_S", "0"),
+        ("KVSIDECAR_RANK_SEND_TIMEOUT_S", "-1"),
+        ("KVSIDECAR_RANK_SEND_TIMEOUT_S", "soon"),
+        ("KVSIDECAR_RANK_SEND_TIMEOUT_S", "7200"),
+        ("KVSIDECAR_HARNESS_ASYNC_SCHEDULING", "maybe"),
+    ],
+)
+def test_a_bad_harness_setting_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """The rank and async-loop knobs of the CPU harness refuse a value out of range or of the
+    wrong kind, naming the setting, rather than running with it."""
+    from pydantic import ValidationError
+
+    from engine_ext.cpu_harness.vllm._async_plugin import AsyncSchedulingSettings
+    from engine_ext.cpu_harness.vllm._multirank import MultiRankSettings
+
+    monkeypatch.setenv(name, value)
+    settings = MultiRankSettings if "RANK" in name else AsyncSchedulingSettings
+    with pytest.raises(ValidationError, match=name.removeprefix("KVSIDECAR_").lower()):
+        settings()
