@@ -34,7 +34,7 @@
  * blocks as a list (the caller runs its Python loop over it); take raises.
  * The pool's tests run the same random traffic through both and compare.
  *
- * RunningAllocate(original, pool_class, running, otherwise, refusal) is the
+ * RunningAllocate(original, pool_class, running, otherwise, refusal, ...) is the
  * replacement of KVCacheManager.allocate_slots (engine_ext/vllm/_runtime.py,
  * allocate_slots_patch): a method whose common call, a RUNNING request extending
  * while the pool's overdraft flag is up, goes straight to vLLM's original with
@@ -52,6 +52,12 @@
  * here and the Python method is not called; otherwise it is, with the same arguments.
  * The gate's fields are slots of StepState, VllmRuntime's base class, so reading them
  * costs no attribute lookup. The end hook runs as a ``finally`` block does.
+ *
+ * HitWindow(size) is engine_ext._hit_window.PrefixHitWindow with its ring in C: the
+ * runtime's prefix-hit window, which the plain admission records into without a
+ * Python frame. RunningAllocate's last argument, (Request, name), lets the admission
+ * read request.num_tokens as len(request.<name>) where the caller checked that the
+ * property is exactly that (engine_ext/vllm/_runtime.py, num_tokens_list).
  *
  * Only CPython's public API (3.11: the member descriptor's offset).
  */
@@ -746,6 +752,10 @@ typedef struct {
     PyObject *otherwise;  /* the Python replacement: admissions, other pools, no overdraft */
     PyObject *refusal;    /* DeviceFullError: the device had no page for a running request */
     PyObject *globals;    /* the runtime module's namespace (its "_runtime"), or NULL */
+    /* vLLM's Request and the name of the list its num_tokens property is the length of
+     * (checked by the caller against the property's code), or NULL: the admission reads
+     * len() of that list, not the property (a Python frame entered from C) */
+    PyObject *request_class, *token_list;
 } RunningAllocate;
 
 /* The plain admission in C (defined after StepState): sets *handled when it ran. */
@@ -813,13 +823,26 @@ static PyObject *
 RunningAllocate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *original, *pool_class, *running, *otherwise, *refusal, *globals = NULL;
+    PyObject *num_tokens_list = Py_None;
     if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
         PyErr_SetString(PyExc_TypeError, "RunningAllocate() takes no keyword arguments");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "OO!OOO|O!:RunningAllocate", &original, &PyType_Type,
-                          &pool_class, &running, &otherwise, &refusal, &PyDict_Type, &globals))
+    if (!PyArg_ParseTuple(args, "OO!OOO|O!O:RunningAllocate", &original, &PyType_Type,
+                          &pool_class, &running, &otherwise, &refusal, &PyDict_Type, &globals,
+                          &num_tokens_list))
         return NULL;
+    PyObject *request_class = NULL, *token_list = NULL;
+    if (num_tokens_list != Py_None &&
+        (!PyTuple_Check(num_tokens_list) || PyTuple_GET_SIZE(num_tokens_list) != 2 ||
+         !PyType_Check(request_class = PyTuple_GET_ITEM(num_tokens_list, 0)) ||
+         !PyUnicode_Check(token_list = PyTuple_GET_ITEM(num_tokens_list, 1)))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "RunningAllocate: num_tokens_list must be None or (Request, name)");
+        return NULL;
+    }
+    if (num_tokens_list == Py_None)
+        request_class = token_list = NULL;
     if (!PyCallable_Check(original) || !PyCallable_Check(otherwise)) {
         PyErr_SetString(PyExc_TypeError, "RunningAllocate: original and otherwise must be callable");
         return NULL;
@@ -838,6 +861,8 @@ RunningAllocate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->otherwise = Py_NewRef(otherwise);
     self->refusal = Py_NewRef(refusal);
     self->globals = Py_XNewRef(globals);
+    self->request_class = Py_XNewRef(request_class);
+    self->token_list = Py_XNewRef(token_list);
     return (PyObject *)self;
 }
 
@@ -849,6 +874,8 @@ RunningAllocate_traverse(RunningAllocate *self, visitproc visit, void *arg)
     Py_VISIT(self->otherwise);
     Py_VISIT(self->refusal);
     Py_VISIT(self->globals);
+    Py_VISIT(self->request_class);
+    Py_VISIT(self->token_list);
     return shim_traverse((MethodShim *)self, visit, arg);
 }
 
@@ -861,6 +888,8 @@ RunningAllocate_clear(RunningAllocate *self)
     Py_CLEAR(self->otherwise);
     Py_CLEAR(self->refusal);
     Py_CLEAR(self->globals);
+    Py_CLEAR(self->request_class);
+    Py_CLEAR(self->token_list);
     return 0;
 }
 
@@ -878,7 +907,8 @@ static PyGetSetDef RunningAllocate_getset[] = {
 };
 
 static PyType_Slot RunningAllocate_slots[] = {
-    {Py_tp_doc, "RunningAllocate(original, pool_class, running, otherwise, refusal): "
+    {Py_tp_doc, "RunningAllocate(original, pool_class, running, otherwise, refusal"
+                "[, globals[, num_tokens_list]]): "
                 "KVCacheManager.allocate_slots with its running-request path in C."},
     {Py_tp_new, RunningAllocate_new},
     {Py_tp_call, PyVectorcall_Call},
@@ -922,6 +952,7 @@ typedef struct {
     PyObject *device_refused;
     PyObject *in_update;
     PyObject *freed_in_update;
+    PyObject *hits;             /* the prefix-hit window (a HitWindow where built) */
 } StepState;
 
 #define STATE_FIELD(name, field, doc) \
@@ -946,6 +977,7 @@ static PyMemberDef StepState_members[] = {
     STATE_FIELD("_device_refused", device_refused, "refused because the device is full"),
     STATE_FIELD("_in_update", in_update, "inside update_from_output"),
     STATE_FIELD("_freed_in_update", freed_in_update, "the pool freed blocks there"),
+    STATE_FIELD("_hits", hits, "the prefix-hit window the admissions feed"),
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -953,7 +985,7 @@ static PyMemberDef StepState_members[] = {
     X(pool) X(blocks) X(pages) X(scheduler) X(fence) X(reservation) X(woken) X(steady) \
     X(seen_mapped) X(seen_device_full) X(seen_refused) X(seen_device_refused)           \
     X(refresh_due) X(demand_events) X(refused_blocks)                                   \
-    X(device_refused) X(in_update) X(freed_in_update)
+    X(device_refused) X(in_update) X(freed_in_update) X(hits)
 
 static int
 StepState_traverse(StepState *self, visitproc visit, void *arg)
@@ -1221,6 +1253,160 @@ update_bracket(StepHook *hook, PyObject *runtime, PyObject *const *args, size_t 
     return result;
 }
 
+/* -- HitWindow: the prefix-hit window in C ------------------------------------------ */
+
+/* engine_ext._hit_window.PrefixHitWindow with its ring in C arrays, so the plain
+ * admission below records into it without a Python frame (the Python class stays the
+ * reference; tests/integration/vllm/test_hit_window_c.py runs both over the same
+ * random admissions). Counts are C long long: a token count past 2**63 raises
+ * OverflowError, as no real one does. Invariants as in Python: the sums equal the
+ * ring's sums, 0 <= hit <= looked_up per slot. Scheduler thread only (no lock). */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t size;
+    Py_ssize_t next;         /* the slot the next admission overwrites */
+    long long hit, looked_up; /* the ring's sums */
+    long long changes;       /* admissions recorded so far */
+    long long *hit_ring, *looked_up_ring;
+} HitWindow;
+
+static PyTypeObject *HitWindow_type;
+
+/* One admission (PrefixHitWindow.record): hit outside 0..looked_up is clamped; nothing
+ * looked up is no information. */
+static void
+hit_window_add(HitWindow *self, long long hit, long long looked_up)
+{
+    if (looked_up <= 0)
+        return;
+    if (hit < 0)
+        hit = 0;
+    else if (hit > looked_up)
+        hit = looked_up;
+    Py_ssize_t i = self->next;
+    self->hit += hit - self->hit_ring[i];
+    self->looked_up += looked_up - self->looked_up_ring[i];
+    self->hit_ring[i] = hit;
+    self->looked_up_ring[i] = looked_up;
+    self->next = i + 1 == self->size ? 0 : i + 1;
+    self->changes++;
+}
+
+static int
+HitWindow_init(HitWindow *self, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"size", NULL};
+    Py_ssize_t size = 128; /* engine_ext._hit_window.HIT_WINDOW_ADMISSIONS */
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|n:HitWindow", keywords, &size))
+        return -1;
+    if (size < 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "the hit-rate window needs at least one admission, got %zd", size);
+        return -1;
+    }
+    long long *hits = PyMem_Calloc((size_t)size, sizeof(long long));
+    long long *looked = PyMem_Calloc((size_t)size, sizeof(long long));
+    if (hits == NULL || looked == NULL) {
+        PyMem_Free(hits);
+        PyMem_Free(looked);
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyMem_Free(self->hit_ring); /* __init__ called again: a fresh window */
+    PyMem_Free(self->looked_up_ring);
+    self->hit_ring = hits;
+    self->looked_up_ring = looked;
+    self->size = size;
+    self->next = 0;
+    self->hit = self->looked_up = self->changes = 0;
+    return 0;
+}
+
+static PyObject *
+HitWindow_record(HitWindow *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError,
+                     "record() takes 2 arguments (hit_tokens, looked_up_tokens), %zd given",
+                     nargs);
+        return NULL;
+    }
+    if (self->size < 1) {
+        PyErr_SetString(PyExc_RuntimeError, "HitWindow.__init__ was not called");
+        return NULL;
+    }
+    long long hit = PyLong_AsLongLong(args[0]);
+    if (hit == -1 && PyErr_Occurred())
+        return NULL;
+    long long looked_up = PyLong_AsLongLong(args[1]);
+    if (looked_up == -1 && PyErr_Occurred())
+        return NULL;
+    hit_window_add(self, hit, looked_up);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+HitWindow_rate(HitWindow *self, void *closure)
+{
+    (void)closure;
+    if (self->looked_up == 0)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble((double)self->hit / (double)self->looked_up);
+}
+
+static Py_ssize_t
+HitWindow_len(HitWindow *self)
+{
+    return self->changes < self->size ? (Py_ssize_t)self->changes : self->size;
+}
+
+static void
+HitWindow_dealloc(HitWindow *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyMem_Free(self->hit_ring);
+    PyMem_Free(self->looked_up_ring);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef HitWindow_methods[] = {
+    {"record", (PyCFunction)(void (*)(void))HitWindow_record, METH_FASTCALL,
+     "record(hit_tokens, looked_up_tokens): one admission (ints; a hit count outside "
+     "0..looked_up_tokens is clamped, nothing looked up is ignored)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef HitWindow_getset[] = {
+    {"rate", (getter)HitWindow_rate, NULL,
+     "hit tokens / looked-up tokens over the window; None before any admission", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef HitWindow_members[] = {
+    {"changes", T_LONGLONG, offsetof(HitWindow, changes), READONLY,
+     "admissions recorded so far: a cheap 'did the rate move' key"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot HitWindow_slots[] = {
+    {Py_tp_doc, "HitWindow(size=128): engine_ext._hit_window.PrefixHitWindow in C."},
+    {Py_tp_init, HitWindow_init},
+    {Py_tp_methods, HitWindow_methods},
+    {Py_tp_getset, HitWindow_getset},
+    {Py_tp_members, HitWindow_members},
+    {Py_sq_length, HitWindow_len},
+    {Py_tp_dealloc, HitWindow_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec HitWindow_spec = {
+    .name = "engine_ext.vllm._block_speedups.HitWindow",
+    .basicsize = sizeof(HitWindow),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = HitWindow_slots,
+};
+
 /* -- RunningAllocate's plain admission ---------------------------------------------- */
 
 /* VllmRuntime.allocating for an admission with no limit and no output reservation, the
@@ -1351,6 +1537,52 @@ refused_admission(PyObject *runtime, PyObject *request, PyObject *const *args, s
     Py_RETURN_NONE;
 }
 
+/* runtime._hits.record(hit, num_tokens): in C for a HitWindow (no Python frame), the
+ * method call for anything else (the Python PrefixHitWindow). 0, or -1 with an error. */
+static int
+record_hits(StepState *state, PyObject *hit, PyObject *num_tokens)
+{
+    PyObject *hits = state->hits;
+    if (hits != NULL && Py_IS_TYPE(hits, HitWindow_type) && ((HitWindow *)hits)->size > 0) {
+        long long h = PyLong_AsLongLong(hit);
+        if (h == -1 && PyErr_Occurred())
+            return -1;
+        long long n = PyLong_AsLongLong(num_tokens);
+        if (n == -1 && PyErr_Occurred())
+            return -1;
+        hit_window_add((HitWindow *)hits, h, n);
+        return 0;
+    }
+    hits = PyObject_GetAttr((PyObject *)state, s_hits);
+    if (hits == NULL)
+        return -1;
+    PyObject *done = PyObject_CallMethodObjArgs(hits, s_record, hit, num_tokens, NULL);
+    Py_DECREF(hits);
+    if (done == NULL)
+        return -1;
+    Py_DECREF(done);
+    return 0;
+}
+
+/* request.num_tokens: len() of the list the property reads, for exactly vLLM's Request
+ * whose property was checked to be that (see RunningAllocate's num_tokens_list). */
+static PyObject *
+request_num_tokens(RunningAllocate *self, PyObject *request)
+{
+    if (self->token_list != NULL && Py_IS_TYPE(request, (PyTypeObject *)self->request_class)) {
+        PyObject *tokens = PyObject_GetAttr(request, self->token_list);
+        if (tokens == NULL)
+            return NULL;
+        if (PyList_CheckExact(tokens)) {
+            Py_ssize_t n = PyList_GET_SIZE(tokens);
+            Py_DECREF(tokens);
+            return PyLong_FromSsize_t(n);
+        }
+        Py_DECREF(tokens); /* another container: the property, as it is */
+    }
+    return PyObject_GetAttr(request, s_num_tokens);
+}
+
 static PyObject *
 admit_fast(RunningAllocate *self, PyObject *const *args, size_t nargsf, PyObject *kwnames,
            int *handled)
@@ -1432,17 +1664,12 @@ admit_fast(RunningAllocate *self, PyObject *const *args, size_t nargsf, PyObject
     }
     Py_SETREF(state->demand_events, events);
     PyObject *hit = hit_tokens(args, nargsf, kwnames);
-    PyObject *num_tokens = hit == NULL ? NULL : PyObject_GetAttr(request, s_num_tokens);
-    PyObject *hits = num_tokens == NULL ? NULL : PyObject_GetAttr(runtime, s_hits);
-    PyObject *recorded =
-        hits == NULL ? NULL : PyObject_CallMethodObjArgs(hits, s_record, hit, num_tokens, NULL);
+    PyObject *num_tokens = hit == NULL ? NULL : request_num_tokens(self, request);
+    int recorded = num_tokens != NULL && record_hits(state, hit, num_tokens) == 0;
     Py_XDECREF(hit);
     Py_XDECREF(num_tokens);
-    Py_XDECREF(hits);
-    if (recorded == NULL)
+    if (!recorded)
         Py_CLEAR(result);
-    else
-        Py_DECREF(recorded);
 done:
     Py_XDECREF(in_schedule);
     Py_XDECREF(overdraft);
@@ -1624,6 +1851,14 @@ PyInit__block_speedups(void)
         return NULL;
     }
     StepState_type = (PyTypeObject *)type; /* the module's reference went to the module */
+    type = PyType_FromSpec(&HitWindow_spec);
+    if (type == NULL || PyModule_AddObject(module, "HitWindow", Py_NewRef(type)) < 0) {
+        Py_XDECREF(type);
+        Py_XDECREF(type);
+        Py_DECREF(module);
+        return NULL;
+    }
+    HitWindow_type = (PyTypeObject *)type; /* the module's reference went to the module */
     type = PyType_FromSpec(&StepHook_spec);
     if (type == NULL || PyModule_AddObject(module, "StepHook", type) < 0) {
         Py_XDECREF(type);

@@ -32,8 +32,10 @@ class RunningAllocate:
     module's namespace), a plain admission too: ``globals["_runtime"]`` a ``StepState``
     runtime of this manager's pool, no limit, no output reservation (what
     ``VllmRuntime.allocating`` does then, a refusal handed to its
-    ``_refused_admission``). Every other call goes to ``otherwise``. Binds to instances
-    as a function does."""
+    ``_refused_admission``). Every other call goes to ``otherwise``. ``num_tokens_list``
+    (``(Request, name)``, checked by ``_runtime.num_tokens_list``): that admission reads
+    ``request.num_tokens`` of exactly that class as ``len(request.<name>)`` when it is a
+    list. Binds to instances as a function does."""
 
     __wrapped__: Callable[..., Any]
     otherwise: Callable[..., Any]
@@ -45,6 +47,7 @@ class RunningAllocate:
         otherwise: Callable[..., Any],
         refusal: type[BaseException],
         globals: dict[str, Any] = ...,
+        num_tokens_list: tuple[type, str] | None = None,
     ) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
     def __get__(self, obj: object, owner: type | None = None) -> Any: ...
@@ -53,8 +56,19 @@ class StepState:
     """``VllmRuntime``'s base: the fields the step's brackets read, as object slots
     (``pool``, ``_blocks``, ``_pages``, ``_scheduler``, ``_fence``, ``_reservation``, the
     safe points' gate ``_woken``, ``_steady``, ``_seen_*``, ``_refresh_due``, the demand's
-    ``_demand_events``, ``_refused_blocks``, ``_device_refused``, and ``_in_update``,
-    ``_freed_in_update``). Unset until assigned."""
+    ``_demand_events``, ``_refused_blocks``, ``_device_refused``, the prefix-hit window
+    ``_hits``, and ``_in_update``, ``_freed_in_update``). Unset until assigned."""
+
+class HitWindow:
+    """``engine_ext._hit_window.PrefixHitWindow`` with its ring in C (the plain
+    admission records into it without a Python frame); counts are C ``long long``."""
+
+    changes: int
+    def __init__(self, size: int = 128) -> None: ...
+    def record(self, hit_tokens: int, looked_up_tokens: int) -> None: ...
+    @property
+    def rate(self) -> float | None: ...
+    def __len__(self) -> int: ...
 
 class StepHook:
     """``Scheduler.schedule`` (``kind`` "schedule") or ``Scheduler.update_from_output``

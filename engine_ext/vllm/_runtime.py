@@ -50,8 +50,9 @@ from engine_ext.vllm._pool_backing import DeviceFullError, PoolBacking
 from engine_ext.vllm._reserve import OutputReservation
 
 try:  # the per-step paths in C (engine_ext/vllm/_block_speedups.c; optional)
-    from engine_ext.vllm._block_speedups import RunningAllocate, StepHook, StepState
+    from engine_ext.vllm._block_speedups import HitWindow, RunningAllocate, StepHook, StepState
 except ImportError:  # no compiler at install: the Python replacements do it all
+    HitWindow = None  # type: ignore[assignment,misc]
     RunningAllocate = None  # type: ignore[assignment,misc]
     StepHook = None  # type: ignore[assignment,misc]
 
@@ -120,7 +121,11 @@ class VllmRuntime(StepState):
         self._refused_blocks = 0  # blocks the waiting requests need (set when one is refused)
         self._device_refused = False  # ... refused because the device (not the limit) is full
         self._num_preemptions = 0  # Scheduler._preempt_request calls (exact, patched)
-        self._hits = PrefixHitWindow()  # prefix_hit_rate over the last admissions
+        # prefix_hit_rate over the last admissions; in C where built (the plain admission
+        # in C records into it without a Python frame), else the Python reference
+        self._hits: PrefixHitWindow | HitWindow = (
+            PrefixHitWindow() if HitWindow is None else HitWindow()
+        )
         self._demand_key: tuple[int, ...] | None = None  # last Demand's inputs
         self._last_demand = Demand()
         # The demand gate (see _demand): bumped by every hooked event that moves a figure
@@ -805,7 +810,13 @@ def allocate_slots_patch(
         if RunningAllocate is None:
             return replacement
         return RunningAllocate(
-            original, pool_class, running, replacement, DeviceFullError, globals()
+            original,
+            pool_class,
+            running,
+            replacement,
+            DeviceFullError,
+            globals(),
+            num_tokens_list(),
         )
 
     def general(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -917,6 +928,36 @@ if (
 ):
     return _kvs_other({", ".join(inspect.signature(_allocate_slots_033).parameters)})
 """
+
+
+def _len_of_a_list(self: Any) -> int:  # the shape num_tokens_list() looks for
+    return len(self.tokens)
+
+
+def num_tokens_list() -> tuple[type, str] | None:
+    """(vLLM's ``Request``, ``name``) when its ``num_tokens`` property is exactly
+    ``return len(self.<name>)`` with the builtin ``len`` (the same bytecode as
+    :func:`_len_of_a_list`), else None. The C admission then reads the length of that
+    list (when it is a list) instead of calling the property, a Python frame entered
+    from C that cost about half the admission's own bookkeeping (bench/README.md)."""
+    import builtins
+
+    from vllm.v1.request import Request
+
+    prop = Request.__dict__.get("num_tokens")
+    fget = prop.fget if isinstance(prop, property) else None
+    code, shape = getattr(fget, "__code__", None), _len_of_a_list.__code__
+    if (
+        code is None
+        or code.co_code != shape.co_code
+        or code.co_consts != shape.co_consts
+        or code.co_argcount != 1
+        or len(code.co_names) != 2
+        or code.co_names[0] != "len"
+        or getattr(fget, "__globals__", {}).get("len", builtins.len) is not builtins.len
+    ):
+        return None
+    return Request, code.co_names[1]
 
 
 def _holds_blocks(manager: Any, request_id: str) -> bool:

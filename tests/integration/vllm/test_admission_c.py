@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import types
 from collections import defaultdict
 from typing import Any
 
@@ -312,3 +313,90 @@ def test_it_leaks_no_references(monkeypatch: pytest.MonkeyPatch) -> None:
         manager.log.clear()
         gc.collect()
         assert [sys.getrefcount(obj) for obj in watched] == before, outcome
+
+
+class TokenRequest:
+    """A request whose ``num_tokens`` is vLLM's shape, ``len(self.tokens)``, and counts
+    its reads (the C admission reads the list's length instead, where it may)."""
+
+    reads = 0
+
+    def __init__(self, status: Any, tokens: Any) -> None:
+        self.status = status
+        self.request_id = "req"
+        self.num_computed_tokens = 0
+        self.tokens = tokens
+
+    @property
+    def num_tokens(self) -> int:
+        type(self).reads += 1
+        return len(self.tokens)
+
+
+class TokenRequestChild(TokenRequest):
+    """Another class: its property may say anything, so it is called."""
+
+
+@pytest.mark.parametrize(
+    ("request_class", "tokens", "property_reads"),
+    [
+        (TokenRequest, list(range(90)), 0),  # the list's length, no property call
+        (TokenRequest, tuple(range(90)), 1),  # not a list: the property
+        (TokenRequestChild, list(range(90)), 1),  # not exactly the class checked
+    ],
+)
+def test_the_admission_reads_the_token_lists_length_only_where_checked(
+    monkeypatch: pytest.MonkeyPatch, request_class: type, tokens: Any, property_reads: int
+) -> None:
+    monkeypatch.setattr(_runtime, "num_tokens_list", lambda: (TokenRequest, "tokens"))
+    c_version, python_version = _replacements(monkeypatch)
+    seen = []
+    for version in (c_version, python_version):
+        runtime, manager, _, args, kwargs = _build({**PLAIN, "call": 1})
+        assert runtime is not None
+        monkeypatch.setattr(_runtime, "_runtime", runtime)
+        request = request_class(RequestStatus.WAITING, tokens)
+        request_class.reads = 0  # type: ignore[attr-defined]
+        assert version(manager, request, *args, **kwargs) == "new blocks"
+        reads = request_class.reads  # type: ignore[attr-defined]
+        assert reads == (property_reads if version is c_version else 1)
+        assert runtime.python_admissions == (0 if version is c_version else 1)
+        seen.append((runtime._hits.rate, runtime._hits.changes, runtime._demand_events))
+        if version is c_version:  # no reference leaked on this path either
+            gc.collect()
+            before = [sys.getrefcount(obj) for obj in (request, request.tokens)]
+            for _ in range(200):
+                version(manager, request, *args, **kwargs)
+            gc.collect()
+            assert [sys.getrefcount(obj) for obj in (request, request.tokens)] == before
+            assert runtime._hits.changes == 201
+    assert seen[0] == seen[1] and seen[0][:2] == (pytest.approx(32 / 90), 1)
+
+
+def test_num_tokens_list_accepts_only_the_length_of_one_attribute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.request import Request as VllmRequest
+
+    assert _runtime.num_tokens_list() == (VllmRequest, "_all_token_ids")  # vLLM 0.33
+    for other in [
+        property(lambda self: len(self._all_token_ids) + 1),  # not only the length
+        VllmRequest.__dict__["num_tokens_with_spec"],  # two lists
+        property(lambda self: self.num_prompt_tokens),  # no len()
+        42,  # no property at all
+    ]:
+        monkeypatch.setattr(VllmRequest, "num_tokens", other)
+        assert _runtime.num_tokens_list() is None, other
+    shape = property(lambda self: len(self.spec_token_ids))  # the shape: the list it reads
+    monkeypatch.setattr(VllmRequest, "num_tokens", shape)
+    assert _runtime.num_tokens_list() == (VllmRequest, "spec_token_ids")
+
+    def same_code(self: Any) -> int:
+        return len(self._all_token_ids)
+
+    # the same code with len shadowed in the globals it runs in
+    shadowed = types.FunctionType(same_code.__code__, {"len": lambda seq: 0})
+    monkeypatch.setattr(VllmRequest, "num_tokens", property(shadowed))
+    assert _runtime.num_tokens_list() is None
+    with pytest.raises(TypeError, match="num_tokens_list"):
+        RunningAllocate(_original, Pool, RequestStatus.RUNNING, _original, ValueError, {}, (1, 2))

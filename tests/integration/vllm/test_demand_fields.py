@@ -25,8 +25,10 @@ from test_engine_core_limits import (
     plugin_env,
 )
 
+from engine_ext import EngineSettings
 from engine_ext._hit_window import HIT_WINDOW_ADMISSIONS, PrefixHitWindow
-from engine_ext.vllm import _runtime
+from engine_ext.vllm import _block_speedups, _runtime
+from engine_ext.vllm._settings import VllmSettings
 
 pytestmark = pytest.mark.vllm
 __all__ = ["plugin_env"]  # the fixture, re-exported for pytest
@@ -74,8 +76,14 @@ def test_prefix_hit_rate_is_hit_tokens_over_looked_up_tokens(plugin_env: Path) -
         core.shutdown()
 
 
-def test_prefix_hit_window_keeps_the_last_admissions_only() -> None:
-    window = PrefixHitWindow(4)
+# the Python reference and the C window the vLLM runtime builds (its plain admission
+# records into it without a Python frame): each test runs on both
+WINDOWS = [PrefixHitWindow, _block_speedups.HitWindow]
+
+
+@pytest.mark.parametrize("window_class", WINDOWS)
+def test_prefix_hit_window_keeps_the_last_admissions_only(window_class: Any) -> None:
+    window = window_class(4)
     assert window.rate is None
     for _ in range(10):
         window.record(0, 100)  # cold admissions, then pushed out
@@ -86,17 +94,19 @@ def test_prefix_hit_window_keeps_the_last_admissions_only() -> None:
     window.record(5, 0)  # nothing looked up: ignored
     assert window.rate == pytest.approx((3 * 90 + 100) / 400)
     with pytest.raises(ValueError, match="at least one admission"):
-        PrefixHitWindow(0)
+        window_class(0)
     assert HIT_WINDOW_ADMISSIONS >= 1
+    assert len(window_class()) == 0 and window_class().rate is None  # default size
 
 
+@pytest.mark.parametrize("window_class", WINDOWS)
 @pytest.mark.parametrize("size", [1, 3, 128])
-def test_prefix_hit_window_equals_a_recount_of_the_last_admissions(size: int) -> None:
+def test_prefix_hit_window_equals_a_recount_of_the_last_admissions(
+    size: int, window_class: Any
+) -> None:
     """The ring's running sums against a recount of the last ``size`` recorded pairs."""
-    import random
-
     rng = random.Random(size)
-    window = PrefixHitWindow(size)
+    window = window_class(size)
     kept: list[tuple[int, int]] = []
     for _ in range(1000):
         looked_up = rng.choice([0, -3, rng.randint(1, 5000)])
@@ -105,7 +115,7 @@ def test_prefix_hit_window_equals_a_recount_of_the_last_admissions(size: int) ->
         if looked_up > 0:
             kept.append((min(max(hit, 0), looked_up), looked_up))
         last = kept[-size:]
-        assert len(window) == len(last)
+        assert len(window) == len(last) and window.changes == len(kept)
         if not last:
             assert window.rate is None
             continue
@@ -264,3 +274,31 @@ def test_a_busy_loop_refreshes_the_counts_in_its_idle_hook(plugin_env: Path) -> 
         assert state.mapped_bytes == backend.mapped_bytes()
     finally:
         core.shutdown()
+
+
+def test_the_c_hit_window_is_the_runtimes_and_matches_python_on_every_record() -> None:
+    """The runtime's window is the C one where built; the C and Python windows stay equal
+    (rate, length, changes) record by record, and the C one refuses what it cannot hold
+    (a count past a C long long, a non-int, a wrong arity) with nothing recorded."""
+    runtime = _runtime.VllmRuntime(EngineSettings(), VllmSettings())
+    assert type(runtime._hits) is _block_speedups.HitWindow
+    assert HIT_WINDOW_ADMISSIONS == 128  # the C window's default size is written as 128
+    rng = random.Random(17)
+    c_window, python_window = _block_speedups.HitWindow(), PrefixHitWindow()
+    for _ in range(3000):
+        looked_up = rng.choice([0, -1, 1, rng.randint(1, 1 << 40)])
+        hit = rng.choice([-1, 0, looked_up, looked_up + 1, rng.randint(0, 1 << 41)])
+        c_window.record(hit, looked_up)
+        python_window.record(hit, looked_up)
+        got = (c_window.rate, len(c_window), c_window.changes)
+        assert got == (python_window.rate, len(python_window), python_window.changes)
+    before = (c_window.rate, len(c_window), c_window.changes)
+    for bad_args, error in [
+        ((1, 1 << 63), OverflowError),
+        ((1 << 64, 5), OverflowError),
+        ((1.5, 5), TypeError),
+        ((1,), TypeError),
+    ]:
+        with pytest.raises(error):
+            c_window.record(*bad_args)
+    assert (c_window.rate, len(c_window), c_window.changes) == before
