@@ -760,22 +760,24 @@ typedef struct {
 
 /* The plain admission in C (defined after StepState): sets *handled when it ran. */
 static PyObject *admit_fast(RunningAllocate *self, PyObject *const *args, size_t nargsf,
-                            PyObject *kwnames, int *handled);
+                            PyObject *kwnames, PyObject *status, int *handled);
 
 static PyObject *s_status, *s_block_pool, *s_overdraft;
 
 /* 1: a RUNNING request of an ElasticBlockPool's manager, overdraft up; 0: not; -1: error.
- * The same reads, in the same order, as the Python replacement's check. */
+ * The same reads, in the same order, as the Python replacement's check. A request that
+ * is not RUNNING hands its status to *other (a new reference; the admission reads it). */
 static int
-running_fast(RunningAllocate *self, PyObject *manager, PyObject *request)
+running_fast(RunningAllocate *self, PyObject *manager, PyObject *request, PyObject **other)
 {
     PyObject *status = PyObject_GetAttr(request, s_status);
     if (status == NULL)
         return -1;
-    int fast = status == self->running;
-    Py_DECREF(status);
-    if (!fast)
+    if (status != self->running) {
+        *other = status;
         return 0;
+    }
+    Py_DECREF(status);
     PyObject *pool = PyObject_GetAttr(manager, s_block_pool);
     if (pool == NULL)
         return -1;
@@ -787,7 +789,7 @@ running_fast(RunningAllocate *self, PyObject *manager, PyObject *request)
     Py_DECREF(pool);
     if (overdraft == NULL)
         return -1;
-    fast = PyObject_IsTrue(overdraft);
+    int fast = PyObject_IsTrue(overdraft);
     Py_DECREF(overdraft);
     return fast;
 }
@@ -798,7 +800,8 @@ RunningAllocate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf,
 {
     RunningAllocate *self = (RunningAllocate *)op;
     if (PyVectorcall_NARGS(nargsf) >= 2) {
-        int fast = running_fast(self, args[0], args[1]);
+        PyObject *status = NULL; /* set when not RUNNING */
+        int fast = running_fast(self, args[0], args[1], &status);
         if (fast < 0)
             return NULL;
         if (fast) {
@@ -809,9 +812,12 @@ RunningAllocate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf,
             }
             return result;
         }
-        if (self->globals != NULL) {
+        if (status != NULL) { /* not RUNNING: an admission */
             int handled = 0;
-            PyObject *result = admit_fast(self, args, nargsf, kwnames, &handled);
+            PyObject *result = self->globals == NULL
+                                   ? NULL
+                                   : admit_fast(self, args, nargsf, kwnames, status, &handled);
+            Py_DECREF(status);
             if (handled)
                 return result;
         }
@@ -1486,14 +1492,15 @@ hit_tokens(PyObject *const *args, size_t nargsf, PyObject *kwnames)
     return Py_NewRef(zero);
 }
 
-/* The pool's two flags back as they were (an exception pending is kept). */
+/* The pool's two flags back as they were (an exception pending is kept); a NULL flag was
+ * not changed and is not stored again. */
 static int
 put_flags_back(PyObject *pool, PyObject *in_schedule, PyObject *overdraft)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    int failed = PyObject_SetAttr(pool, s_overdraft, overdraft) < 0 ||
-                 PyObject_SetAttr(pool, s_in_schedule, in_schedule) < 0;
+    int failed = (overdraft != NULL && PyObject_SetAttr(pool, s_overdraft, overdraft) < 0) ||
+                 (in_schedule != NULL && PyObject_SetAttr(pool, s_in_schedule, in_schedule) < 0);
     if (type != NULL) {
         if (failed)
             PyErr_Clear(); /* (plain attributes: never seen) the pending error is kept */
@@ -1585,7 +1592,7 @@ request_num_tokens(RunningAllocate *self, PyObject *request)
 
 static PyObject *
 admit_fast(RunningAllocate *self, PyObject *const *args, size_t nargsf, PyObject *kwnames,
-           int *handled)
+           PyObject *status, int *handled)
 {
     PyObject *manager = args[0], *request = args[1];
     PyObject *runtime = PyDict_GetItemWithError(self->globals, s_runtime); /* borrowed */
@@ -1603,13 +1610,12 @@ admit_fast(RunningAllocate *self, PyObject *const *args, size_t nargsf, PyObject
     Py_INCREF(runtime); /* the global may be rebound during vLLM's call */
     PyObject *pool = Py_NewRef(state->pool);
     PyObject *result = NULL, *in_schedule = NULL, *overdraft = NULL, *request_id = NULL;
-    /* the reads that decide: an Exception among them leaves it to Python */
-    PyObject *status = PyObject_GetAttr(request, s_status);
-    PyObject *managers_pool = status == NULL ? NULL : PyObject_GetAttr(manager, s_block_pool);
+    /* the reads that decide (status: the caller's, not RUNNING): an Exception among them
+     * leaves it to Python */
+    PyObject *managers_pool = PyObject_GetAttr(manager, s_block_pool);
     PyObject *target = managers_pool == NULL ? NULL : PyObject_GetAttr(state->pages, s_target_pages);
     int plain = target != NULL && status != self->running && managers_pool == pool &&
                 target == Py_None;
-    Py_XDECREF(status);
     Py_XDECREF(managers_pool);
     Py_XDECREF(target);
     if (plain) {
@@ -1625,9 +1631,14 @@ admit_fast(RunningAllocate *self, PyObject *const *args, size_t nargsf, PyObject
         goto done;
     }
     *handled = 1;
-    if (PyObject_SetAttr(pool, s_overdraft, Py_False) < 0 ||
-        PyObject_SetAttr(pool, s_in_schedule, Py_True) < 0) {
-        put_flags_back(pool, in_schedule, overdraft);
+    /* an admission's flags: overdraft down, in_schedule up; a flag already so is neither
+     * stored nor put back (two attribute stores fewer: outside schedule() overdraft is
+     * down, inside it in_schedule is up) */
+    PyObject *was_schedule = in_schedule == Py_True ? NULL : in_schedule;
+    PyObject *was_overdraft = overdraft == Py_False ? NULL : overdraft;
+    if ((was_overdraft != NULL && PyObject_SetAttr(pool, s_overdraft, Py_False) < 0) ||
+        (was_schedule != NULL && PyObject_SetAttr(pool, s_in_schedule, Py_True) < 0)) {
+        put_flags_back(pool, was_schedule, was_overdraft);
         goto done;
     }
     int device = 0;
@@ -1640,14 +1651,14 @@ admit_fast(RunningAllocate *self, PyObject *const *args, size_t nargsf, PyObject
         if (!held) {
             PyObject *freed = PyObject_CallMethodOneArg(manager, s_free, request);
             if (freed == NULL) {
-                put_flags_back(pool, in_schedule, overdraft);
+                put_flags_back(pool, was_schedule, was_overdraft);
                 goto done;
             }
             Py_DECREF(freed);
         }
         result = Py_NewRef(Py_None);
     }
-    if (put_flags_back(pool, in_schedule, overdraft) < 0) {
+    if (put_flags_back(pool, was_schedule, was_overdraft) < 0) {
         Py_CLEAR(result);
         goto done;
     }
