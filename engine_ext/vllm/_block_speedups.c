@@ -847,8 +847,6 @@ RunningAllocate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                         "RunningAllocate: num_tokens_list must be None or (Request, name)");
         return NULL;
     }
-    if (num_tokens_list == Py_None)
-        request_class = token_list = NULL;
     if (!PyCallable_Check(original) || !PyCallable_Check(otherwise)) {
         PyErr_SetString(PyExc_TypeError, "RunningAllocate: original and otherwise must be callable");
         return NULL;
@@ -1263,7 +1261,7 @@ update_bracket(StepHook *hook, PyObject *runtime, PyObject *const *args, size_t 
 
 /* engine_ext._hit_window.PrefixHitWindow with its ring in C arrays, so the plain
  * admission below records into it without a Python frame (the Python class stays the
- * reference; tests/integration/vllm/test_hit_window_c.py runs both over the same
+ * reference; tests/integration/vllm/test_demand_fields.py runs both over the same
  * random admissions). Counts are C long long: a token count past 2**63 raises
  * OverflowError, as no real one does. Invariants as in Python: the sums equal the
  * ring's sums, 0 <= hit <= looked_up per slot. Scheduler thread only (no lock). */
@@ -1328,6 +1326,25 @@ HitWindow_init(HitWindow *self, PyObject *args, PyObject *kwargs)
     return 0;
 }
 
+/* record() with its two ints as Python objects (the method and the plain admission):
+ * 0, or -1 with an error and nothing recorded. */
+static int
+hit_window_record(HitWindow *self, PyObject *hit_tokens, PyObject *looked_up_tokens)
+{
+    if (self->size < 1) {
+        PyErr_SetString(PyExc_RuntimeError, "HitWindow.__init__ was not called");
+        return -1;
+    }
+    long long hit = PyLong_AsLongLong(hit_tokens);
+    if (hit == -1 && PyErr_Occurred())
+        return -1;
+    long long looked_up = PyLong_AsLongLong(looked_up_tokens);
+    if (looked_up == -1 && PyErr_Occurred())
+        return -1;
+    hit_window_add(self, hit, looked_up);
+    return 0;
+}
+
 static PyObject *
 HitWindow_record(HitWindow *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1337,17 +1354,8 @@ HitWindow_record(HitWindow *self, PyObject *const *args, Py_ssize_t nargs)
                      nargs);
         return NULL;
     }
-    if (self->size < 1) {
-        PyErr_SetString(PyExc_RuntimeError, "HitWindow.__init__ was not called");
+    if (hit_window_record(self, args[0], args[1]) < 0)
         return NULL;
-    }
-    long long hit = PyLong_AsLongLong(args[0]);
-    if (hit == -1 && PyErr_Occurred())
-        return NULL;
-    long long looked_up = PyLong_AsLongLong(args[1]);
-    if (looked_up == -1 && PyErr_Occurred())
-        return NULL;
-    hit_window_add(self, hit, looked_up);
     Py_RETURN_NONE;
 }
 
@@ -1550,16 +1558,8 @@ static int
 record_hits(StepState *state, PyObject *hit, PyObject *num_tokens)
 {
     PyObject *hits = state->hits;
-    if (hits != NULL && Py_IS_TYPE(hits, HitWindow_type) && ((HitWindow *)hits)->size > 0) {
-        long long h = PyLong_AsLongLong(hit);
-        if (h == -1 && PyErr_Occurred())
-            return -1;
-        long long n = PyLong_AsLongLong(num_tokens);
-        if (n == -1 && PyErr_Occurred())
-            return -1;
-        hit_window_add((HitWindow *)hits, h, n);
-        return 0;
-    }
+    if (hits != NULL && Py_IS_TYPE(hits, HitWindow_type))
+        return hit_window_record((HitWindow *)hits, hit, num_tokens);
     hits = PyObject_GetAttr((PyObject *)state, s_hits);
     if (hits == NULL)
         return -1;

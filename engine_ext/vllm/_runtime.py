@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_ext._coordinator import Demand
 from engine_ext._errors import EngineExtConfigError
-from engine_ext._hit_window import PrefixHitWindow
+from engine_ext._hit_window import HIT_WINDOW_ADMISSIONS, PrefixHitWindow
 from engine_ext._inline import guarded_copy
 from engine_ext._parent import ParentWatch
 from engine_ext.protocol import DeferReason, EngineState, Status
@@ -123,9 +123,8 @@ class VllmRuntime(StepState):
         self._num_preemptions = 0  # Scheduler._preempt_request calls (exact, patched)
         # prefix_hit_rate over the last admissions; in C where built (the plain admission
         # in C records into it without a Python frame), else the Python reference
-        self._hits: PrefixHitWindow | HitWindow = (
-            PrefixHitWindow() if HitWindow is None else HitWindow()
-        )
+        window = PrefixHitWindow if HitWindow is None else HitWindow
+        self._hits: PrefixHitWindow | HitWindow = window(HIT_WINDOW_ADMISSIONS)
         self._demand_key: tuple[int, ...] | None = None  # last Demand's inputs
         self._last_demand = Demand()
         # The demand gate (see _demand): bumped by every hooked event that moves a figure
