@@ -524,19 +524,38 @@ def _step_requests(round_no: int, num_requests: int) -> list[Any]:
     ]
 
 
-def _timed(scheduler: Any, timings: list[float]) -> None:
+def _timed(
+    scheduler: Any, timings: list[float], windows: list[tuple[int, int]] | None = None
+) -> None:
     """Time ``schedule`` and ``update_from_output`` of this scheduler (this thread's CPU),
-    as the class has them at each call (patched or not)."""
+    as the class has them at each call (patched or not). ``windows``: each call's
+    ``CLOCK_MONOTONIC`` start and end in ns too (read outside the CPU-time bracket), for
+    ``bench/attribute_samples.py`` to put a sampling profiler's samples in them."""
     owner = type(scheduler)
     for name in ("schedule", "update_from_output"):
+        if windows is None:
 
-        def wrapper(*a: Any, _name: str = name, **k: Any) -> Any:
-            real = getattr(owner, _name)
-            t0 = time.thread_time()
-            try:
-                return real(scheduler, *a, **k)
-            finally:
-                timings.append(time.thread_time() - t0)
+            def wrapper(*a: Any, _name: str = name, **k: Any) -> Any:
+                real = getattr(owner, _name)
+                t0 = time.thread_time()
+                try:
+                    return real(scheduler, *a, **k)
+                finally:
+                    timings.append(time.thread_time() - t0)
+
+        else:
+
+            def wrapper(
+                *a: Any, _name: str = name, _w: list[tuple[int, int]] = windows, **k: Any
+            ) -> Any:
+                real = getattr(owner, _name)
+                m0 = time.monotonic_ns()
+                t0 = time.thread_time()
+                try:
+                    return real(scheduler, *a, **k)
+                finally:
+                    timings.append(time.thread_time() - t0)
+                    _w.append((m0, time.monotonic_ns()))
 
         setattr(scheduler, name, wrapper)
 
@@ -597,6 +616,7 @@ def scheduler_rounds(
     num_requests: int,
     warm: bool = False,
     kinds: tuple[str, str] = ("native", "elastic"),
+    windows: dict[str, list[tuple[int, int]]] | None = None,
 ) -> StepRounds:
     """Per-round seconds of scheduler work per step of the two ``kinds``
     ("native" or "elastic"; built in that order; ("native", "native") is an A/A
@@ -608,7 +628,9 @@ def scheduler_rounds(
     same moments of a shared machine; each round
     is the same fresh trace on both, with the prefix caches reset before it
     (``warm``: 8 MiB of KV cache each and no reset, so after the warm-up round
-    the cache is full and the elastic side maps no page).
+    the cache is full and the elastic side maps no page). ``windows``: filled with
+    each side's timed calls as ``CLOCK_MONOTONIC`` ns (start, end), by kind, all
+    rounds (the warm-up one too); the kinds must differ.
     """
     plain = _installed()
     patched = _patched(plain)
@@ -623,8 +645,11 @@ def scheduler_rounds(
         for i, (kind, engine) in enumerate(zip(kinds, engines))
     ]
     timings: list[list[float]] = [[], []]
+    if windows is not None and kinds[0] == kinds[1]:
+        raise ValueError("windows are kept by kind: an A/A control has none")
     for i, engine, _methods in sides:
-        _timed(engine.scheduler, timings[i])
+        side_windows = None if windows is None else windows.setdefault(kinds[i], [])
+        _timed(engine.scheduler, timings[i], side_windows)
     result = StepRounds()
     try:
         for round_no in range(rounds + 1):  # round 0 warms both up and is not kept
@@ -1123,6 +1148,13 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument(
+        "--windows",
+        type=Path,
+        help="write each side's timed scheduler calls (CLOCK_MONOTONIC ns, start and end) of "
+        "the step rounds to this JSON file, for bench/attribute_samples.py (engines in one "
+        "process only)",
+    )
+    parser.add_argument(
         "--bytecodes",
         action="store_true",
         help="only count the bytecodes of one pool trace per side (300 requests)",
@@ -1194,6 +1226,8 @@ def main() -> None:
         "costs; every step measurement honours it",
     )
     args = parser.parse_args()
+    if args.windows is not None and args.step_procs:
+        parser.error("--windows needs the engines in one process (leave out --step-procs)")
     _leave_off.update(name for name in args.leave_off.split(",") if name)
     global _churn
     _churn = args.churn
@@ -1270,7 +1304,12 @@ def main() -> None:
     step_rounds = (
         functools.partial(process_step_rounds, cpus=cpus) if args.step_procs else scheduler_rounds
     )
-    step = step_rounds(model_dir, args.rounds, 64, args.warm)
+    windows: dict[str, list[tuple[int, int]]] | None = None if args.windows is None else {}
+    if windows is not None:
+        step = scheduler_rounds(model_dir, args.rounds, 64, args.warm, windows=windows)
+        args.windows.write_text(json.dumps(windows))
+    else:
+        step = step_rounds(model_dir, args.rounds, 64, args.warm)
     native_step, elastic_step = step.a, step.b
     control_step: StepRounds | None = None
     if args.step_control:  # two native engines: what identical code measures here
