@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -139,8 +140,15 @@ def _complete_texts(engine: Engine, prompts: list[str], max_tokens: int) -> list
     return [r["choices"][0]["text"] for r in replies]
 
 
-def _stream(engine: Engine, prompt: str, max_tokens: int, stop_after: int | None = None) -> str:
-    """A streamed completion's text; ``stop_after`` chunks: the client goes away (an abort)."""
+def _stream(
+    engine: Engine,
+    prompt: str,
+    max_tokens: int,
+    stop_after: int | None = None,
+    started: threading.Semaphore | None = None,
+) -> str:
+    """A streamed completion's text; ``stop_after`` chunks: the client goes away (an abort).
+    ``started`` is released once, when the first chunk arrives (the request runs)."""
     text: list[str] = []
     body = {"model": engine.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     with httpx.stream(
@@ -151,6 +159,8 @@ def _stream(engine: Engine, prompt: str, max_tokens: int, stop_after: int | None
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             text.append(json.loads(line[len("data: ") :])["choices"][0]["text"])
+            if started is not None and len(text) == 1:
+                started.release()
             if stop_after is not None and len(text) >= stop_after:
                 return "disconnected"
     return "".join(text)
@@ -173,17 +183,19 @@ def stream_through_limits(
     the engine while it generates; the smallest leave requests waiting for memory (they do
     not fit under them) until the last raise. ``after_each`` runs after each limit is
     taken. Returns the streamed texts and the dropped clients' outcomes."""
+    started = threading.Semaphore(0)
     with ThreadPoolExecutor(16) as pool:
-        streams = [pool.submit(_stream, engine, p, max_tokens) for p in prompts]
+        streams = [pool.submit(_stream, engine, p, max_tokens, None, started) for p in prompts]
         leaving = [
             pool.submit(_stream, engine, f"{DOC} dropped {i}", 2000, stop_after=10 + 20 * i)
             for i in range(dropped)
         ]
-        wait_until(
-            lambda: engine.state()["num_running_requests"] >= 4,
-            what="requests running",
-            period_s=0.005,
-        )
+        # Requests run when the limits land: four streams have their first token, and each
+        # has up to max_tokens more to go. The clients tell, not GET /state: one CI run saw
+        # no count >= 4 there within 10 s, and on a loaded machine one GET /state of a
+        # busy engine took up to 1.2 s.
+        for n in range(4):
+            assert started.acquire(timeout=120), f"only {n} streams got a first token in 120 s"
         for limit in (full // 2, 4 * bundle, full // 3, bundle, None):
             if limit is None:
                 reply = api.delete(f"/instances/{instance_id}/limit")
