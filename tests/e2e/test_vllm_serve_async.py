@@ -192,8 +192,8 @@ def stream_through_limits(
         ]
         # Requests run when the limits land: four streams have their first token, and each
         # has up to max_tokens more to go. The clients tell, not GET /state: one CI run saw
-        # no count >= 4 there within 10 s, and on a loaded machine one GET /state of a
-        # busy engine took up to 1.2 s.
+        # no count >= 4 there within 10 s, and on a loaded machine one GET /state from this
+        # test took up to 1.2 s.
         for n in range(4):
             assert started.acquire(timeout=120), f"only {n} streams got a first token in 120 s"
         for limit in (full // 2, 4 * bundle, full // 3, bundle, None):
