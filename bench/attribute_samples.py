@@ -46,7 +46,7 @@ class Windows:
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
     sides: list[str] = field(default_factory=list)
-    kept_ns: dict[str, int] = field(default_factory=dict)  # window time per side
+    window_ns: dict[str, int] = field(default_factory=dict)  # window time per side
     calls: int = 0  # timed calls per side
 
     def side_at(self, t_ns: int) -> str | None:
@@ -83,7 +83,7 @@ def load_windows(path: Path) -> Windows:
         starts=[a for a, _, _ in rows],
         ends=[b for _, b, _ in rows],
         sides=[side for _, _, side in rows],
-        kept_ns={side: sum(b - a for a, b in calls[side]) for side in SIDES},
+        window_ns={side: sum(b - a for a, b in calls[side]) for side in SIDES},
         calls=len(calls["native"]),
     )
 
@@ -167,7 +167,7 @@ def main() -> None:
         )
     print(
         f"timed calls {windows.calls} per side; window time elastic/native "
-        f"{windows.kept_ns['elastic'] / windows.kept_ns['native']:.3f}; "
+        f"{windows.window_ns['elastic'] / windows.window_ns['native']:.3f}; "
         f"samples native {native}, elastic {elastic} ({elastic / native:.3f})"
     )
     print("by shared object:")

@@ -533,29 +533,17 @@ def _timed(
     ``bench/attribute_samples.py`` to put a sampling profiler's samples in them."""
     owner = type(scheduler)
     for name in ("schedule", "update_from_output"):
-        if windows is None:
 
-            def wrapper(*a: Any, _name: str = name, **k: Any) -> Any:
-                real = getattr(owner, _name)
-                t0 = time.thread_time()
-                try:
-                    return real(scheduler, *a, **k)
-                finally:
-                    timings.append(time.thread_time() - t0)
-
-        else:
-
-            def wrapper(
-                *a: Any, _name: str = name, _w: list[tuple[int, int]] = windows, **k: Any
-            ) -> Any:
-                real = getattr(owner, _name)
-                m0 = time.monotonic_ns()
-                t0 = time.thread_time()
-                try:
-                    return real(scheduler, *a, **k)
-                finally:
-                    timings.append(time.thread_time() - t0)
-                    _w.append((m0, time.monotonic_ns()))
+        def wrapper(*a: Any, _name: str = name, **k: Any) -> Any:
+            real = getattr(owner, _name)
+            m0 = 0 if windows is None else time.monotonic_ns()
+            t0 = time.thread_time()
+            try:
+                return real(scheduler, *a, **k)
+            finally:
+                timings.append(time.thread_time() - t0)
+                if windows is not None:
+                    windows.append((m0, time.monotonic_ns()))
 
         setattr(scheduler, name, wrapper)
 

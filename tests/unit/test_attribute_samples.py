@@ -57,7 +57,7 @@ def test_each_sample_goes_to_the_side_whose_window_holds_it(tmp_path: Path) -> N
     # native steps at 0-10 and 40-50, elastic at 20-30 and 60-75 (one thread, in turn)
     path = _write(tmp_path, {"native": [[0, 10], [40, 50]], "elastic": [[20, 30], [60, 75]]})
     windows = tool.load_windows(path)
-    assert windows.kept_ns == {"native": 20, "elastic": 25}
+    assert windows.window_ns == {"native": 20, "elastic": 25}
     samples = [
         (0, "f", "lib"),  # the first instant of a window
         (10, "f", "lib"),  # its last
