@@ -445,7 +445,8 @@ class Autopilot:
         memory now); register it with the service; store its floor (kept free should it
         die). All under the lock: a pass that ran between the fit and the registration
         would still count the instance dead (its floor only) and grow the others into the
-        room it was just given."""
+        room it was just given. The service vets the registration before anything is
+        stored, with the instance's place under the cap held throughout."""
         p = self.policy(instance_id)
         if p.device_id is not None and body.device_id is not None and body.device_id != p.device_id:
             raise DeviceMoveError(
@@ -454,9 +455,12 @@ class Autopilot:
                 f"forget it (kvctl forget {instance_id}) and start the engine again, or give "
                 "it another KVSIDECAR_INSTANCE_ID"
             )
-        async with self._lock:
+        async with self._lock, self._service.admission(instance_id):
+            # every refusal first: a refused registration must not leave its device (a
+            # policy row, a device in GET /devices) or a fitted limit behind
+            await self._service.vet_register(instance_id, body)
             await self._fit_returning(instance_id, body)
-            reply = await self._service.register(instance_id, body)
+            reply = await self._service.register(instance_id, body, vetted=True)
             await self._store_floors([instance_id])
         return reply
 

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import httpx
 
@@ -188,17 +188,36 @@ class InstanceService:
 
     # --- engine-facing -------------------------------------------------------------------
 
-    async def register(self, instance_id: str, body: RegisterBody) -> RegisterReply:
-        """Record the engine; adopt its revision if newer; answer with the desired limit."""
+    async def vet_register(self, instance_id: str, body: RegisterBody) -> None:
+        """Raise every refusal :meth:`register` can give (a bad socket path, an inconsistent
+        state, a second live engine process, the instance cap), writing nothing: a caller
+        that stores something of its own for the registration (the autopilot: the device,
+        a fitted limit) calls this first, inside :meth:`admission`, so that a refused
+        registration leaves nothing behind."""
         _check_socket_path(body.socket_path)
         self._check_report(instance_id, body.state)
         held = self._records.get(instance_id)
-        if (
-            held is not None
-            and self._second_holder(held, body.registration_token, "register")
-            and not await self._took_over_the_socket(held, body)
-        ):
+        if held is None:
+            self._check_room(instance_id)
+        elif self._second_holder(
+            held, body.registration_token, "register"
+        ) and not await self._took_over_the_socket(held, body):
             self._refuse_holder(held, "register")
+
+    def admission(self, instance_id: str) -> AbstractAsyncContextManager[None]:
+        """Hold a place for ``instance_id`` under ``max_instances`` (if it is new) for the
+        whole block: a registration vetted inside it cannot then meet a full sidecar."""
+        return self._admit(instance_id)
+
+    async def register(
+        self, instance_id: str, body: RegisterBody, *, vetted: bool = False
+    ) -> RegisterReply:
+        """Record the engine; adopt its revision if newer; answer with the desired limit.
+
+        ``vetted``: :meth:`vet_register` already passed for this body (the checks are not
+        run again; the holder check may ask the engine's socket)."""
+        if not vetted:
+            await self.vet_register(instance_id, body)
         reg = Registration(
             body.engine, body.engine_version, body.socket_path, body.device_total_bytes
         )
@@ -274,17 +293,23 @@ class InstanceService:
         if instance_id in self._records or instance_id in self._creating:
             yield
             return
+        self._check_room(instance_id)
+        self._creating.add(instance_id)
+        try:
+            yield
+        finally:
+            self._creating.discard(instance_id)
+
+    def _check_room(self, instance_id: str) -> None:
+        """Refuse a new id when ``max_instances`` are held (or being created)."""
+        if instance_id in self._records or instance_id in self._creating:
+            return
         cap = self._settings.max_instances
         if len(self._records) + len(self._creating) >= cap:
             raise TooManyInstancesError(
                 f"the sidecar already holds {cap} instances (KVSIDECAR_MAX_INSTANCES); forget "
                 "unused ones (kvctl forget ID) or raise the cap"
             )
-        self._creating.add(instance_id)
-        try:
-            yield
-        finally:
-            self._creating.discard(instance_id)
 
     def _second_holder(self, rec: InstanceRecord, token: str | None, what: str) -> bool:
         """Whether another live engine process holds the id (tokens differ, it lives)."""

@@ -6,6 +6,7 @@ host-memory engines measured from /proc are in test_autopilot_engines.py.
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from autopilot_sim import GiB, SimEngine, post_register, post_report
 from prometheus_client.parser import text_string_to_metric_families
 from support import ThreadedSidecar, wait_until
 
+from engine_ext.protocol import Status
 from sidecar import SidecarSettings
 
 DEV = "gpu-0"
@@ -457,6 +459,46 @@ def test_a_dead_engine_is_reassigned_and_fits_on_return(tmp_path: Path) -> None:
         assert a.register().status_code == 200  # back: its kept limit no longer fits
         room = 8 * GiB - max(b.mapped, _lim(c, "b"))
         assert _lim(c, "a") <= room
+        assert c.get("/instances/a").json()["policy"]["reason"] == "returned_fit"
+
+
+def test_a_refused_registration_leaves_no_device_policy_or_fitted_limit(
+    tmp_path: Path,
+) -> None:
+    """The service's refusals (instance cap, an inconsistent state) come before anything
+    the autopilot stores for a registration: its device (a policy row, a device in
+    GET /devices) and the fit of a returning engine's kept limit."""
+    db = tmp_path / "r.db"
+    settings = _settings(db, heartbeat_timeout_s=0.5, max_instances=2)
+    with ThreadedSidecar(settings) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        a, b = _two_busy_at_4g(c)
+        # a third id on another device, at the cap: 409, and no trace of it or its device
+        r = SimEngine(c, "third", "gpu-7").register()
+        assert r.status_code == 409 and "KVSIDECAR_MAX_INSTANCES" in r.json()["detail"]
+        assert "gpu-7" not in [d["id"] for d in c.get("/devices").json()["devices"]]
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            ids = {row[0] for row in conn.execute("SELECT id FROM policies")}
+        assert ids == {"a", "b"}
+        # a dies; b is given its memory; a's kept limit no longer fits
+        deadline = time.monotonic() + 10
+        while _lim(c, "b") < 7 * GiB:
+            assert time.monotonic() < deadline, c.get(f"/devices/{DEV}").json()
+            b.sync()
+            time.sleep(0.05)
+        before = c.get("/instances/a").json()
+        # its return with a state that contradicts itself (applied above its own limit)
+        lie = a.state(apply=False).model_copy(
+            update={"status": Status.APPLIED, "mapped_bytes": 6 * GiB}
+        )
+        r = post_register(c, "a", lie, a.capacity, DEV)
+        assert r.status_code == 422 and "inconsistent report" in r.json()["detail"], r.text
+        after = c.get("/instances/a").json()
+        assert after["desired"] == before["desired"]  # not fitted: no new limit, revision
+        assert after["policy"]["reason"] != "returned_fit"
+        assert after["status"] == "unreachable"
+        # the same return, consistent: fitted at once
+        a.mapped = 0
+        assert a.register().status_code == 200
         assert c.get("/instances/a").json()["policy"]["reason"] == "returned_fit"
 
 
