@@ -94,9 +94,13 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    # an answer to a request line that could not be read still has a status line and
+    # headers (the base class would answer such a request the HTTP/0.9 way: a bare body)
+    default_request_version = "HTTP/1.1"
     timeout = _CLIENT_TIMEOUT_S
     server_version = "kvsidecar-engine"
     _body_read = False  # the current request's body was consumed
+    raw_requestline: bytes  # set by the base class before parse_request()
 
     def address_string(self) -> str:
         return "unix"
@@ -104,7 +108,37 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         _log.debug("control socket: " + format, *args)
 
+    def parse_request(self) -> bool:
+        # HTTP/1.x only: the base class takes a two-word line as HTTP/0.9 and then waits
+        # for headers the client never sends
+        words = self.raw_requestline.split()
+        if len(words) != 3 or not words[2].startswith(b"HTTP/1."):
+            self.close_connection = True
+            line = self.raw_requestline.decode("latin-1").rstrip("\r\n")[:80]
+            self.command, self.request_version, self.requestline = "", "HTTP/1.1", line
+            self._problem(
+                HTTPStatus.BAD_REQUEST, f"cannot read the request line {line!r}: send HTTP/1.1"
+            )
+            return False
+        return bool(super().parse_request())
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The base class's own refusals (an unknown method, a request line or headers too
+        long, a bad header) as problem+json like every other answer; the connection closes."""
+        self.close_connection = True
+        status = HTTPStatus(code)
+        if status is HTTPStatus.NOT_IMPLEMENTED:
+            detail = (
+                f"unsupported method {self.command!r}; this socket serves PUT /limit, "
+                "GET /state, GET /healthz"
+            )
+        else:
+            detail = message or status.description
+        self._problem(status, detail)
+
     def do_GET(self) -> None:
+        if self._has_body():  # never read: it would be taken for the next request
+            self.close_connection = True
         if self.path == "/state":
             self._send_json(HTTPStatus.OK, self.server.mailbox.latest_state.model_dump(mode="json"))
         elif self.path == "/healthz":
@@ -150,6 +184,17 @@ class _Handler(BaseHTTPRequestHandler):
         if self._read_body(required=False) is not None:
             self._wrong_method()
 
+    do_PATCH = do_OPTIONS = do_DELETE
+
+    def do_HEAD(self) -> None:
+        self.close_connection = True  # the answer has a body, which a HEAD client does not read
+        self._wrong_method()
+
+    def _has_body(self) -> bool:
+        return bool(self.headers.get("Transfer-Encoding")) or self.headers.get(
+            "Content-Length", "0"
+        ).strip() not in ("", "0")
+
     def _wrong_method(self) -> None:
         if self.path in ("/limit", "/state", "/healthz"):
             self._problem(
@@ -171,17 +216,23 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._problem(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length header")
             return None
-        raw = self.headers.get("Content-Length")
-        if raw is None and not required:
+        values = {v.strip() for v in self.headers.get_all("Content-Length", [])}
+        if not values and not required:
             return b""
-        try:
-            length = int(raw) if raw is not None else -1
-        except ValueError:
-            length = -1
-        if length < 0:
+        if not values:
             self.close_connection = True
             self._problem(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length header")
             return None
+        raw = values.pop()
+        if values or not (raw.isascii() and raw.isdigit()):  # no sign, "_", or a second value
+            self.close_connection = True
+            self._problem(
+                HTTPStatus.BAD_REQUEST,
+                "Content-Length must be one byte count in ASCII digits, sent once; "
+                f"got {sorted(values | {raw})!r}",
+            )
+            return None
+        length = int(raw)
         if length > MAX_BODY_BYTES:
             self.close_connection = True  # the body is not read: the connection cannot be reused
             self._problem(

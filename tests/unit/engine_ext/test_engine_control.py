@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import socket
 import stat
 import threading
@@ -337,3 +338,157 @@ def _call_when_accepted(path: str, method: str, url: str) -> tuple[int, dict[str
 
 def _threads_named(name: str) -> int:
     return sum(1 for t in threading.enumerate() if t.name == name)
+
+
+def _replies(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """Split what the server sent on one connection into (status, headers, body) replies
+    (each framed by its Content-Length); raises on anything that is not such a reply."""
+    out = []
+    while data:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        assert sep, f"a reply without the end of its headers: {data[:200]!r}"
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        version, code, _phrase = status_line.split(" ", 2)
+        assert version == "HTTP/1.1", status_line
+        headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+        size = int(headers["content-length"])
+        assert len(rest) >= size, (status_line, headers, rest)
+        out.append((int(code), headers, rest[:size]))
+        data = rest[size:]
+    return out
+
+
+def _send_raw(path: str, request: bytes) -> bytes:
+    """Send ``request`` and half-close (the server sees the end of what was sent); read
+    until the server closes."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(15)
+    sock.connect(path)
+    with sock:
+        sock.sendall(request)
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+        return reply
+
+
+PUT_7 = b'PUT /limit HTTP/1.1\r\nContent-Length: 12\r\n\r\n{"limit": 7}'
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "code", "needle"),
+    [
+        (b"PATCH /limit HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 405, "PUT /limit"),
+        (b"HEAD /state HTTP/1.1\r\n\r\n", 405, "GET /state"),
+        (b"OPTIONS /limit HTTP/1.1\r\n\r\n", 405, "PUT /limit"),
+        (b"BREW /limit HTTP/1.1\r\n\r\n", 501, "unsupported method 'BREW'"),
+        (b"GARBAGE\r\n\r\n", 400, "request line 'GARBAGE'"),
+        (b"GET /state\r\n", 400, "send HTTP/1.1"),  # HTTP/0.9: answered, not left waiting
+        (b"GET /state HTTP/9.9\r\n\r\n", 400, "send HTTP/1.1"),
+        (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414, "URI"),
+        (b"GET /state HTTP/1.1\r\n" + b"X-A: b\r\n" * 200 + b"\r\n", 431, "header"),
+        # Content-Length read strictly: one value of ASCII digits (a second, different one,
+        # a sign or Python's "1_2" is how one request hides another)
+        (
+            b'PUT /limit HTTP/1.1\r\nContent-Length: 12\r\nContent-Length: 0\r\n\r\n{"limit": 5}',
+            400,
+            "sent once",
+        ),
+        (b'PUT /limit HTTP/1.1\r\nContent-Length: +12\r\n\r\n{"limit": 5}', 400, "ASCII digits"),
+        (b'PUT /limit HTTP/1.1\r\nContent-Length: 1_2\r\n\r\n{"limit": 5}', 400, "ASCII digits"),
+        (
+            b'PUT /limit HTTP/1.1\r\nContent-Length: \xd9\xa1\xd9\xa2\r\n\r\n{"limit": 5}',
+            400,
+            "ASCII",
+        ),
+    ],
+)
+def test_what_the_http_layer_refuses_is_problem_json_and_changes_nothing(
+    served: tuple[str, LimitMailbox, ShrinkCoordinator],
+    request_bytes: bytes,
+    code: int,
+    needle: str,
+) -> None:
+    """Refusals of the standard library's HTTP layer (unknown methods, unreadable request
+    lines, oversized lines and headers) read like every other answer of the socket: a
+    status line, problem+json, a detail that says what to send; the connection closes."""
+    path, mailbox, _ = served
+    before = (mailbox.desired, mailbox.latest_state)
+    [(got, headers, body)] = _replies(_send_raw(path, request_bytes))
+    problem = json.loads(body)
+    assert (got, problem["status"]) == (code, code), problem
+    assert headers["content-type"] == "application/problem+json"
+    # the connection closes unless the request was read whole (PATCH/OPTIONS: as DELETE)
+    read_whole = request_bytes.startswith((b"PATCH", b"OPTIONS"))
+    assert headers.get("connection") == (None if read_whole else "close")
+    assert needle in problem["detail"], problem
+    assert (mailbox.desired, mailbox.latest_state) == before and not mailbox.has_untaken
+    assert call(path, "GET", "/healthz")[0] == 200
+
+
+def test_a_get_body_is_never_taken_for_the_next_request(
+    served: tuple[str, LimitMailbox, ShrinkCoordinator],
+) -> None:
+    """A GET with a body carrying a whole PUT: the GET is answered, the connection closed,
+    and the PUT inside it never runs."""
+    path, mailbox, _ = served
+    request = b"GET /state HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(PUT_7), PUT_7)
+    [(got, headers, body)] = _replies(_send_raw(path, request))
+    assert got == 200 and headers["connection"] == "close" and json.loads(body)["revision"] == 0
+    time.sleep(0.2)  # a handler thread that went on to the hidden request would have published
+    assert mailbox.revision == 0 and not mailbox.has_untaken
+    # without a body the connection stays open for the next request, as before
+    replies = _replies(_send_raw(path, b"GET /state HTTP/1.1\r\n\r\n" + PUT_7))
+    assert [r[0] for r in replies] == [200, 200] and mailbox.desired.limit_bytes == 7
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mutated_requests_get_framed_answers_and_only_a_200_put_publishes(
+    served: tuple[str, LimitMailbox, ShrinkCoordinator], seed: int
+) -> None:
+    """Valid requests cut, spliced, byte-flipped and repeated, each on its own connection:
+    every byte the server sends back is a framed HTTP/1.1 reply (JSON, problem+json on
+    errors; no 5xx but 501 for a method it does not know), the socket keeps serving, and
+    the mailbox's revision moves only where a request was answered 200."""
+    path, mailbox, _ = served
+    rng = random.Random(seed)
+    seeds = [
+        PUT_7,
+        b'PUT /limit HTTP/1.1\r\nContent-Length: 29\r\n\r\n{"limit": "1G", "revision": 9}',
+        b"GET /state HTTP/1.1\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n",
+        b"DELETE /limit HTTP/1.1\r\n\r\n",
+    ]
+    for _ in range(150):
+        request = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 4)):
+            op = rng.random()
+            at = rng.randrange(len(request) + 1)
+            if op < 0.3 and request:  # flip a byte
+                request[min(at, len(request) - 1)] = rng.randrange(256)
+            elif op < 0.5:  # cut
+                del request[at:]
+            elif op < 0.7:  # splice in a piece of another request
+                other = rng.choice(seeds)
+                i = rng.randrange(len(other))
+                request[at:at] = other[i : i + rng.randint(1, 40)]
+            elif op < 0.85:  # a header line
+                header = rng.choice(
+                    [b"Content-Length: 3\r\n", b"Transfer-Encoding: chunked\r\n", b"X: \xff\r\n"]
+                )
+                request[at:at] = header
+            else:  # a second request behind it
+                request += rng.choice(seeds)
+        revision = mailbox.revision
+        replies = _replies(_send_raw(path, bytes(request)))
+        for got, headers, body in replies:
+            assert got < 500 or got == 501, (bytes(request), got, body)  # 501: a method
+            assert headers["content-type"] == (
+                "application/problem+json" if got >= 400 else "application/json"
+            )
+            json.loads(body)
+        # the revision moves only where some request on the connection was answered 200
+        # (a refused, cut or unanswered request publishes nothing)
+        assert mailbox.revision == revision or 200 in [r[0] for r in replies], bytes(request)
+    assert call(path, "GET", "/healthz")[0] == 200
