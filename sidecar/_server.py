@@ -25,6 +25,7 @@ its loggers propagate to the handler that
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
@@ -38,10 +39,40 @@ from ._settings import SidecarSettings
 __all__ = ["server_config"]
 
 _log = logging.getLogger("kvsidecar.http")
-_TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
-_BUSY_503 = (
-    b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\n"
-    b"content-length: 0\r\nretry-after: 1\r\n\r\n"
+
+
+def _problem_reply(status: int, title: str, detail: str, *headers: str) -> bytes:
+    """A whole problem+json answer that closes the connection, as raw bytes (for answers
+    given outside the app: the protocol's own refusals)."""
+    body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail})
+    head = [
+        f"HTTP/1.1 {status} {title}",
+        "content-type: application/problem+json",
+        "connection: close",
+        f"content-length: {len(body)}",
+        *headers,
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n" + body).encode()
+
+
+_TIMEOUT_408 = _problem_reply(
+    408,
+    "Request Timeout",
+    "the request's headers or body did not arrive in time (KVSIDECAR_HEADER_TIMEOUT_S, "
+    "KVSIDECAR_BODY_TIMEOUT_S); send the whole request at once",
+)
+_BUSY_503 = _problem_reply(
+    503,
+    "Service Unavailable",
+    "every connection the sidecar keeps (KVSIDECAR_MAX_CONNECTIONS) is busy; retry in a "
+    "second, and close connections your clients leave open",
+    "retry-after: 1",
+)
+_BAD_400 = _problem_reply(
+    400,
+    "Bad Request",
+    "the request is not valid HTTP/1.1: check the request line, that a Host header is "
+    "sent, and that the body has one Content-Length (digits only) or chunked encoding",
 )
 
 
@@ -114,6 +145,12 @@ class _GuardedH11(H11Protocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._follow_state()
+
+    def send_400_response(self, msg: str) -> None:
+        """What h11 cannot parse: problem+json like every other error (uvicorn: text)."""
+        self._disarm()
+        self.transport.write(_BAD_400)
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
