@@ -101,7 +101,7 @@ class SidecarClient:
         deadline = time.monotonic() + timeout_s
         delay = _BACKOFF_FIRST_S
         while not self._stop.is_set():
-            if self._register():
+            if self._attempt(self._register):
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -170,7 +170,7 @@ class SidecarClient:
     def _run(self) -> None:
         delay = _BACKOFF_FIRST_S
         while not self._stop.is_set():
-            ok = self._report_once() if self._registered else self._register()
+            ok = self._attempt(self._report_once if self._registered else self._register)
             if not ok:
                 self._stop.wait(delay)
                 delay = min(delay * 2, _BACKOFF_MAX_S, self._heartbeat_s)
@@ -179,6 +179,16 @@ class SidecarClient:
             if not self._registered:
                 continue  # the sidecar forgot us (404): register again at once
             self._wait_for_next_report()
+
+    def _attempt(self, call: Callable[[], bool]) -> bool:
+        """``call()``; a bug in it (an exception no answer should cause) is logged with its
+        traceback and counts as a failed attempt, retried with backoff: it must neither
+        stop the engine's start nor end this thread (reports, heartbeats, pulled limits)."""
+        try:
+            return call()
+        except Exception:  # noqa: BLE001 -- logged with its traceback, then retried
+            _log.exception("kvsidecar: talking to the sidecar failed unexpectedly; retrying")
+            return False
 
     def _wait_for_next_report(self) -> None:
         """Until a report is due: a state whose status, revision or reasons moved at once,
@@ -283,10 +293,12 @@ class SidecarClient:
 
 
 def _detail(response: httpx.Response) -> str:
+    """A refusal's ``detail``, else the start of its body (whatever the server sent)."""
     try:
-        detail = response.json().get("detail")
-    except ValueError:
-        detail = None
+        body = response.json()
+    except ValueError:  # not JSON, not UTF-8
+        body = None
+    detail = body.get("detail") if isinstance(body, dict) else None
     return str(detail or response.text[:200])
 
 

@@ -372,3 +372,130 @@ def test_no_sidecar_uses_configured_limit(pool: Pool, tmp_path: Path) -> None:
         assert inst.step().status is Status.APPLIED
     finally:
         inst.close()
+
+
+class HostileSidecar:
+    """A raw TCP server that answers every request with the next of ``answers`` (bytes
+    sent as they are, then the connection closed), or with ``good`` once it is set."""
+
+    def __init__(self, answers: list[bytes]) -> None:
+        self.answers = itertools.cycle(answers)
+        self.good: bytes | None = None
+        self.served = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                try:
+                    while b"\r\n\r\n" not in data:  # the request's headers (the body is small)
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            break
+                        data += chunk
+                    answer = self.good if self.good is not None else next(self.answers)
+                    self.served += 1
+                    conn.sendall(answer)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _answer(status: str, body: bytes, *headers: bytes) -> bytes:
+    head = [b"HTTP/1.1 " + status.encode(), b"Content-Length: %d" % len(body), *headers]
+    return b"\r\n".join([*head, b"Connection: close", b"", body])
+
+
+HOSTILE_ANSWERS = [
+    _answer("409 Conflict", b"[]"),  # a refusal whose JSON is not an object
+    _answer("409 Conflict", b'"held"'),
+    _answer("409 Conflict", b"\xff\xfe not utf-8"),
+    _answer("200 OK", b"[1, 2]"),
+    _answer("200 OK", b'{"limit": "lots", "revision": 3}'),
+    _answer("200 OK", b'{"limit": -5, "revision": 3}'),
+    _answer("200 OK", b'{"limit": 1, "revision": -1}'),
+    _answer("200 OK", b'{"limit": 1, "revision": 1e400}'),
+    _answer("200 OK", b"[" * 100_000 + b"]" * 100_000),
+    _answer("200 OK", b"not json at all"),
+    _answer("200 OK", b"{}", b"Content-Encoding: gzip"),  # not gzip
+    _answer("500 Internal Server Error", b"<html>oops</html>"),
+    _answer("404 Not Found", b"[]"),
+    b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{}",  # cut short
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",  # a bad chunk
+    b"garbage, not HTTP\r\n\r\n",
+    b"",  # closed without a word
+]
+
+
+def test_a_hostile_sidecar_never_ends_the_client_thread_nor_sets_a_limit(
+    pool: Pool, tmp_path: Path
+) -> None:
+    """Every answer a broken or hostile server could give to register and report (refusals
+    whose body is not an object, replies that are not RegisterReplies, limits and
+    revisions out of range, bodies cut short, bad encodings, not HTTP at all): the engine
+    starts unlimited, the client thread keeps trying, no limit is taken; once a sane
+    answer comes its limit is taken."""
+    server = HostileSidecar(HOSTILE_ANSWERS)
+    woken = threading.Event()
+    inst = make_instance(pool, tmp_path, server.url, woken, register_timeout_s=1, heartbeat_s=0.05)
+    try:
+        inst.start()
+        assert inst.sidecar is not None
+        deadline = time.monotonic() + 30
+        while server.served < 3 * len(HOSTILE_ANSWERS):  # every answer, several times
+            assert time.monotonic() < deadline, server.served
+            assert inst.sidecar._thread is not None and inst.sidecar._thread.is_alive()
+            time.sleep(0.05)
+        assert inst.sidecar._thread.is_alive()
+        assert inst.mailbox.revision == 0 and not woken.is_set()
+        server.good = _answer(
+            "200 OK", RegisterReply(limit=BUNDLE, revision=5).model_dump_json().encode()
+        )
+        assert woken.wait(30) and inst.mailbox.desired == Target(BUNDLE, 5)
+    finally:
+        inst.close()
+        server.close()
+
+
+def test_a_bug_in_handling_an_answer_is_logged_and_retried(
+    pool: Pool,
+    tmp_path: Path,
+    standin: StandIn,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An exception no answer should cause (here: taking the reply raises, twice) neither
+    stops the engine's start nor ends the client thread: it is logged with its traceback
+    and the call retried, and the retained limit is taken once the bug stops."""
+    real = SidecarClient._adopt
+    failures = iter([RuntimeError("bug 1"), RuntimeError("bug 2")])
+
+    def adopt(self: SidecarClient, response: Any) -> None:
+        exc = next(failures, None)
+        if exc is not None:
+            raise exc
+        real(self, response)
+
+    monkeypatch.setattr(SidecarClient, "_adopt", adopt)
+    standin.retained = RegisterReply(limit=2 * BUNDLE, revision=4)
+    woken = threading.Event()
+    inst = make_instance(pool, tmp_path, standin.url, woken, heartbeat_s=0.05)
+    try:
+        inst.start()  # the first register's reply raised: retried (in start or later)
+        assert woken.wait(10) and inst.mailbox.desired == Target(2 * BUNDLE, 4)
+        assert inst.sidecar is not None and inst.sidecar._thread is not None
+        assert inst.sidecar._thread.is_alive()
+        assert caplog.text.count("failed unexpectedly") == 2 and "bug 2" in caplog.text
+    finally:
+        inst.close()
