@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.soak import soak_seeds
 from test_sidecar_support import ThreadedSidecar
 
 from sidecar import SidecarSettings
@@ -403,7 +404,7 @@ def _settings(db: Path) -> SidecarSettings:
     )
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", soak_seeds() or range(4))
 def test_generated_requests_never_5xx_and_refusals_change_nothing(
     tmp_path: Path, seed: int
 ) -> None:

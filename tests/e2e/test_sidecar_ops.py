@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.soak import soak_seeds
 from test_sidecar_support import ThreadedSidecar, db_rows
 
 from engine_ext.protocol import MAX_CLIENT_REVISION, MAX_REVISION, REGISTRATION_HEADER
@@ -317,7 +318,7 @@ def test_what_the_http_parser_refuses_is_problem_json_and_changes_nothing(
         assert db_rows(db) == []
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", soak_seeds() or range(2))
 def test_mutated_requests_get_framed_problem_json_answers(db: Path, seed: int) -> None:
     """Valid requests cut, spliced, byte-flipped and repeated, each on its own connection
     (half-closed after sending): every byte the server sends back is a framed HTTP/1.1

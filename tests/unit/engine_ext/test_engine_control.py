@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from engine_pool import BUNDLE, Pool
+from support.soak import soak_seeds
 
 from engine_ext import (
     ControlServer,
@@ -443,7 +444,7 @@ def test_a_get_body_is_never_taken_for_the_next_request(
     assert [r[0] for r in replies] == [200, 200] and mailbox.desired.limit_bytes == 7
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", soak_seeds() or range(3))
 def test_mutated_requests_get_framed_answers_and_only_a_200_put_publishes(
     served: tuple[str, LimitMailbox, ShrinkCoordinator], seed: int
 ) -> None:
