@@ -455,12 +455,14 @@ class Autopilot:
                 f"forget it (kvctl forget {instance_id}) and start the engine again, or give "
                 "it another KVSIDECAR_INSTANCE_ID"
             )
-        async with self._lock, self._service.admission(instance_id):
+        async with self._lock:
             # every refusal first: a refused registration must not leave its device (a
-            # policy row, a device in GET /devices) or a fitted limit behind
+            # policy row, a device in GET /devices) or a fitted limit behind; a new id's
+            # place under the cap is then held until it is stored
             await self._service.vet_register(instance_id, body)
-            await self._fit_returning(instance_id, body)
-            reply = await self._service.register(instance_id, body, vetted=True)
+            async with self._service.admission(instance_id):
+                await self._fit_returning(instance_id, body)
+                reply = await self._service.register(instance_id, body, vetted=True)
             await self._store_floors([instance_id])
         return reply
 
