@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.rawhttp import framed_replies, mutated_request
 from support.soak import soak_seeds
 from test_sidecar_support import ThreadedSidecar, db_rows
 
@@ -167,7 +168,7 @@ def test_half_sent_requests_are_closed_and_health_still_answers(db: Path) -> Non
         for sock in headers_only + bodies + silent:
             answer = _read_until_closed(sock)
             assert answer.startswith(b"HTTP/1.1 408"), answer
-            [(_code, headers, body)] = _replies(answer)
+            [(_code, headers, body)] = framed_replies(answer)
             assert headers["content-type"] == "application/problem+json"
             assert "KVSIDECAR_HEADER_TIMEOUT_S" in json.loads(body)["detail"]
             sock.close()
@@ -242,7 +243,7 @@ def test_connections_beyond_the_cap_are_refused_when_all_are_busy(db: Path) -> N
                 answer = b"(accepted)"
             extra.close()
             if answer.startswith(b"HTTP/1.1 503"):
-                [(_code, headers, body)] = _replies(answer)
+                [(_code, headers, body)] = framed_replies(answer)
                 assert headers["content-type"] == "application/problem+json"
                 assert headers["retry-after"] == "1"
                 assert "KVSIDECAR_MAX_CONNECTIONS" in json.loads(body)["detail"]
@@ -260,24 +261,6 @@ def test_connections_beyond_the_cap_are_refused_when_all_are_busy(db: Path) -> N
                 pass
             assert time.monotonic() < deadline, "the sidecar never served again"
             time.sleep(0.05)
-
-
-def _replies(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
-    """What the server sent on one connection, split into (status, headers, body) replies
-    framed by their Content-Length; raises on anything else."""
-    out = []
-    while data:
-        head, sep, rest = data.partition(b"\r\n\r\n")
-        assert sep, f"a reply without the end of its headers: {data[:200]!r}"
-        status_line, *lines = head.decode("latin-1").split("\r\n")
-        version, code, _phrase = status_line.split(" ", 2)
-        assert version == "HTTP/1.1", status_line
-        headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
-        size = int(headers["content-length"])
-        assert len(rest) >= size, (status_line, rest)
-        out.append((int(code), headers, rest[:size]))
-        data = rest[size:]
-    return out
 
 
 def _send_whole(url: str, request: bytes) -> bytes:
@@ -308,7 +291,7 @@ def test_what_the_http_parser_refuses_is_problem_json_and_changes_nothing(
     """Requests h11 cannot read get problem+json like every other error (uvicorn's own
     answer is a line of text), and the connection is closed."""
     with _serve(db) as server:
-        [(code, headers, body)] = _replies(_send_whole(server.url, request_bytes))
+        [(code, headers, body)] = framed_replies(_send_whole(server.url, request_bytes))
         problem = json.loads(body)
         assert (code, problem["status"]) == (400, 400)
         assert headers["content-type"] == "application/problem+json"
@@ -343,34 +326,13 @@ def test_mutated_requests_get_framed_problem_json_answers(db: Path, seed: int) -
     ]
     with _serve(db, header_timeout_s=2, body_timeout_s=2, max_body_bytes=1024) as server:
         for _ in range(120):
-            request = bytearray(rng.choice(seeds))
-            for _ in range(rng.randint(1, 4)):
-                op = rng.random()
-                at = rng.randrange(len(request) + 1)
-                if op < 0.3 and request:  # flip a byte
-                    request[min(at, len(request) - 1)] = rng.randrange(256)
-                elif op < 0.5:  # cut
-                    del request[at:]
-                elif op < 0.7:  # splice in a piece of another request
-                    other = rng.choice(seeds)
-                    i = rng.randrange(len(other))
-                    request[at:at] = other[i : i + rng.randint(1, 40)]
-                elif op < 0.85:  # a header line
-                    request[at:at] = rng.choice(
-                        [
-                            b"Content-Length: 3\r\n",
-                            b"Transfer-Encoding: chunked\r\n",
-                            b"X: \xff\r\n",
-                        ]
-                    )
-                else:  # a second request behind it
-                    request += rng.choice(seeds)
-            replies = _replies(_send_whole(server.url, bytes(request)))
+            request = mutated_request(rng, seeds)
+            replies = framed_replies(_send_whole(server.url, request))
             for code, headers, body in replies:
-                assert code < 500, (bytes(request), code, body)
+                assert code < 500, (request, code, body)
                 assert headers["content-type"] == (
                     "application/problem+json" if code >= 400 else "application/json"
-                ), (bytes(request), code)
+                ), (request, code)
                 json.loads(body)
         assert httpx.get(f"{server.url}/healthz", timeout=30).status_code == 200
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from engine_pool import BUNDLE, Pool
+from support.rawhttp import framed_replies, mutated_request
 from support.soak import soak_seeds
 
 from engine_ext import (
@@ -341,24 +342,6 @@ def _threads_named(name: str) -> int:
     return sum(1 for t in threading.enumerate() if t.name == name)
 
 
-def _replies(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
-    """Split what the server sent on one connection into (status, headers, body) replies
-    (each framed by its Content-Length); raises on anything that is not such a reply."""
-    out = []
-    while data:
-        head, sep, rest = data.partition(b"\r\n\r\n")
-        assert sep, f"a reply without the end of its headers: {data[:200]!r}"
-        status_line, *lines = head.decode("latin-1").split("\r\n")
-        version, code, _phrase = status_line.split(" ", 2)
-        assert version == "HTTP/1.1", status_line
-        headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
-        size = int(headers["content-length"])
-        assert len(rest) >= size, (status_line, headers, rest)
-        out.append((int(code), headers, rest[:size]))
-        data = rest[size:]
-    return out
-
-
 def _send_raw(path: str, request: bytes) -> bytes:
     """Send ``request`` and half-close (the server sees the end of what was sent); read
     until the server closes."""
@@ -416,7 +399,7 @@ def test_what_the_http_layer_refuses_is_problem_json_and_changes_nothing(
     status line, problem+json, a detail that says what to send; the connection closes."""
     path, mailbox, _ = served
     before = (mailbox.desired, mailbox.latest_state)
-    [(got, headers, body)] = _replies(_send_raw(path, request_bytes))
+    [(got, headers, body)] = framed_replies(_send_raw(path, request_bytes))
     problem = json.loads(body)
     assert (got, problem["status"]) == (code, code), problem
     assert headers["content-type"] == "application/problem+json"
@@ -435,12 +418,12 @@ def test_a_get_body_is_never_taken_for_the_next_request(
     and the PUT inside it never runs."""
     path, mailbox, _ = served
     request = b"GET /state HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(PUT_7), PUT_7)
-    [(got, headers, body)] = _replies(_send_raw(path, request))
+    [(got, headers, body)] = framed_replies(_send_raw(path, request))
     assert got == 200 and headers["connection"] == "close" and json.loads(body)["revision"] == 0
     time.sleep(0.2)  # a handler thread that went on to the hidden request would have published
     assert mailbox.revision == 0 and not mailbox.has_untaken
     # without a body the connection stays open for the next request, as before
-    replies = _replies(_send_raw(path, b"GET /state HTTP/1.1\r\n\r\n" + PUT_7))
+    replies = framed_replies(_send_raw(path, b"GET /state HTTP/1.1\r\n\r\n" + PUT_7))
     assert [r[0] for r in replies] == [200, 200] and mailbox.desired.limit_bytes == 7
 
 
@@ -462,34 +445,16 @@ def test_mutated_requests_get_framed_answers_and_only_a_200_put_publishes(
         b"DELETE /limit HTTP/1.1\r\n\r\n",
     ]
     for _ in range(150):
-        request = bytearray(rng.choice(seeds))
-        for _ in range(rng.randint(1, 4)):
-            op = rng.random()
-            at = rng.randrange(len(request) + 1)
-            if op < 0.3 and request:  # flip a byte
-                request[min(at, len(request) - 1)] = rng.randrange(256)
-            elif op < 0.5:  # cut
-                del request[at:]
-            elif op < 0.7:  # splice in a piece of another request
-                other = rng.choice(seeds)
-                i = rng.randrange(len(other))
-                request[at:at] = other[i : i + rng.randint(1, 40)]
-            elif op < 0.85:  # a header line
-                header = rng.choice(
-                    [b"Content-Length: 3\r\n", b"Transfer-Encoding: chunked\r\n", b"X: \xff\r\n"]
-                )
-                request[at:at] = header
-            else:  # a second request behind it
-                request += rng.choice(seeds)
+        request = mutated_request(rng, seeds)
         revision = mailbox.revision
-        replies = _replies(_send_raw(path, bytes(request)))
+        replies = framed_replies(_send_raw(path, request))
         for got, headers, body in replies:
-            assert got < 500 or got == 501, (bytes(request), got, body)  # 501: a method
+            assert got < 500 or got == 501, (request, got, body)  # 501: a method
             assert headers["content-type"] == (
                 "application/problem+json" if got >= 400 else "application/json"
             )
             json.loads(body)
         # the revision moves only where some request on the connection was answered 200
         # (a refused, cut or unanswered request publishes nothing)
-        assert mailbox.revision == revision or 200 in [r[0] for r in replies], bytes(request)
+        assert mailbox.revision == revision or 200 in [r[0] for r in replies], request
     assert call(path, "GET", "/healthz")[0] == 200
