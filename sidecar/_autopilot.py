@@ -446,7 +446,7 @@ class Autopilot:
         die). All under the lock: a pass that ran between the fit and the registration
         would still count the instance dead (its floor only) and grow the others into the
         room it was just given. The service vets the registration before anything is
-        stored, with the instance's place under the cap held throughout."""
+        stored; a new id's place under the cap is held while it is stored."""
         p = self.policy(instance_id)
         if p.device_id is not None and body.device_id is not None and body.device_id != p.device_id:
             raise DeviceMoveError(

@@ -192,8 +192,8 @@ class InstanceService:
         """Raise every refusal :meth:`register` can give (a bad socket path, an inconsistent
         state, a second live engine process, the instance cap), writing nothing: a caller
         that stores something of its own for the registration (the autopilot: the device,
-        a fitted limit) calls this first, inside :meth:`admission`, so that a refused
-        registration leaves nothing behind."""
+        a fitted limit) calls this first, and stores under :meth:`admission`, so that a
+        refused registration leaves nothing behind."""
         _check_socket_path(body.socket_path)
         self._check_report(instance_id, body.state)
         held = self._records.get(instance_id)
