@@ -19,6 +19,7 @@ from ._settings import SidecarSettings
 from ._store import Store
 from ._transport import UnixSocketRouter
 from ._version import version
+from ._waits import WaitSlots
 
 __all__ = ["create_app"]
 
@@ -36,7 +37,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     await store.open()
     router = UnixSocketRouter()
     client = httpx.AsyncClient(transport=router, timeout=settings.push_timeout_s)
+    waits = WaitSlots(settings.wait_slots)
     metrics = Metrics()
+    metrics.add_waits(waits)
     service = InstanceService(store, client, settings, metrics, router=router)
     autopilot = Autopilot(store, service, settings, metrics)
     try:
@@ -45,6 +48,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.service = service
         app.state.autopilot = autopilot
         app.state.metrics = metrics
+        app.state.waits = waits
         yield
     finally:
         await autopilot.close()

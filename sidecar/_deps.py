@@ -14,6 +14,7 @@ from ._autopilot import Autopilot
 from ._errors import UnauthorizedError
 from ._service import InstanceService
 from ._settings import SidecarSettings
+from ._waits import WaitSlots
 
 __all__ = [
     "Authorized",
@@ -23,6 +24,7 @@ __all__ = [
     "Service",
     "Settings",
     "WaitSeconds",
+    "Waits",
 ]
 
 MAX_WAIT_S = 300.0
@@ -46,7 +48,13 @@ async def _autopilot(request: Request) -> Autopilot:
     return autopilot
 
 
+async def _waits(request: Request) -> WaitSlots:
+    waits: WaitSlots = request.app.state.waits
+    return waits
+
+
 Service = Annotated[InstanceService, Depends(_service)]
+Waits = Annotated[WaitSlots, Depends(_waits)]
 AutopilotDep = Annotated[Autopilot, Depends(_autopilot)]
 Settings = Annotated[SidecarSettings, Depends(_settings)]
 

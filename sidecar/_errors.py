@@ -6,6 +6,7 @@ Services raise these; the HTTP layer maps each class to one status code and an
     SidecarError
      ├── SidecarConfigError       bad settings or database path: fatal at start-up
      ├── StoreError               the database could not be written: transient (503)
+     ├── TooManyWaitsError        KVSIDECAR_MAX_WAITS clients already wait: transient (503)
      └── RequestError             the caller's request cannot be honoured (4xx)
           ├── InvalidInputError       a field is malformed (422)
           ├── UnknownInstanceError    no such instance (404)
@@ -39,6 +40,7 @@ __all__ = [
     "SidecarError",
     "StoreError",
     "TooManyInstancesError",
+    "TooManyWaitsError",
     "UnauthorizedError",
     "UnknownDeviceError",
     "UnknownInstanceError",
@@ -63,6 +65,25 @@ class SidecarConfigError(SidecarError):
 
 class StoreError(SidecarError):
     """The database refused a read or write (disk full, locked, read-only)."""
+
+
+class TooManyWaitsError(SidecarError):
+    """``KVSIDECAR_MAX_WAITS`` clients already long-poll or stream; nothing was changed."""
+
+    retry_after_s = 1
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"{limit} client{'s' if limit != 1 else ''} already wait{'' if limit != 1 else 's'} "
+            "here (long-polls with ?wait= and event streams with ?watch=1; KVSIDECAR_MAX_WAITS="
+            f"{limit}); nothing was changed. Retry in a second, "
+            "send the request without ?wait (then poll GET /instances/<id>), or close "
+            "dashboards and watches you do not need"
+        )
+        self.limit = limit
+
+    def extensions(self) -> dict[str, Any]:
+        return {"max_waits": self.limit}
 
 
 class RequestError(SidecarError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -18,13 +19,16 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine_ext.protocol import Status
 
 from ._models import InstanceView
 from ._version import build_info
+
+if TYPE_CHECKING:
+    from ._waits import WaitSlots
 
 __all__ = ["INSTANCE_LABEL", "Metrics"]
 
@@ -122,6 +126,29 @@ class _InstanceCollector(Collector):
         )
 
 
+class _WaitCollector(Collector):
+    """The waiting clients (long-polls, event streams) against their cap, at scrape time."""
+
+    def __init__(self, waits: WaitSlots) -> None:
+        self._waits = waits
+
+    def collect(self) -> Iterator[Metric]:
+        waits = self._waits
+        yield GaugeMetricFamily(
+            "kvsidecar_waiting_clients",
+            "Clients waiting in the app now: ?wait= long-polls and ?watch=1 streams",
+            value=waits.in_use,
+        )
+        yield GaugeMetricFamily(
+            "kvsidecar_max_waits", "Cap on waiting clients (KVSIDECAR_MAX_WAITS)", value=waits.limit
+        )
+        yield CounterMetricFamily(
+            "kvsidecar_waits_refused",
+            "Waits refused with 503 because KVSIDECAR_MAX_WAITS clients already waited",
+            value=waits.refused,
+        )
+
+
 class Metrics:
     """Owns the registry, the histograms and the failure counter. Event-loop thread.
 
@@ -159,6 +186,9 @@ class Metrics:
 
     def add_instances(self, snapshot: Callable[[], Iterable[InstanceView]]) -> None:
         self.registry.register(_InstanceCollector(snapshot))
+
+    def add_waits(self, waits: WaitSlots) -> None:
+        self.registry.register(_WaitCollector(waits))
 
     def limit_set(self, instance_id: str, revision: int) -> None:
         """A new desired revision was stored: its apply latency starts now."""

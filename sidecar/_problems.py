@@ -19,6 +19,7 @@ from ._errors import (
     SidecarError,
     StoreError,
     TooManyInstancesError,
+    TooManyWaitsError,
     UnauthorizedError,
     UnknownDeviceError,
     UnknownInstanceError,
@@ -40,6 +41,7 @@ PROBLEM_TABLE: tuple[tuple[type[SidecarError], int, str], ...] = (
     (BudgetError, 409, "Over the device budget"),
     (DeviceMoveError, 409, "Instance on another device"),
     (StoreError, 503, "Database unavailable"),
+    (TooManyWaitsError, 503, "Too many waiting clients"),
 )
 
 
@@ -56,11 +58,11 @@ async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, SidecarError)
     for cls, status, title in PROBLEM_TABLE:
         if isinstance(exc, cls):
-            headers = (
-                {"WWW-Authenticate": 'Bearer realm="kvsidecar"'}
-                if isinstance(exc, UnauthorizedError)
-                else None
-            )
+            headers: dict[str, str] | None = None
+            if isinstance(exc, UnauthorizedError):
+                headers = {"WWW-Authenticate": 'Bearer realm="kvsidecar"'}
+            elif isinstance(exc, TooManyWaitsError):
+                headers = {"Retry-After": str(exc.retry_after_s)}
             return problem_response(status, title, exc.detail, headers, **exc.extensions())
     _log.error("unmapped sidecar error on %s %s: %s", request.method, request.url.path, exc)
     return problem_response(500, "Internal error", exc.detail)

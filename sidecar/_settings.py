@@ -52,6 +52,9 @@ class SidecarSettings(BaseSettings):
     # (5 s) so each engine keeps one connection (idle ones are closed first at the cap)
     keepalive_timeout_s: int = Field(default=75, ge=1)
     max_connections: int = Field(default=256, ge=8)  # open connections; more are closed at once
+    # clients waiting in the app at once (?wait= long-polls, ?watch=1 streams); more get 503.
+    # Unset: half of max_connections, so engine reports and writes always find a connection
+    max_waits: int | None = Field(default=None, ge=1)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     # on SIGTERM/SIGINT: how long open long-polls and event streams may go on before they
     # are cut (without it a connected dashboard keeps the process up for max_wait_s)
@@ -98,6 +101,21 @@ class SidecarSettings(BaseSettings):
                 "KVSIDECAR_TOKEN must be printable ASCII without spaces or control characters"
             )
         return SecretStr(stripped)
+
+    @property
+    def wait_slots(self) -> int:
+        """How many clients may wait at once: ``max_waits``, or half the connections."""
+        return self.max_waits if self.max_waits is not None else self.max_connections // 2
+
+    @model_validator(mode="after")
+    def _waits_within_connections(self) -> SidecarSettings:
+        if self.max_waits is not None and self.max_waits > self.max_connections:
+            raise ValueError(
+                f"KVSIDECAR_MAX_WAITS ({self.max_waits}) must not exceed "
+                f"KVSIDECAR_MAX_CONNECTIONS ({self.max_connections}); leave it unset for half "
+                "the connections, so engine reports always find one"
+            )
+        return self
 
     @model_validator(mode="after")
     def _backoff_order(self) -> SidecarSettings:

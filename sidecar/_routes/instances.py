@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from contextlib import AbstractContextManager, nullcontext
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
@@ -10,9 +11,10 @@ from pydantic import BaseModel
 
 from engine_ext.protocol import LimitBody, Status
 
-from .._deps import Authorized, AutopilotDep, InstanceId, Service, Settings, WaitSeconds
+from .._deps import Authorized, AutopilotDep, InstanceId, Service, Settings, Waits, WaitSeconds
 from .._models import InstanceList, InstanceView, Problem
 from .._service import InstanceService
+from .._waits import WaitSlots
 from . import watch as watch_events
 
 __all__ = ["router"]
@@ -44,6 +46,7 @@ def _json(model: BaseModel, status_code: int = 200) -> Response:
 async def list_instances(
     service: Service,
     settings: Settings,
+    waits: Waits,
     request: Request,
     watch: Annotated[
         bool,
@@ -54,7 +57,7 @@ async def list_instances(
     ] = False,
 ) -> Response:
     if watch:
-        return watch_events.instance_events(request, service, settings.max_wait_s)
+        return watch_events.instance_events(request, service, settings.max_wait_s, waits)
     return _json(InstanceList(instances=service.list()))
 
 
@@ -65,13 +68,18 @@ async def list_instances(
     summary="One instance; ?wait=S long-polls until it is applied",
 )
 async def get_instance(
-    instance_id: InstanceId, service: Service, request: Request, wait: WaitSeconds = None
+    instance_id: InstanceId,
+    service: Service,
+    waits: Waits,
+    request: Request,
+    wait: WaitSeconds = None,
 ) -> Response:
     view = service.get(instance_id)  # 404 before any waiting
     if wait:
-        view = await _wait_or_disconnect(
-            request, service, instance_id, lambda v: v.status is Status.APPLIED, wait
-        )
+        with waits.held():  # 503 when KVSIDECAR_MAX_WAITS clients already wait
+            view = await _wait_or_disconnect(
+                request, service, instance_id, lambda v: v.status is Status.APPLIED, wait
+            )
     return _json(view)
 
 
@@ -90,14 +98,16 @@ async def put_limit(
     body: LimitBody,
     service: Service,
     autopilot: AutopilotDep,
+    waits: Waits,
     request: Request,
     wait: WaitSeconds = None,
 ) -> Response:
-    # an operator's limit pins the instance (docs/autopilot.md, "Precedence")
-    view = await autopilot.operator_limit(
-        instance_id, body.limit, body.revision, source=_source(request, "PUT")
-    )
-    return await _finish(request, service, view, wait)
+    with _slot_if(waits, wait):  # a wait that cannot be served is refused before the write
+        # an operator's limit pins the instance (docs/autopilot.md, "Precedence")
+        view = await autopilot.operator_limit(
+            instance_id, body.limit, body.revision, source=_source(request, "PUT")
+        )
+        return await _finish(request, service, view, wait)
 
 
 @router.delete(
@@ -111,13 +121,15 @@ async def delete_limit(
     instance_id: InstanceId,
     service: Service,
     autopilot: AutopilotDep,
+    waits: Waits,
     request: Request,
     wait: WaitSeconds = None,
 ) -> Response:
     # on a budgeted device: back to the autopilot; elsewhere: back to unlimited
     service.get(instance_id)  # 404 before anything
-    view = await autopilot.unpin(instance_id, source=_source(request, "DELETE"))
-    return await _finish(request, service, view, wait)
+    with _slot_if(waits, wait):
+        view = await autopilot.unpin(instance_id, source=_source(request, "DELETE"))
+        return await _finish(request, service, view, wait)
 
 
 @router.delete(
@@ -139,6 +151,11 @@ def _source(request: Request, method: str) -> str:
     """Who asked, for the audit line: the method and the client address."""
     client = request.client
     return f"{method} from {client.host if client else 'unknown'}"
+
+
+def _slot_if(waits: WaitSlots, wait: float | None) -> AbstractContextManager[None]:
+    """A wait slot for a request that will wait (``?wait=`` above 0), else nothing."""
+    return waits.held() if wait else nullcontext()
 
 
 async def _finish(
@@ -173,7 +190,8 @@ async def _wait_or_disconnect(
         gone.cancel()
         if not waiter.done():
             waiter.cancel()
-    if waiter.cancelled():
+    if not waiter.done() or waiter.cancelled():  # the client went first (the cancel
+        # above lands at the waiter's next step: it is not done yet, and has no result)
         return service.get(instance_id)  # the answer goes nowhere; keep the types honest
     return waiter.result()
 

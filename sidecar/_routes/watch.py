@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from .._models import InstanceList
 from .._service import InstanceService
+from .._waits import HeldStream, WaitSlots
 
 __all__ = ["MEDIA_TYPE", "instance_events"]
 
@@ -52,9 +52,14 @@ async def _events(request: Request, service: InstanceService, max_s: float) -> A
         await asyncio.sleep(min(_POLL_S, max(0.0, end - loop.time())))
 
 
-def instance_events(request: Request, service: InstanceService, max_s: float) -> StreamingResponse:
-    """The event stream response (no caching, no proxy buffering)."""
-    return StreamingResponse(
+def instance_events(
+    request: Request, service: InstanceService, max_s: float, waits: WaitSlots
+) -> HeldStream:
+    """The event stream response (no caching, no proxy buffering). It holds one of
+    ``waits`` while it runs; with none free it raises ``TooManyWaitsError`` (503)."""
+    waits.take()
+    return HeldStream(
+        waits,
         _events(request, service, max_s),
         media_type=MEDIA_TYPE,
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

@@ -225,8 +225,10 @@ def test_clients_that_do_not_read_their_answers_are_evicted_beyond_the_cap(db: P
 
 
 def test_connections_beyond_the_cap_are_refused_when_all_are_busy(db: Path) -> None:
+    # every connection may wait here (KVSIDECAR_MAX_WAITS at the connection cap, not the
+    # default half), so long-polls can make them all busy in the app
     with (
-        _serve(db, max_connections=8, max_wait_s=30) as server,
+        _serve(db, max_connections=8, max_waits=8, max_wait_s=30) as server,
         httpx.Client(base_url=server.url, timeout=60) as c,
     ):
         assert c.put("/instances/a/limit", json={"limit": "1G"}).status_code == 200

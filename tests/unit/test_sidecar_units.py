@@ -186,6 +186,8 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
         ("KVSIDECAR_LOG_FORMAT", "xml"),
         ("KVSIDECAR_LOG_LEVEL", "verbose"),
         ("KVSIDECAR_KEEPALIVE_TIMEOUT_S", "0"),
+        ("KVSIDECAR_MAX_WAITS", "0"),
+        ("KVSIDECAR_MAX_WAITS", "many"),
     ],
 )
 def test_bad_new_settings_name_the_variable(
@@ -193,6 +195,19 @@ def test_bad_new_settings_name_the_variable(
 ) -> None:
     monkeypatch.setenv(env, value)
     with pytest.raises(ValueError, match=env.removeprefix("KVSIDECAR_").lower()):
+        SidecarSettings()
+
+
+def test_max_waits_defaults_to_half_the_connections_and_never_exceeds_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert SidecarSettings().wait_slots == 128  # half of the default 256 connections
+    monkeypatch.setenv("KVSIDECAR_MAX_CONNECTIONS", "9")
+    assert SidecarSettings().wait_slots == 4
+    monkeypatch.setenv("KVSIDECAR_MAX_WAITS", "9")
+    assert SidecarSettings().wait_slots == 9  # every connection, on purpose
+    monkeypatch.setenv("KVSIDECAR_MAX_WAITS", "10")
+    with pytest.raises(ValueError, match="KVSIDECAR_MAX_WAITS .10. must not exceed"):
         SidecarSettings()
 
 
