@@ -45,6 +45,22 @@ def _metric(url: str, name: str) -> float:
     return float(match.group(1))
 
 
+def _server_sockets(url: str) -> dict[str, int]:
+    """The server side's TCP sockets on the port, by state, read from /proc/net/tcp (what
+    the kernel holds, not what the server counts). CLOSE_WAIT: the client closed, the
+    server never did (a leaked connection)."""
+    port = int(url.rsplit(":", 1)[1])
+    names = {"01": "ESTABLISHED", "08": "CLOSE_WAIT", "06": "TIME_WAIT", "04": "FIN_WAIT1"}
+    states: dict[str, int] = {}
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local_port = int(fields[1].split(":")[1], 16)
+        if local_port == port:
+            state = names.get(fields[3], fields[3])
+            states[state] = states.get(state, 0) + 1
+    return states
+
+
 def _until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
     """Poll ``check`` until true (no assertion on time: the deadline only ends a hang)."""
     deadline = time.monotonic() + timeout_s
@@ -278,6 +294,7 @@ def test_every_way_a_wait_ends_gives_its_slot_back(
         sampler.join()
         applier.join()
 
+        _until(lambda: "CLOSE_WAIT" not in _server_sockets(server.url), "no leaked sockets")
         assert max(seen) <= limit, f"{max(seen)} waiting clients against a cap of {limit}"
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert not errors, [r.getMessage() for r in errors]  # no 500s, even to clients gone
