@@ -3,15 +3,23 @@
 Ordering: each instance has one worker and the worker always sends the
 *current* desired revision, read right before each attempt; a newer desired
 therefore supersedes a failing older one, and revisions reach the engine in
-increasing order. Failures back off exponentially (initial → max), and a wake
-(new desired, re-registration) cuts the wait short. A failing instance is
-logged at its 1st, 2nd, 4th, 8th... consecutive failure (every failure is
-counted in the metric), and once when pushes work again.
+increasing order. Failures back off exponentially (initial → max), and an
+urgent wake (a new desired, a re-registration) cuts the wait short; a report
+or a push answer (which may show the push is due again) does not, so an engine
+that keeps answering without taking the limit is pushed at the backoff's pace,
+not as fast as it answers. A tie the sidecar settles by re-issuing its limit as
+the next revision is pushed at once; the same tie again, on the revision just
+re-issued, means another limit source keeps setting the engine's limit (a
+second sidecar, ``kvctl --socket`` in a loop): from then on each re-issue waits
+out the backoff. A failing instance is logged at its 1st, 2nd, 4th, 8th...
+consecutive failure (every failure is counted in the metric), and once when
+pushes work again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -27,23 +35,33 @@ from ._metrics import Metrics
 from ._settings import SidecarSettings
 from ._transport import SOCKET_EXTENSION
 
-__all__ = ["PushManager", "ReplyHandler"]
+__all__ = ["PushManager", "PushOutcome", "ReplyHandler"]
 
 _log = logging.getLogger("kvsidecar.push")
 
+
+class PushOutcome(enum.Enum):
+    """What one push came to."""
+
+    TAKEN = "taken"  # the engine holds the pushed revision or a newer one
+    SUPERSEDED = "superseded"  # a newer desired came meanwhile: push that one now
+    REISSUED = "reissued"  # the engine held the revision with another limit: re-issued
+    FAILED = "failed"  # no answer, a bad one, or one that took nothing: back off
+
+
 #: Called with (instance id, engine state, rejected: 409 stale/conflict, the revision the
-#: push carried); returns whether the push did its job: the engine holds that revision or a
-#: newer one, or a newer desired superseded it (False: retry with backoff).
-ReplyHandler = Callable[[str, EngineState, bool, int], Awaitable[bool]]
+#: push carried); says what the push came to.
+ReplyHandler = Callable[[str, EngineState, bool, int], Awaitable[PushOutcome]]
 
 
 class _Worker:
     """One instance's push loop state."""
 
-    __slots__ = ("failures", "task", "wake")
+    __slots__ = ("failures", "task", "urgent", "wake")
 
     def __init__(self) -> None:
-        self.wake = asyncio.Event()
+        self.wake = asyncio.Event()  # something may be due: check
+        self.urgent = asyncio.Event()  # a new desired or registration: end a backoff now
         self.task: asyncio.Task[None] | None = None
         self.failures = 0  # consecutive failed attempts (for the falling log rate)
 
@@ -67,8 +85,9 @@ class PushManager:
         self._workers: dict[str, _Worker] = {}
         self._closed = False
 
-    def wake(self, instance_id: str) -> None:
-        """Make the instance's worker (started on first use) check for work now."""
+    def wake(self, instance_id: str, *, urgent: bool = True) -> None:
+        """Make the instance's worker (started on first use) check for work now; ``urgent``
+        (a new desired, a registration) also ends a backoff, a report's wake does not."""
         if self._closed:
             return
         worker = self._workers.get(instance_id)
@@ -78,6 +97,8 @@ class PushManager:
                 self._run(instance_id, worker), name=f"kvsidecar-push-{instance_id}"
             )
         worker.wake.set()
+        if urgent:
+            worker.urgent.set()
 
     def forget(self, instance_id: str) -> None:
         """Stop the instance's worker (the instance was forgotten)."""
@@ -95,11 +116,27 @@ class PushManager:
 
     async def _run(self, instance_id: str, worker: _Worker) -> None:
         delay = self._settings.push_backoff_initial_s
+        reissues = 0  # ties settled by a re-issue since the engine last took a push
         while True:
             await worker.wake.wait()
             worker.wake.clear()
+            worker.urgent.clear()
             while (rec := self._lookup(instance_id)) is not None and self._due(rec):
-                if await self._attempt(instance_id, rec):
+                outcome = await self._attempt(instance_id, rec)
+                if outcome is PushOutcome.REISSUED:
+                    reissues += 1
+                    if reissues == 1:
+                        continue  # push the re-issued revision at once: one round trip
+                    self._fail(
+                        instance_id,
+                        "conflict_again",
+                        f"the engine held the revision just re-issued ({rec.row.revision}) "
+                        "with another limit: another limit source keeps setting it (a second "
+                        "sidecar on this engine, or kvctl --socket); re-issuing at the "
+                        "backoff's pace",
+                    )
+                    worker.urgent.clear()  # its own re-issue is no reason to skip the wait
+                elif outcome is not PushOutcome.FAILED:
                     if worker.failures:
                         _log.info(
                             "push to %s works again after %d failed attempts",
@@ -107,13 +144,16 @@ class PushManager:
                             worker.failures,
                         )
                         worker.failures = 0
+                    if outcome is PushOutcome.TAKEN:
+                        reissues = 0
                     delay = self._settings.push_backoff_initial_s
                     continue
                 try:  # back off, unless a newer desired or a re-registration wakes us
-                    await asyncio.wait_for(worker.wake.wait(), delay)
-                    worker.wake.clear()
+                    await asyncio.wait_for(worker.urgent.wait(), delay)
                 except TimeoutError:
                     pass
+                worker.urgent.clear()
+                worker.wake.clear()
                 delay = min(delay * 2, self._settings.push_backoff_max_s)
 
     def _due(self, rec: InstanceRecord) -> bool:
@@ -125,7 +165,7 @@ class PushManager:
         now = asyncio.get_running_loop().time()
         return rec.needs_push() and rec.live(now, self._settings.heartbeat_timeout_s)
 
-    async def _attempt(self, instance_id: str, rec: InstanceRecord) -> bool:
+    async def _attempt(self, instance_id: str, rec: InstanceRecord) -> PushOutcome:
         try:
             return await self._push_once(instance_id, rec)
         except asyncio.CancelledError:
@@ -135,9 +175,9 @@ class PushManager:
         except Exception:  # noqa: BLE001  (last resort: a bug must not end the pushes)
             _log.exception("push to %s failed unexpectedly; retrying with backoff", instance_id)
             self._metrics.push_failed(instance_id, "internal")
-        return False
+        return PushOutcome.FAILED
 
-    async def _push_once(self, instance_id: str, rec: InstanceRecord) -> bool:
+    async def _push_once(self, instance_id: str, rec: InstanceRecord) -> PushOutcome:
         row = rec.row
         assert row.socket_path is not None
         body = LimitBody(limit=row.limit_bytes, revision=row.revision)
@@ -152,20 +192,20 @@ class PushManager:
             )
         except httpx.HTTPError as exc:
             self._fail(instance_id, type(exc).__name__, f"{row.socket_path}: {exc!r}")
-            return False
+            return PushOutcome.FAILED
         self._metrics.push_seconds.observe(time.perf_counter() - start)
         if resp.status_code not in (200, 202, 409):
             self._fail(instance_id, f"http_{resp.status_code}", resp.text[:200])
-            return False
+            return PushOutcome.FAILED
         try:
             state = EngineState.model_validate_json(resp.content)
         except ValidationError as exc:
             self._fail(instance_id, "bad_reply", str(exc)[:200])
-            return False
-        if await self._on_reply(instance_id, state, resp.status_code == 409, row.revision):
-            return True
-        self._fail(instance_id, "rejected", state.message or state.status.value)
-        return False
+            return PushOutcome.FAILED
+        outcome = await self._on_reply(instance_id, state, resp.status_code == 409, row.revision)
+        if outcome is PushOutcome.FAILED:
+            self._fail(instance_id, "rejected", state.message or state.status.value)
+        return outcome
 
     def _fail(self, instance_id: str, reason: str, detail: str) -> None:
         self._metrics.push_failed(instance_id, reason)

@@ -34,7 +34,7 @@ from ._instances import InstanceRecord, derive_status
 from ._logging import audit_deregister, audit_forget, audit_limit_change
 from ._metrics import Metrics
 from ._models import InstanceView
-from ._pusher import PushManager
+from ._pusher import PushManager, PushOutcome
 from ._reports import report_problem
 from ._settings import SidecarSettings
 from ._store import InstanceRow, Registration, Store
@@ -262,7 +262,7 @@ class InstanceService:
         self._check_report(instance_id, state)
         if rec.reg_token is None:
             rec.reg_token = token  # the sidecar restarted: the first process to report holds it
-        await self._observe(rec, state)
+        await self._observe(rec, state, urgent=False)  # a heartbeat: no end to a backoff
         return RegisterReply(limit=rec.row.limit_bytes, revision=rec.row.revision)
 
     async def deregister(self, instance_id: str, token: str | None) -> InstanceView:
@@ -425,10 +425,15 @@ class InstanceService:
         except RequestError as exc:  # e.g. the revision space is used up: say so, go on
             _log.error("instance %s: cannot re-issue the desired limit: %s", rec.row.id, exc.detail)
 
-    async def _observe(self, rec: InstanceRecord, state: EngineState) -> None:
+    async def _observe(self, rec: InstanceRecord, state: EngineState, *, urgent: bool) -> bool:
+        """Take an engine's report or push answer; returns whether it re-issued the desired
+        limit (a tie). ``urgent``: its wake of the pusher (the push may be due again) also
+        ends a backoff (reports and push answers pass False: an engine answering fast
+        without taking the limit must not speed the pushes up)."""
         adopted = state.revision > rec.row.revision  # a limit set on the engine's socket
         await self._adopt_if_newer(rec, state)
-        if _other_limit_same_revision(rec, state):
+        reissued = _other_limit_same_revision(rec, state)
+        if reissued:
             await self._reissue_desired(rec)
         # A push reply can arrive after a newer report for the same revision (the engine
         # made more passes meanwhile): order by (revision, passes), never by arrival.
@@ -446,34 +451,40 @@ class InstanceService:
         rec.notify()
         self._metrics.observed(rec.view(self._now, self._settings.heartbeat_timeout_s))
         if rec.needs_push():
-            self._pusher.wake(rec.row.id)
+            self._pusher.wake(rec.row.id, urgent=urgent)
         if rec.observed is not None and (as_new or rec.observed is not before):
             self.on_observed(rec.row.id, None if as_new else before, rec.observed)
+        return reissued
 
     async def _on_reply(
         self, instance_id: str, state: EngineState, rejected: bool, pushed: int
-    ) -> bool:
-        """A push answer for revision ``pushed``. Returns whether the push did its job: the
-        engine holds that revision or a newer one, or a newer desired (a PUT that came while
-        the push was on the wire) supersedes it and the worker pushes that one next."""
+    ) -> PushOutcome:
+        """A push answer for revision ``pushed``: what the push came to. The engine holds
+        that revision or a newer one (taken); a newer desired (a PUT that came while the
+        push was on the wire, or the engine's own newer revision adopted) supersedes it;
+        the engine held it with another limit and the desired was re-issued; or nothing
+        was taken (failed: the worker backs off)."""
         rec = self._records.get(instance_id)
         if rec is None:
-            return True
+            return PushOutcome.TAKEN  # forgotten: nothing more to push
         problem = report_problem(state, rec.row.limit_bytes, rec.row.revision)
         if problem is not None:
             _log.warning(
                 "instance %s: ignored an inconsistent push reply: %s", instance_id, problem
             )
-            return False
+            return PushOutcome.FAILED
         if not rejected:
-            await self._observe(rec, state)
-            return state.revision >= pushed or rec.row.revision > pushed
+            if await self._observe(rec, state, urgent=False):
+                return PushOutcome.REISSUED
+            if state.revision >= pushed:
+                return PushOutcome.TAKEN
+            return PushOutcome.SUPERSEDED if rec.row.revision > pushed else PushOutcome.FAILED
         rec.last_seen = self._now
         if state.status is Status.CONFLICT and state.revision <= pushed:
             await self._reissue_desired(rec)
-            return True
+            return PushOutcome.REISSUED
         await self._adopt_if_newer(rec, state)
-        return rec.row.revision != pushed
+        return PushOutcome.SUPERSEDED if rec.row.revision != pushed else PushOutcome.FAILED
 
 
 def _other_limit_same_revision(rec: InstanceRecord, state: EngineState) -> bool:

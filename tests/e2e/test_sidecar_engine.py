@@ -273,3 +273,150 @@ def test_forgetting_an_instance_closes_the_connection_to_its_engine(
     assert path in router._transports  # the push went over a kept transport
     assert client.delete("/instances/llama-a").status_code == 204
     assert path not in router._transports
+
+
+# --- an engine that never takes the limit cannot make the sidecar spin ----------------------
+
+
+class _HostileEngine:
+    """A raw control socket (keep-alive HTTP/1.1 over AF_UNIX) that answers every push
+    without taking its limit, per ``mode``; counts the pushes it gets.
+
+    * ``conflict``: 409, it holds the pushed revision with another limit (a tie, every time);
+    * ``tie``: 200 applied, the pushed revision with another limit;
+    * ``older``: 200 applied, one revision below the pushed one.
+    """
+
+    def __init__(self, path: Path, mode: str) -> None:
+        import socket
+
+        self.path, self.mode = path, mode
+        self.pushes: list[int] = []  # the revisions pushed, in order
+        self._server = socket.socket(socket.AF_UNIX)
+        self._server.bind(str(path))
+        self._server.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Any) -> None:
+        import json
+
+        buf = b""
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    buf += chunk
+                head, _, rest = buf.partition(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                body, buf = json.loads(rest[:length] or b"{}"), rest[length:]
+                revision = int(body.get("revision", 0))
+                self.pushes.append(revision)
+                code, state = 200, {"status": "applied", "limit_bytes": 7}
+                if self.mode == "conflict":
+                    code, state = (
+                        409,
+                        {"status": "conflict", "revision": revision, "limit_bytes": 7},
+                    )
+                elif self.mode == "tie":
+                    state["revision"] = revision
+                else:  # older
+                    state = {
+                        "status": "applied",
+                        "revision": max(0, revision - 1),
+                        "limit_bytes": None,
+                    }
+                out = json.dumps(state).encode()
+                conn.sendall(
+                    b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                    % (code, len(out))
+                    + out
+                )
+
+
+def _hostile_sidecar(tmp_path: Path, hostile: _HostileEngine, **backoff: float) -> ThreadedSidecar:
+    return ThreadedSidecar(SidecarSettings(db_path=tmp_path / "s.db", **backoff))
+
+
+def _register_hostile(c: httpx.Client, hostile: _HostileEngine) -> None:
+    body = {
+        "engine": "vllm",
+        "engine_version": "0.33.0",
+        "socket_path": str(hostile.path),
+        "state": {"status": "applied"},
+    }
+    assert c.post("/instances/x/register", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["conflict", "tie", "older"])
+def test_an_engine_that_never_takes_the_limit_is_pushed_at_the_backoffs_pace(
+    tmp_path: Path, mode: str
+) -> None:
+    """Such an engine used to be pushed as fast as it answered: a tie re-issued the limit
+    as a new revision (a database write and a warning) at every answer, ~700 a second;
+    an answer that took nothing woke the push worker out of its own backoff. Now the
+    first tie is re-issued and pushed at once, and after that the pushes (and re-issues)
+    follow the backoff."""
+    hostile = _HostileEngine(tmp_path / "e.sock", mode)
+    try:
+        with (
+            _hostile_sidecar(
+                tmp_path, hostile, push_backoff_initial_s=0.02, push_backoff_max_s=0.5
+            ) as server,
+            httpx.Client(base_url=server.url) as c,
+        ):
+            _register_hostile(c, hostile)
+            assert c.put("/instances/x/limit", json={"limit": "1G"}).status_code == 200
+            wait_until(lambda: len(hostile.pushes) >= 3)
+            time.sleep(2.0)  # the point is time passing: how many pushes does it bring
+            pushes = len(hostile.pushes)
+            revision = c.get("/instances/x").json()["desired"]["revision"]
+            # backoff 0.02 s doubling to 0.5 s: about 9 pushes in 2 s (thousands before)
+            assert pushes <= 40, f"{pushes} pushes in ~2 s"
+            assert revision <= 1 + pushes  # at most one re-issue per push
+            if mode != "older":
+                assert revision >= 3  # ties are still settled in the sidecar's favour
+    finally:
+        hostile.close()
+
+
+@pytest.mark.parametrize("mode", ["conflict", "tie", "older"])
+def test_a_new_desired_ends_the_backoff_the_answers_do_not(tmp_path: Path, mode: str) -> None:
+    """With a 5 s first backoff: after the push (and the one re-issue a tie gets at once)
+    nothing more is pushed while the engine answers; a PUT is pushed at once."""
+    hostile = _HostileEngine(tmp_path / "e.sock", mode)
+    try:
+        with (
+            _hostile_sidecar(
+                tmp_path, hostile, push_backoff_initial_s=5.0, push_backoff_max_s=60.0
+            ) as server,
+            httpx.Client(base_url=server.url) as c,
+        ):
+            _register_hostile(c, hostile)
+            assert c.put("/instances/x/limit", json={"limit": "1G"}).status_code == 200
+            first = 1 if mode == "older" else 2  # a tie: the push and its re-issue
+            wait_until(lambda: len(hostile.pushes) >= first)
+            time.sleep(0.5)
+            assert len(hostile.pushes) == first, hostile.pushes  # backing off (5 s)
+            assert c.put("/instances/x/limit", json={"limit": "2G"}).status_code == 200
+            wait_until(lambda: len(hostile.pushes) > first, timeout_s=3.0, what="PUT pushed")
+    finally:
+        hostile.close()
