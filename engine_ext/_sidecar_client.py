@@ -14,7 +14,14 @@ from pydantic import ValidationError
 from ._errors import EngineExtContractError
 from ._mailbox import LimitMailbox
 from ._settings import EngineSettings
-from .protocol import REGISTRATION_HEADER, EngineState, RegisterBody, RegisterReply, Status
+from .protocol import (
+    MAX_REPLY_BYTES,
+    REGISTRATION_HEADER,
+    EngineState,
+    RegisterBody,
+    RegisterReply,
+    Status,
+)
 
 __all__ = ["SidecarClient"]
 
@@ -150,7 +157,7 @@ class SidecarClient:
     def _deregister(self) -> None:
         """Tell the sidecar this engine stopped on purpose (``stopped``, not ``unreachable``)."""
         try:
-            response = self._client.post("/deregister", timeout=_DEREGISTER_TIMEOUT_S)
+            response = _bounded_post(self._client, "/deregister", timeout_s=_DEREGISTER_TIMEOUT_S)
         except httpx.HTTPError as exc:
             _log.info(
                 "could not deregister from the sidecar (%s); it will show the instance unreachable",
@@ -275,8 +282,12 @@ class SidecarClient:
 
     def _post(self, path: str, content: str) -> httpx.Response | None:
         try:
-            response = self._client.post(
-                path, content=content, headers={"Content-Type": "application/json"}
+            response = _bounded_post(
+                self._client,
+                path,
+                content=content,
+                headers={"Content-Type": "application/json"},
+                timeout_s=_REQUEST_TIMEOUT_S,
             )
         except httpx.HTTPError as exc:
             self._log_failure(f"cannot reach the sidecar: {exc}")
@@ -290,6 +301,44 @@ class SidecarClient:
         if self._healthy:
             _log.warning("%s; retrying with backoff", message)
             self._healthy = False
+
+
+class ReplyTooLarge(httpx.HTTPError):
+    """The sidecar's answer passed :data:`MAX_REPLY_BYTES` (read no further)."""
+
+
+def _bounded_post(
+    client: httpx.Client,
+    path: str,
+    *,
+    timeout_s: float,
+    content: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> httpx.Response:
+    """POST and read the whole answer within ``timeout_s`` in all and at most
+    :data:`MAX_REPLY_BYTES`: httpx's timeout is per read, so a server sending a byte a
+    second would hold this thread (and a clean shutdown) for ever, and one that streams
+    without end would fill the engine's memory. Raises ``httpx.HTTPError`` (a
+    ``ReadTimeout`` past the deadline, :class:`ReplyTooLarge`). The answer comes back
+    read, as a plain ``httpx.Response`` (status, content type, body)."""
+    deadline = time.monotonic() + timeout_s
+    with client.stream("POST", path, content=content, headers=headers, timeout=timeout_s) as r:
+        body = bytearray()
+        for chunk in r.iter_bytes():
+            body += chunk
+            if len(body) > MAX_REPLY_BYTES:
+                raise ReplyTooLarge(
+                    f"the answer passed {MAX_REPLY_BYTES} bytes; is that the sidecar?"
+                )
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout(f"no whole answer within {timeout_s:g} s")
+        kind = r.headers.get("content-type")
+        return httpx.Response(
+            r.status_code,
+            headers={"content-type": kind} if kind else None,
+            content=bytes(body),
+            request=r.request,
+        )
 
 
 def _detail(response: httpx.Response) -> str:

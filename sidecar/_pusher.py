@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 from pydantic import ValidationError
 
-from engine_ext.protocol import EngineState, LimitBody
+from engine_ext.protocol import MAX_REPLY_BYTES, EngineState, LimitBody
 
 from ._errors import SidecarError
 from ._instances import InstanceRecord
@@ -38,6 +38,10 @@ from ._transport import SOCKET_EXTENSION
 __all__ = ["PushManager", "PushOutcome", "ReplyHandler"]
 
 _log = logging.getLogger("kvsidecar.push")
+
+
+class _ReplyTooLarge(Exception):
+    """A push answer longer than :data:`MAX_REPLY_BYTES` (read no further)."""
 
 
 class PushOutcome(enum.Enum):
@@ -182,30 +186,63 @@ class PushManager:
         assert row.socket_path is not None
         body = LimitBody(limit=row.limit_bytes, revision=row.revision)
         start = time.perf_counter()
+        timeout_s = self._settings.push_timeout_s
         try:
-            resp = await self._client.put(
-                "http://engine/limit",
-                content=body.model_dump_json(),
-                headers={"content-type": "application/json"},
-                extensions={SOCKET_EXTENSION: row.socket_path},
-                timeout=self._settings.push_timeout_s,
+            code, content = await self._exchange(row.socket_path, body.model_dump_json())
+        except TimeoutError:
+            self._fail(
+                instance_id,
+                "timeout",
+                f"{row.socket_path}: no whole answer within {timeout_s:g} s "
+                "(KVSIDECAR_PUSH_TIMEOUT_S)",
             )
+            return PushOutcome.FAILED
+        except _ReplyTooLarge:
+            self._fail(
+                instance_id,
+                "reply_too_large",
+                f"{row.socket_path}: the answer passed {MAX_REPLY_BYTES} bytes; is that "
+                "socket a kvsidecar engine's control socket?",
+            )
+            return PushOutcome.FAILED
         except httpx.HTTPError as exc:
             self._fail(instance_id, type(exc).__name__, f"{row.socket_path}: {exc!r}")
             return PushOutcome.FAILED
         self._metrics.push_seconds.observe(time.perf_counter() - start)
-        if resp.status_code not in (200, 202, 409):
-            self._fail(instance_id, f"http_{resp.status_code}", resp.text[:200])
+        if code not in (200, 202, 409):
+            self._fail(instance_id, f"http_{code}", content[:200].decode(errors="replace"))
             return PushOutcome.FAILED
         try:
-            state = EngineState.model_validate_json(resp.content)
+            state = EngineState.model_validate_json(content)
         except ValidationError as exc:
             self._fail(instance_id, "bad_reply", str(exc)[:200])
             return PushOutcome.FAILED
-        outcome = await self._on_reply(instance_id, state, resp.status_code == 409, row.revision)
+        outcome = await self._on_reply(instance_id, state, code == 409, row.revision)
         if outcome is PushOutcome.FAILED:
             self._fail(instance_id, "rejected", state.message or state.status.value)
         return outcome
+
+    async def _exchange(self, socket_path: str, body: str) -> tuple[int, bytes]:
+        """One ``PUT /limit`` on ``socket_path``: the status and the whole answer, read within
+        ``push_timeout_s`` in all (httpx's timeout is per read: an engine that sends a byte a
+        second would hold the worker for ever) and at most :data:`MAX_REPLY_BYTES` (an
+        answer without end would fill the sidecar's memory). Raises ``TimeoutError``,
+        :class:`_ReplyTooLarge` or ``httpx.HTTPError``."""
+        async with asyncio.timeout(self._settings.push_timeout_s):
+            async with self._client.stream(
+                "PUT",
+                "http://engine/limit",
+                content=body,
+                headers={"content-type": "application/json"},
+                extensions={SOCKET_EXTENSION: socket_path},
+                timeout=self._settings.push_timeout_s,
+            ) as resp:
+                content = bytearray()
+                async for chunk in resp.aiter_bytes():
+                    content += chunk
+                    if len(content) > MAX_REPLY_BYTES:
+                        raise _ReplyTooLarge
+                return resp.status_code, bytes(content)
 
     def _fail(self, instance_id: str, reason: str, detail: str) -> None:
         self._metrics.push_failed(instance_id, reason)

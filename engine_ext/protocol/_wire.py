@@ -18,6 +18,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "MAX_RANKS",
     "MAX_REASON_CHARS",
+    "MAX_REPLY_BYTES",
     "MAX_VERSION_CHARS",
     "REGISTRATION_HEADER",
     "REGISTRATION_TOKEN_PATTERN",
@@ -92,6 +93,10 @@ MAX_VERSION_CHARS = 128  # engine version string
 MAX_REASON_CHARS = 64  # a reason word, e.g. running_requests
 MAX_MESSAGE_CHARS = 1024  # a human message
 MAX_RANKS = 1024  # ranks of one instance
+#: The most bytes either side reads of an answer (a push reply, a register/report reply):
+#: far above any message of this contract (an EngineState with MAX_RANKS ranks is ~150 KB),
+#: so a peer that streams without end cannot fill the reader's memory.
+MAX_REPLY_BYTES = 1 << 20
 
 
 class _Strict(BaseModel):

@@ -284,7 +284,9 @@ class _HostileEngine:
 
     * ``conflict``: 409, it holds the pushed revision with another limit (a tie, every time);
     * ``tie``: 200 applied, the pushed revision with another limit;
-    * ``older``: 200 applied, one revision below the pushed one.
+    * ``older``: 200 applied, one revision below the pushed one;
+    * ``flood``: an answer without end, 1 MiB chunks as fast as they are read;
+    * ``drip``: an answer without end, a byte every 0.2 s.
     """
 
     def __init__(self, path: Path, mode: str) -> None:
@@ -292,6 +294,7 @@ class _HostileEngine:
 
         self.path, self.mode = path, mode
         self.pushes: list[int] = []  # the revisions pushed, in order
+        self.sent = 0  # bytes of endless answers sent
         self._server = socket.socket(socket.AF_UNIX)
         self._server.bind(str(path))
         self._server.listen(16)
@@ -330,6 +333,9 @@ class _HostileEngine:
                 body, buf = json.loads(rest[:length] or b"{}"), rest[length:]
                 revision = int(body.get("revision", 0))
                 self.pushes.append(revision)
+                if self.mode in ("flood", "drip"):
+                    self._endless(conn)
+                    return
                 code, state = 200, {"status": "applied", "limit_bytes": 7}
                 if self.mode == "conflict":
                     code, state = (
@@ -350,6 +356,30 @@ class _HostileEngine:
                     % (code, len(out))
                     + out
                 )
+
+    def _endless(self, conn: Any) -> None:
+        try:
+            if self.mode == "flood":
+                conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+                while True:
+                    conn.sendall(chunk)
+                    self.sent += 1 << 20
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+            while True:
+                conn.sendall(b" ")
+                self.sent += 1
+                time.sleep(0.2)
+        except OSError:
+            pass
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (the sidecar runs in it), as the kernel counts it."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 def _hostile_sidecar(tmp_path: Path, hostile: _HostileEngine, **backoff: float) -> ThreadedSidecar:
@@ -418,5 +448,39 @@ def test_a_new_desired_ends_the_backoff_the_answers_do_not(tmp_path: Path, mode:
             assert len(hostile.pushes) == first, hostile.pushes  # backing off (5 s)
             assert c.put("/instances/x/limit", json={"limit": "2G"}).status_code == 200
             wait_until(lambda: len(hostile.pushes) > first, timeout_s=3.0, what="PUT pushed")
+    finally:
+        hostile.close()
+
+
+@pytest.mark.parametrize("mode", ["flood", "drip"])
+def test_a_push_answer_without_end_is_cut_and_the_push_retried(tmp_path: Path, mode: str) -> None:
+    """The sidecar reads at most MAX_REPLY_BYTES of a push answer and gives it at most
+    KVSIDECAR_PUSH_TIMEOUT_S in all. Before, a socket streaming without end filled the
+    sidecar's memory (2 GB in 8 s), and one sending a byte now and then held the
+    instance's push worker for ever (httpx's timeout is per read)."""
+    from engine_ext.protocol import MAX_REPLY_BYTES
+
+    hostile = _HostileEngine(tmp_path / "e.sock", mode)
+    rss_before = _rss_bytes()
+    try:
+        with (
+            _hostile_sidecar(
+                tmp_path,
+                hostile,
+                push_timeout_s=1.0,
+                push_backoff_initial_s=0.02,
+                push_backoff_max_s=0.1,
+            ) as server,
+            httpx.Client(base_url=server.url) as c,
+        ):
+            _register_hostile(c, hostile)
+            assert c.put("/instances/x/limit", json={"limit": "1G"}).status_code == 200
+            wait_until(lambda: len(hostile.pushes) >= 3, timeout_s=60, what="pushes retried")
+            reason = "reply_too_large" if mode == "flood" else "timeout"
+            assert f'reason="{reason}"' in c.get("/metrics").text
+            if mode == "flood":
+                assert hostile.sent > 2 * MAX_REPLY_BYTES  # more was offered than was read
+                assert _rss_bytes() - rss_before < 64 << 20, "the answers were read into memory"
+            assert c.get("/instances/x").json()["status"] == "pending"
     finally:
         hostile.close()
