@@ -14,8 +14,8 @@ that is sent slowly or not at all, and takes every connection it is offered.
   out (``/healthz`` keeps answering); when every connection is busy in the
   app, the new one gets 503 and is closed at once. Long-polls and event
   streams, which are busy in the app for as long as they wait, take at most
-  ``max_waits`` of them (``_waits.py``), so that takes more than waiting
-  clients.
+  ``max_waits`` of them (``_waits.py``): waiting clients alone cannot fill them
+  all.
 
 On SIGTERM/SIGINT, open long-polls and event streams are cut after
 ``shutdown_grace_s`` (a connected dashboard would otherwise keep the process
