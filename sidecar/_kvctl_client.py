@@ -41,6 +41,39 @@ _URL_HINT = "--url/KVSIDECAR_URL"
 _SOCKET_POLL_S = 0.1  # --socket --wait: the control socket has no long-poll
 
 
+#: The most of an answer kvctl reads (the instance list of a full sidecar is a few MB).
+MAX_ANSWER_BYTES = 64 << 20
+
+
+class AnswerTooLarge(httpx.TransportError):
+    """An answer passed :data:`MAX_ANSWER_BYTES` (read no further)."""
+
+
+def _bounded_request(
+    client: httpx.Client, method: str, path: str, *, total_s: float, **kwargs: Any
+) -> httpx.Response:
+    """One request whose whole answer is read within ``total_s`` and up to
+    :data:`MAX_ANSWER_BYTES`: httpx's timeout is per read, so a server sending a byte now
+    and then would hold kvctl (a cron job, a script) for ever. Past either bound it raises
+    an ``httpx.TransportError`` (``ReadTimeout``, :class:`AnswerTooLarge`)."""
+    deadline = time.monotonic() + total_s
+    with client.stream(method, path, **kwargs) as resp:
+        body = bytearray()
+        for chunk in resp.iter_bytes():
+            body += chunk
+            if len(body) > MAX_ANSWER_BYTES:
+                raise AnswerTooLarge(f"the answer passed {MAX_ANSWER_BYTES >> 20} MiB")
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout(f"no whole answer within {total_s:g} s")
+        kind = resp.headers.get("content-type")
+        return httpx.Response(
+            resp.status_code,
+            headers={"content-type": kind} if kind else None,
+            content=bytes(body),
+            request=resp.request,
+        )
+
+
 class CtlError(Exception):
     """A failure to report as ``kvctl: <message>`` and exit with ``code``."""
 
@@ -130,8 +163,14 @@ class SidecarApi:
         params = {"wait": wait} if wait else None
         timeout = httpx.Timeout(_CONNECT_TIMEOUT_S + (wait or 0.0), connect=_CONNECT_TIMEOUT_S)
         try:
-            resp = self._client.request(
-                method, path, params=params, json=json_body, timeout=timeout
+            resp = _bounded_request(
+                self._client,
+                method,
+                path,
+                params=params,
+                json=json_body,
+                timeout=timeout,
+                total_s=2 * _CONNECT_TIMEOUT_S + (wait or 0.0),
             )
         except httpx.TransportError as exc:
             raise CtlError(
@@ -225,7 +264,9 @@ class SocketApi:
 
     def _call(self, method: str, path: str, json_body: Any = None) -> Reply:
         try:
-            resp = self._client.request(method, path, json=json_body)
+            resp = _bounded_request(
+                self._client, method, path, json=json_body, total_s=2 * _CONNECT_TIMEOUT_S
+            )
         except httpx.TransportError as exc:
             raise CtlError(
                 f"cannot reach the engine control socket {self.socket_path} "

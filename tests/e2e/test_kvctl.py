@@ -9,8 +9,10 @@ import socketserver
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -466,3 +468,58 @@ def test_sizes_are_read_exactly(sidecar: ThreadedSidecar) -> None:
     assert kvctl(sidecar, "status", "llama-a")[0] == 1  # nothing was stored
     code, out = kvctl(sidecar, "limit", "llama-a", "1.5G", "--json")
     assert code == 0 and json.loads(out)["desired"]["limit_bytes"] == 3 * GiB // 2
+
+
+class _Endless(http.server.BaseHTTPRequestHandler):
+    """Answers every request with a body that never ends: ``flood`` (fast) or ``drip``."""
+
+    mode = "drip"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _answer(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(1 << 40))
+        self.end_headers()
+        try:
+            while True:
+                if self.mode == "flood":
+                    self.wfile.write(b" " * (1 << 20))
+                else:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.1)
+        except OSError:
+            pass
+
+    do_GET = do_PUT = do_DELETE = do_POST = _answer
+
+
+@pytest.mark.parametrize("mode", ["flood", "drip"])
+def test_an_answer_without_end_is_one_line_not_a_hang(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server sending an answer without end used to hold kvctl for ever (a byte now and
+    then: httpx's timeout is per read) or fill its memory (a stream): now kvctl reads an
+    answer within its time and size bounds and says so in one line, exit 4."""
+    from sidecar import _kvctl_client
+
+    monkeypatch.setattr(_kvctl_client, "_CONNECT_TIMEOUT_S", 0.5)  # total: 1 s
+    monkeypatch.setattr(_kvctl_client, "MAX_ANSWER_BYTES", 4 << 20)
+    handler = type("Endless", (_Endless,), {"mode": mode})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for args in (["list"], ["status", "a"], ["limit", "a", "1G"]):
+            result = runner.invoke(app, ["--url", url, *args])
+            assert result.exit_code == 4, (args, result.output, result.exception)
+            assert len(result.output.strip().splitlines()) == 1, result.output
+            reason = "AnswerTooLarge" if mode == "flood" else "ReadTimeout"
+            assert f"cannot reach the sidecar at {url} ({reason}" in result.output, result.output
+    finally:
+        server.shutdown()
+        server.server_close()
