@@ -311,3 +311,45 @@ def test_every_way_a_wait_ends_gives_its_slot_back(
         for sock in held:
             sock.close()
         _until(lambda: _metric(server.url, "kvsidecar_waiting_clients") == 0, "given back")
+
+
+def test_event_streams_share_one_list_per_poll(tmp_path: Path) -> None:
+    """Each event stream used to build and compare the whole instance list itself every
+    0.25 s: N dashboards cost N lists per poll (ten on a thousand instances took more
+    than the event loop's whole time). Now the streams share one list per poll: with
+    eight streams open, the lists built stay near one per poll plus one per stream (its
+    first event), and every stream still gets every change."""
+    from sidecar._routes.watch import _POLL_S, SharedListing
+
+    streams = 8
+    with (
+        _serve(tmp_path / "sidecar.db", max_wait_s=30) as server,
+        httpx.Client(base_url=server.url, timeout=30) as c,
+    ):
+        for n in range(20):
+            assert c.put(f"/instances/i{n}/limit", json={"limit": "1G"}).status_code == 200
+        socks = [_raw(server.url) for _ in range(streams)]
+        for sock in socks:
+            sock.sendall(b"GET /instances?watch=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+        _until(lambda: _metric(server.url, "kvsidecar_waiting_clients") == streams, "open")
+        listing: SharedListing = server.app.state.watch_listing
+        builds, start = listing.builds, time.monotonic()
+        time.sleep(2.0)  # the point is time passing: how many lists does it bring
+        assert c.put("/instances/i0/limit", json={"limit": "2G"}).status_code == 200
+        time.sleep(0.5)
+        elapsed = time.monotonic() - start
+        built = listing.builds - builds
+        # one per poll (plus a spare for a late tick); eight streams built ~8 per poll before
+        assert built <= elapsed / _POLL_S + 2, f"{built} lists in {elapsed:.2f} s"
+        for sock in socks:  # every stream got the first list and the change
+            sock.settimeout(10)
+            data = b""
+            while data.count(b"event: instances") < 2 or b"\n" not in data.rsplit(b"data: ", 1)[1]:
+                chunk = sock.recv(65536)
+                assert chunk, data
+                data += chunk
+            assert data.count(b"event: instances") == 2, data
+            last = data.rsplit(b"data: ", 1)[1].split(b"\n", 1)[0]
+            views = json.loads(last.decode())["instances"]
+            assert views[0]["id"] == "i0" and views[0]["desired"]["limit_bytes"] == 2 << 30
+            sock.close()

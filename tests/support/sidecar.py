@@ -22,9 +22,8 @@ class ThreadedSidecar:
     """The real app under uvicorn, in a daemon thread, on 127.0.0.1 and a free port."""
 
     def __init__(self, settings: SidecarSettings) -> None:
-        config = server_config(
-            create_app(settings), settings, host="127.0.0.1", port=0, log_level="warning"
-        )
+        self.app = create_app(settings)  # its state, for tests that count inside the app
+        config = server_config(self.app, settings, host="127.0.0.1", port=0, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = ""
