@@ -134,10 +134,10 @@ class PushManager:
                     self._fail(
                         instance_id,
                         "conflict_again",
-                        f"the engine held the revision just re-issued ({rec.row.revision}) "
-                        "with another limit: another limit source keeps setting it (a second "
-                        "sidecar on this engine, or kvctl --socket); re-issuing at the "
-                        "backoff's pace",
+                        "the engine held the revision just re-issued with another limit "
+                        f"(re-issued again, as revision {rec.row.revision}): another limit "
+                        "source keeps setting it (a second sidecar on this engine, or kvctl "
+                        "--socket); re-issuing at the backoff's pace",
                     )
                     worker.urgent.clear()  # its own re-issue is no reason to skip the wait
                 elif outcome is not PushOutcome.FAILED:
