@@ -9,6 +9,7 @@ guard would raise if it did). Errors are ``application/problem+json``.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import socket
 import socketserver
 import stat
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -40,7 +42,8 @@ _log = logging.getLogger("engine_ext.control")
 
 #: Largest request body accepted; a limit body is a few dozen bytes.
 MAX_BODY_BYTES = 64 * 1024
-#: A client that sends nothing for this long is dropped.
+#: A client that sends nothing for this long is dropped; a request (its wait on a kept-alive
+#: connection included) must have arrived whole by then, however it trickles in.
 _CLIENT_TIMEOUT_S = 10.0
 #: Connections served at once (a thread each). The sidecar and kvctl use one or two; a
 #: client that leaks connections must not start a thread per connection in the engine.
@@ -91,6 +94,27 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         _log.debug("control socket request failed", exc_info=True)
 
 
+class _DeadlineReader(io.RawIOBase):
+    """The connection's reads, each given only what is left of the handler's deadline: the
+    base class's timeout is per read, so a client sending a byte every few seconds would
+    hold a handler thread (one of ``MAX_CONNECTIONS``) for ever."""
+
+    def __init__(self, sock: socket.socket, handler: _Handler) -> None:
+        super().__init__()
+        self._sock = sock
+        self._handler = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._handler.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive whole in time")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
@@ -101,6 +125,21 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "kvsidecar-engine"
     _body_read = False  # the current request's body was consumed
     raw_requestline: bytes  # set by the base class before parse_request()
+
+    deadline = 0.0  # monotonic: the current request must have arrived by then
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
+
+    def handle_one_request(self) -> None:
+        self.deadline = time.monotonic() + _CLIENT_TIMEOUT_S
+        super().handle_one_request()
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        # the answer gets the whole client timeout, not what the request left of it
+        self.connection.settimeout(_CLIENT_TIMEOUT_S)
+        super().send_response(code, message)
 
     def address_string(self) -> str:
         return "unix"

@@ -314,6 +314,54 @@ def test_a_client_that_leaks_connections_gets_503_not_a_thread_each(
     assert pool.backend.mapped_bytes() == 2 * BUNDLE  # what the OS maps, not a counter
 
 
+@pytest.mark.parametrize("where", ["request line", "headers", "body"])
+def test_a_request_that_trickles_in_is_cut_at_the_deadline(
+    served: tuple[str, LimitMailbox, ShrinkCoordinator],
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+) -> None:
+    """A client sending a byte every 0.2 s never hit the per-read timeout, so it held a
+    handler thread (one of MAX_CONNECTIONS) for as long as it kept sending. Now the whole
+    request must arrive within the client timeout (1 s here): the connection is closed
+    then, nothing is published, and the socket serves the next client."""
+    from engine_ext import _control
+
+    monkeypatch.setattr(_control, "_CLIENT_TIMEOUT_S", 1.0)
+    path, mailbox, _coord = served
+    body = json.dumps({"limit": 2 * BUNDLE}).encode() + b" " * 200  # trickled spaces fit
+    head = b"PUT /limit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    whole = head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    at = {"request line": 4, "headers": len(head) - 4, "body": len(whole) - 150}[where]
+    before = mailbox.revision
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+        sock.sendall(whole[:at])
+        start = time.monotonic()
+        closed = False
+        for byte in whole[at : at + 3]:  # 3 bytes more, 0.2 s apart...
+            time.sleep(0.2)
+            sock.sendall(bytes([byte]))
+        sock.settimeout(0.2)
+        while time.monotonic() - start < 20:  # ...then a byte every 0.2 s until it is cut
+            try:
+                if sock.recv(4096) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    closed = True
+                    break
+            except OSError:
+                closed = True
+                break
+        assert closed, "a trickling request held the handler thread for 20 s"
+    assert mailbox.revision == before  # nothing was published
+    status, _body, _ = call(path, "GET", "/healthz")
+    assert status == 200
+
+
 def _connect_when_accepted(path: str) -> socket.socket:
     """A connection to ``path``, waiting while the listen backlog is full."""
     deadline = time.monotonic() + 10
