@@ -61,7 +61,8 @@ class EngineSettings(BaseSettings):
     #: its KV cache for this many bytes whatever its physical share; pages are mapped on
     #: demand up to the limit. None: the device's total memory.
     virtual_kv_bytes: Annotated[int | None, BeforeValidator(_size)] = Field(default=None, gt=0)
-    heartbeat_s: float = Field(default=5.0, gt=0, le=3600)
+    # at least 50 ms: each beat is a POST that costs the engine process 2-3 ms of CPU
+    heartbeat_s: float = Field(default=5.0, ge=0.05, le=3600)
     #: The shortest time between two reports to the sidecar that change only figures
     #: (mapped bytes, evictable/pinned, demand counts): under traffic mapped bytes move
     #: with nearly every page, and each report costs the engine process a POST (2-3 ms of

@@ -43,7 +43,7 @@ class SidecarSettings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 1024, ge=256)  # larger bodies get 413
     max_wait_s: float = Field(default=300.0, gt=0, le=300.0)  # cap for ?wait=
     push_timeout_s: float = Field(default=5.0, gt=0)  # one push to an engine control socket
-    push_backoff_initial_s: float = Field(default=0.05, gt=0)  # first retry delay
+    push_backoff_initial_s: float = Field(default=0.05, ge=0.001)  # first retry delay
     push_backoff_max_s: float = Field(default=5.0, gt=0)  # retry delay cap
     max_instances: int = Field(default=1024, ge=1)  # new ids beyond this get 409
     header_timeout_s: float = Field(default=10.0, gt=0)  # a request's headers must arrive by then
@@ -61,7 +61,8 @@ class SidecarSettings(BaseSettings):
     shutdown_grace_s: int = Field(default=5, ge=0, le=300)  # seconds (uvicorn takes an int)
     log_format: Literal["text", "json"] = "text"  # json: one object per line (ours and uvicorn's)
     # -- the autopilot (docs/autopilot.md): devices with a budget get their limits from it --
-    autopilot_interval_s: float = Field(default=0.2, gt=0, le=60)  # most seconds between passes
+    # most seconds between passes; at least 10 ms (a pass is work on the event loop)
+    autopilot_interval_s: float = Field(default=0.2, ge=0.01, le=60)
     # a policy change smaller than this fraction of the budget (and a page) is not written
     autopilot_hysteresis: float = Field(default=0.05, ge=0, le=0.5)
     # an instance stays "busy" (in the share of the spare memory) this long after its last

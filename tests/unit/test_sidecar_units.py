@@ -187,6 +187,8 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
         ("KVSIDECAR_LOG_LEVEL", "verbose"),
         ("KVSIDECAR_KEEPALIVE_TIMEOUT_S", "0"),
         ("KVSIDECAR_MAX_WAITS", "0"),
+        ("KVSIDECAR_AUTOPILOT_INTERVAL_S", "1e-9"),  # a busy loop on the event loop
+        ("KVSIDECAR_PUSH_BACKOFF_INITIAL_S", "0"),
         ("KVSIDECAR_MAX_WAITS", "many"),
     ],
 )

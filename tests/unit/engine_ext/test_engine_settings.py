@@ -44,6 +44,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         ("KVSIDECAR_INSTANCE_ID", "bad id!", "KVSIDECAR_INSTANCE_ID"),
         ("KVSIDECAR_SIDECAR_URL", "localhost:8420", "http"),
         ("KVSIDECAR_HEARTBEAT_S", "0", "KVSIDECAR_HEARTBEAT_S"),
+        ("KVSIDECAR_HEARTBEAT_S", "0.001", "KVSIDECAR_HEARTBEAT_S"),  # POSTs in a tight loop
         ("KVSIDECAR_REPORT_INTERVAL_S", "-0.1", "KVSIDECAR_REPORT_INTERVAL_S"),
         ("KVSIDECAR_REPORT_INTERVAL_S", "soon", "KVSIDECAR_REPORT_INTERVAL_S"),
         ("KVSIDECAR_RESERVE_PAGES", "-1", "KVSIDECAR_RESERVE_PAGES"),
