@@ -9,13 +9,12 @@ import socketserver
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
+from support.endless import EndlessServer
 from test_sidecar_support import ROOT, SocketEngine, ThreadedSidecar
 from typer.testing import CliRunner
 
@@ -470,33 +469,6 @@ def test_sizes_are_read_exactly(sidecar: ThreadedSidecar) -> None:
     assert code == 0 and json.loads(out)["desired"]["limit_bytes"] == 3 * GiB // 2
 
 
-class _Endless(http.server.BaseHTTPRequestHandler):
-    """Answers every request with a body that never ends: ``flood`` (fast) or ``drip``."""
-
-    mode = "drip"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _answer(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(1 << 40))
-        self.end_headers()
-        try:
-            while True:
-                if self.mode == "flood":
-                    self.wfile.write(b" " * (1 << 20))
-                else:
-                    self.wfile.write(b" ")
-                    self.wfile.flush()
-                    time.sleep(0.1)
-        except OSError:
-            pass
-
-    do_GET = do_PUT = do_DELETE = do_POST = _answer
-
-
 @pytest.mark.parametrize("mode", ["flood", "drip"])
 def test_an_answer_without_end_is_one_line_not_a_hang(
     mode: str, monkeypatch: pytest.MonkeyPatch
@@ -508,12 +480,9 @@ def test_an_answer_without_end_is_one_line_not_a_hang(
 
     monkeypatch.setattr(_kvctl_client, "_CONNECT_TIMEOUT_S", 0.5)  # total: 1 s
     monkeypatch.setattr(_kvctl_client, "MAX_ANSWER_BYTES", 4 << 20)
-    handler = type("Endless", (_Endless,), {"mode": mode})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = EndlessServer(mode)
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+        url = server.url
         for args in (["list"], ["status", "a"], ["limit", "a", "1G"]):
             result = runner.invoke(app, ["--url", url, *args])
             assert result.exit_code == 4, (args, result.output, result.exception)
@@ -521,5 +490,4 @@ def test_an_answer_without_end_is_one_line_not_a_hang(
             reason = "AnswerTooLarge" if mode == "flood" else "ReadTimeout"
             assert f"cannot reach the sidecar at {url} ({reason}" in result.output, result.output
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from support import wait_until
+from support.endless import rss_bytes, send_endless
 from test_sidecar_support import SocketEngine, ThreadedSidecar
 
 from sidecar import SidecarSettings
@@ -303,6 +304,9 @@ class _HostileEngine:
     def close(self) -> None:
         self._server.close()
 
+    def _count(self, n: int) -> None:
+        self.sent += n
+
     def _accept(self) -> None:
         while True:
             try:
@@ -334,7 +338,7 @@ class _HostileEngine:
                 revision = int(body.get("revision", 0))
                 self.pushes.append(revision)
                 if self.mode in ("flood", "drip"):
-                    self._endless(conn)
+                    send_endless(conn, self.mode, self._count)
                     return
                 code, state = 200, {"status": "applied", "limit_bytes": 7}
                 if self.mode == "conflict":
@@ -356,30 +360,6 @@ class _HostileEngine:
                     % (code, len(out))
                     + out
                 )
-
-    def _endless(self, conn: Any) -> None:
-        try:
-            if self.mode == "flood":
-                conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-                chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
-                while True:
-                    conn.sendall(chunk)
-                    self.sent += 1 << 20
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
-            while True:
-                conn.sendall(b" ")
-                self.sent += 1
-                time.sleep(0.2)
-        except OSError:
-            pass
-
-
-def _rss_bytes() -> int:
-    """This process's resident memory (the sidecar runs in it), as the kernel counts it."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 def _hostile_sidecar(tmp_path: Path, hostile: _HostileEngine, **backoff: float) -> ThreadedSidecar:
@@ -461,7 +441,7 @@ def test_a_push_answer_without_end_is_cut_and_the_push_retried(tmp_path: Path, m
     from engine_ext.protocol import MAX_REPLY_BYTES
 
     hostile = _HostileEngine(tmp_path / "e.sock", mode)
-    rss_before = _rss_bytes()
+    rss_before = rss_bytes()
     try:
         with (
             _hostile_sidecar(
@@ -480,7 +460,7 @@ def test_a_push_answer_without_end_is_cut_and_the_push_retried(tmp_path: Path, m
             assert f'reason="{reason}"' in c.get("/metrics").text
             if mode == "flood":
                 assert hostile.sent > 2 * MAX_REPLY_BYTES  # more was offered than was read
-                assert _rss_bytes() - rss_before < 64 << 20, "the answers were read into memory"
+                assert rss_bytes() - rss_before < 64 << 20, "the answers were read into memory"
             assert c.get("/instances/x").json()["status"] == "pending"
     finally:
         hostile.close()

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from engine_pool import BLOCKS_PER_PAGE, BUNDLE, Pool
+from support.endless import EndlessServer, rss_bytes
 
 from engine_ext import ElasticInstance, EngineBinding, LimitMailbox, Target, load_engine_settings
 from engine_ext._sidecar_client import SidecarClient
@@ -474,58 +475,6 @@ def test_a_hostile_sidecar_never_ends_the_client_thread_nor_sets_a_limit(
         server.close()
 
 
-class EndlessSidecar:
-    """A raw TCP server whose every answer never ends: ``flood`` streams 1 MiB chunks as
-    fast as the client reads them, ``drip`` sends one byte of a long body every 0.2 s."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.connections = 0
-        self.sent = 0
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.recv(65536)
-                if self.mode == "flood":
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-                    chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
-                    while True:
-                        conn.sendall(chunk)
-                        self.sent += 1 << 20
-                else:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
-                    while True:
-                        conn.sendall(b" ")
-                        self.sent += 1
-                        time.sleep(0.2)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _rss_bytes() -> int:
-    """This process's resident memory, as the kernel counts it."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
-
-
 @pytest.mark.parametrize("mode", ["flood", "drip"])
 def test_an_answer_without_end_is_cut_and_the_client_goes_on(
     pool: Pool, tmp_path: Path, mode: str
@@ -535,9 +484,9 @@ def test_an_answer_without_end_is_cut_and_the_client_goes_on(
     memory (the whole answer was read), and one sending a byte now and then held the
     start-up's registration, then the client thread, for ever (httpx's timeout is per
     read). Checked by what the kernel says (RSS) and by the client coming back."""
-    server = EndlessSidecar(mode)
+    server = EndlessServer(mode)
     inst = make_instance(pool, tmp_path, server.url, register_timeout_s=1, heartbeat_s=0.05)
-    rss_before = _rss_bytes()
+    rss_before = rss_bytes()
     try:
         inst.start()  # the registration gives up after register_timeout_s (each try is cut)
         assert inst.sidecar is not None
@@ -548,7 +497,7 @@ def test_an_answer_without_end_is_cut_and_the_client_goes_on(
         assert inst.sidecar._thread is not None and inst.sidecar._thread.is_alive()
         if mode == "flood":
             assert server.sent > 2 * MAX_REPLY_BYTES  # more was offered than was read
-            assert _rss_bytes() - rss_before < 64 << 20, "the answers were read into memory"
+            assert rss_bytes() - rss_before < 64 << 20, "the answers were read into memory"
         assert inst.mailbox.revision == 0
     finally:
         inst.close()
