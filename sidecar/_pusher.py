@@ -33,15 +33,11 @@ from ._errors import SidecarError
 from ._instances import InstanceRecord
 from ._metrics import Metrics
 from ._settings import SidecarSettings
-from ._transport import SOCKET_EXTENSION
+from ._transport import SOCKET_EXTENSION, ReplyTooLarge, bounded_exchange
 
 __all__ = ["PushManager", "PushOutcome", "ReplyHandler"]
 
 _log = logging.getLogger("kvsidecar.push")
-
-
-class _ReplyTooLarge(Exception):
-    """A push answer longer than :data:`MAX_REPLY_BYTES` (read no further)."""
 
 
 class PushOutcome(enum.Enum):
@@ -197,7 +193,7 @@ class PushManager:
                 "(KVSIDECAR_PUSH_TIMEOUT_S)",
             )
             return PushOutcome.FAILED
-        except _ReplyTooLarge:
+        except ReplyTooLarge:
             self._fail(
                 instance_id,
                 "reply_too_large",
@@ -223,26 +219,16 @@ class PushManager:
         return outcome
 
     async def _exchange(self, socket_path: str, body: str) -> tuple[int, bytes]:
-        """One ``PUT /limit`` on ``socket_path``: the status and the whole answer, read within
-        ``push_timeout_s`` in all (httpx's timeout is per read: an engine that sends a byte a
-        second would hold the worker for ever) and at most :data:`MAX_REPLY_BYTES` (an
-        answer without end would fill the sidecar's memory). Raises ``TimeoutError``,
-        :class:`_ReplyTooLarge` or ``httpx.HTTPError``."""
-        async with asyncio.timeout(self._settings.push_timeout_s):
-            async with self._client.stream(
-                "PUT",
-                "http://engine/limit",
-                content=body,
-                headers={"content-type": "application/json"},
-                extensions={SOCKET_EXTENSION: socket_path},
-                timeout=self._settings.push_timeout_s,
-            ) as resp:
-                content = bytearray()
-                async for chunk in resp.aiter_bytes():
-                    content += chunk
-                    if len(content) > MAX_REPLY_BYTES:
-                        raise _ReplyTooLarge
-                return resp.status_code, bytes(content)
+        """One ``PUT /limit`` on ``socket_path``, bounded (:func:`bounded_exchange`)."""
+        return await bounded_exchange(
+            self._client,
+            "PUT",
+            "http://engine/limit",
+            timeout_s=self._settings.push_timeout_s,
+            content=body,
+            headers={"content-type": "application/json"},
+            extensions={SOCKET_EXTENSION: socket_path},
+        )
 
     def _fail(self, instance_id: str, reason: str, detail: str) -> None:
         self._metrics.push_failed(instance_id, reason)

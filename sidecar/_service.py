@@ -6,6 +6,7 @@ Raises domain errors only (``_errors``); the HTTP layer maps them to problem+jso
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -38,7 +39,7 @@ from ._pusher import PushManager, PushOutcome
 from ._reports import report_problem
 from ._settings import SidecarSettings
 from ._store import InstanceRow, Registration, Store
-from ._transport import UnixSocketRouter, unix_transport
+from ._transport import ReplyTooLarge, UnixSocketRouter, bounded_exchange, unix_transport
 
 __all__ = ["InstanceService"]
 
@@ -328,14 +329,16 @@ class InstanceService:
         if path is None or token is None or path != rec.row.socket_path:
             return False
         try:  # a connection of its own: a pooled one may still lead to the dead process
-            async with httpx.AsyncClient(
-                transport=unix_transport(path),
-                timeout=min(self._settings.push_timeout_s, 2.0),
-            ) as probe:
-                resp = await probe.get("http://engine/healthz")
-            mark = resp.json().get("registration")
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return False  # no answer (another host's path, a stopped process): not proven
+            async with httpx.AsyncClient(transport=unix_transport(path)) as probe:
+                _code, content = await bounded_exchange(
+                    probe,
+                    "GET",
+                    "http://engine/healthz",
+                    timeout_s=min(self._settings.push_timeout_s, 2.0),
+                )
+            mark = json.loads(content).get("registration")
+        except (httpx.HTTPError, TimeoutError, ReplyTooLarge, ValueError, AttributeError):
+            return False  # no (whole, sane) answer: another host's path, a stopped process
         if mark != registration_mark(token):
             return False
         _log.info(

@@ -11,13 +11,23 @@ kept transport holds its connection to a dead engine open.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections import OrderedDict
 from functools import cache
+from typing import Any
 
 import httpx
 
-__all__ = ["SOCKET_EXTENSION", "UnixSocketRouter", "unix_transport"]
+from engine_ext.protocol import MAX_REPLY_BYTES
+
+__all__ = [
+    "SOCKET_EXTENSION",
+    "ReplyTooLarge",
+    "UnixSocketRouter",
+    "bounded_exchange",
+    "unix_transport",
+]
 
 SOCKET_EXTENSION = "kvsidecar.unix_socket"
 _MAX_SOCKETS = 64  # close the least recently used transports beyond this many sockets
@@ -67,3 +77,25 @@ class UnixSocketRouter(httpx.AsyncBaseTransport):
         transports, self._transports = list(self._transports.values()), OrderedDict()
         for transport in transports:
             await transport.aclose()
+
+
+class ReplyTooLarge(Exception):
+    """An engine's answer passed :data:`MAX_REPLY_BYTES` (read no further)."""
+
+
+async def bounded_exchange(
+    client: httpx.AsyncClient, method: str, url: str, *, timeout_s: float, **kwargs: Any
+) -> tuple[int, bytes]:
+    """One request to an engine: the status and the whole answer, read within
+    ``timeout_s`` in all and up to :data:`MAX_REPLY_BYTES`. httpx's timeout is per read:
+    a socket sending a byte now and then would hold the caller for ever, and one
+    streaming without end would fill the sidecar's memory. Raises ``TimeoutError``,
+    :class:`ReplyTooLarge` or ``httpx.HTTPError``."""
+    async with asyncio.timeout(timeout_s):
+        async with client.stream(method, url, timeout=timeout_s, **kwargs) as resp:
+            content = bytearray()
+            async for chunk in resp.aiter_bytes():
+                content += chunk
+                if len(content) > MAX_REPLY_BYTES:
+                    raise ReplyTooLarge(f"the answer passed {MAX_REPLY_BYTES} bytes")
+            return resp.status_code, bytes(content)

@@ -464,3 +464,39 @@ def test_a_push_answer_without_end_is_cut_and_the_push_retried(tmp_path: Path, m
             assert c.get("/instances/x").json()["status"] == "pending"
     finally:
         hostile.close()
+
+
+@pytest.mark.parametrize("mode", ["flood", "drip"])
+def test_the_takeover_probe_reads_a_bounded_answer(tmp_path: Path, mode: str) -> None:
+    """A second process registering an id whose live holder's socket path it names makes
+    the sidecar ask that socket's /healthz who serves it. That answer was read whole with
+    httpx's per-read timeout: a socket streaming without end filled the sidecar's memory
+    during the registration, one dripping held it for ever. Now the probe's answer is
+    bounded like a push's: the takeover is not proven, the second process gets its 409."""
+    from engine_ext.protocol import MAX_REPLY_BYTES
+
+    hostile = _HostileEngine(tmp_path / "e.sock", mode)
+    rss_before = rss_bytes()
+    try:
+        with (
+            _hostile_sidecar(tmp_path, hostile, push_timeout_s=1.0) as server,
+            httpx.Client(base_url=server.url, timeout=60) as c,
+        ):
+            body = {
+                "engine": "vllm",
+                "engine_version": "0.33.0",
+                "socket_path": str(hostile.path),
+                "state": {"status": "applied"},
+            }
+            first = {**body, "registration_token": "A" * 32}
+            assert c.post("/instances/x/register", json=first).status_code == 200
+            second = {**body, "registration_token": "B" * 32}
+            r = c.post("/instances/x/register", json=second)
+            assert r.status_code == 409, r.text  # the live holder keeps the id
+            assert "held by another live engine process" in r.json()["detail"]
+            assert hostile.pushes, "the probe never reached the socket"
+            if mode == "flood":
+                assert hostile.sent >= MAX_REPLY_BYTES  # as much was offered as is read
+                assert rss_bytes() - rss_before < 64 << 20, "the answer was read into memory"
+    finally:
+        hostile.close()
