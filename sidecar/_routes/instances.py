@@ -39,7 +39,8 @@ def _json(model: BaseModel, status_code: int = 200) -> Response:
         200: {
             "content": {watch_events.MEDIA_TYPE: {}},
             "description": "the list; with ?watch=1 an event stream of it",
-        }
+        },
+        503: {**_PROBLEMS[503], "description": "?watch=1 while KVSIDECAR_MAX_WAITS clients wait"},
     },
     summary="Every known instance; ?watch=1 streams the list (server-sent events)",
 )
