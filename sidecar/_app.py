@@ -13,7 +13,7 @@ from ._body_limit import BodyLimitMiddleware
 from ._docs_ui import install_docs
 from ._metrics import Metrics
 from ._problems import install_problem_handlers
-from ._routes import devices, engines, health, instances
+from ._routes import devices, engines, health, instances, watch
 from ._service import InstanceService
 from ._settings import SidecarSettings
 from ._store import Store
@@ -49,6 +49,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.autopilot = autopilot
         app.state.metrics = metrics
         app.state.waits = waits
+        app.state.watch_listing = watch.SharedListing(service)  # shared by the event streams
         yield
     finally:
         await autopilot.close()

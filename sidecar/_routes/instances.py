@@ -58,7 +58,8 @@ async def list_instances(
     ] = False,
 ) -> Response:
     if watch:
-        return watch_events.instance_events(request, service, settings.max_wait_s, waits)
+        listing: watch_events.SharedListing = request.app.state.watch_listing
+        return watch_events.instance_events(request, listing, settings.max_wait_s, waits)
     return _json(InstanceList(instances=service.list()))
 
 

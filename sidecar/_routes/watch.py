@@ -39,7 +39,7 @@ class SharedListing:
     when anything but ``last_seen_s_ago`` changed. Event-loop thread only."""
 
     def __init__(self, service: InstanceService) -> None:
-        self.service = service
+        self._service = service
         self._built_at = float("-inf")
         self._last: list[dict[str, Any]] | None = None
         self.seq = 0
@@ -49,7 +49,7 @@ class SharedListing:
     def current(self, now: float, *, fresh: bool = False) -> tuple[int, str]:
         """``(seq, JSON)`` as of at most ``_POLL_S`` ago (``fresh``: as of now)."""
         if fresh or now - self._built_at >= _POLL_S:
-            listing = InstanceList(instances=self.service.list())
+            listing = InstanceList(instances=self._service.list())
             comparable = _comparable(listing)
             self.builds += 1
             self._built_at = now
@@ -83,14 +83,10 @@ async def _events(request: Request, listing: SharedListing, max_s: float) -> Asy
 
 
 def instance_events(
-    request: Request, service: InstanceService, max_s: float, waits: WaitSlots
+    request: Request, listing: SharedListing, max_s: float, waits: WaitSlots
 ) -> HeldStream:
     """The event stream response (no caching, no proxy buffering). It holds one of
     ``waits`` while it runs; with none free it raises ``TooManyWaitsError`` (503)."""
-    state = request.app.state
-    listing: SharedListing | None = getattr(state, "watch_listing", None)
-    if listing is None or listing.service is not service:  # one per service (lifespan)
-        listing = state.watch_listing = SharedListing(service)
     waits.take()
     return HeldStream(
         waits,
