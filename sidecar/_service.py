@@ -263,7 +263,7 @@ class InstanceService:
         self._check_report(instance_id, state)
         if rec.reg_token is None:
             rec.reg_token = token  # the sidecar restarted: the first process to report holds it
-        await self._observe(rec, state, urgent=False)  # a heartbeat: no end to a backoff
+        await self._observe(rec, state)
         return RegisterReply(limit=rec.row.limit_bytes, revision=rec.row.revision)
 
     async def deregister(self, instance_id: str, token: str | None) -> InstanceView:
@@ -428,11 +428,10 @@ class InstanceService:
         except RequestError as exc:  # e.g. the revision space is used up: say so, go on
             _log.error("instance %s: cannot re-issue the desired limit: %s", rec.row.id, exc.detail)
 
-    async def _observe(self, rec: InstanceRecord, state: EngineState, *, urgent: bool) -> bool:
+    async def _observe(self, rec: InstanceRecord, state: EngineState) -> bool:
         """Take an engine's report or push answer; returns whether it re-issued the desired
-        limit (a tie). ``urgent``: its wake of the pusher (the push may be due again) also
-        ends a backoff (reports and push answers pass False: an engine answering fast
-        without taking the limit must not speed the pushes up)."""
+        limit (a tie). It wakes the pusher when a push is due, but does not end a backoff:
+        an engine answering fast without taking the limit must not speed the pushes up."""
         adopted = state.revision > rec.row.revision  # a limit set on the engine's socket
         await self._adopt_if_newer(rec, state)
         reissued = _other_limit_same_revision(rec, state)
@@ -454,7 +453,7 @@ class InstanceService:
         rec.notify()
         self._metrics.observed(rec.view(self._now, self._settings.heartbeat_timeout_s))
         if rec.needs_push():
-            self._pusher.wake(rec.row.id, urgent=urgent)
+            self._pusher.wake(rec.row.id, urgent=False)
         if rec.observed is not None and (as_new or rec.observed is not before):
             self.on_observed(rec.row.id, None if as_new else before, rec.observed)
         return reissued
@@ -477,7 +476,7 @@ class InstanceService:
             )
             return PushOutcome.FAILED
         if not rejected:
-            if await self._observe(rec, state, urgent=False):
+            if await self._observe(rec, state):
                 return PushOutcome.REISSUED
             if state.revision >= pushed:
                 return PushOutcome.TAKEN
