@@ -76,6 +76,14 @@ _COLUMNS = (
     "device_total_bytes, registered_at, stopped_at"
 )
 _COLUMN_NAMES = tuple(c.strip() for c in _COLUMNS.split(","))
+_OWN_TABLES = ("instances", "ready_probe", "devices", "policies")
+
+
+def _is_own_object(name: str) -> bool:
+    """A table of ours, or the index SQLite made for one's primary key."""
+    return name in _OWN_TABLES or any(
+        name.startswith(f"sqlite_autoindex_{table}_") for table in _OWN_TABLES
+    )
 
 
 def _statements(script: str) -> tuple[str, ...]:
@@ -154,7 +162,10 @@ def _lock_exclusively(path: Path) -> int:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
-        raise SidecarConfigError(f"cannot open the database {path}: {exc}") from exc
+        raise SidecarConfigError(
+            f"cannot open the database {path}: {exc.strerror}; set KVSIDECAR_DB_PATH (or --db) "
+            "to a writable file"
+        ) from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -273,46 +284,75 @@ class Store:
                 f"cannot open the database {self.path}: {exc}; set KVSIDECAR_DB_PATH "
                 "(or --db) to a writable file"
             ) from exc
-        try:
-            self._prepare(conn)
-        except sqlite3.Error as exc:
-            conn.close()
-            raise SidecarConfigError(
-                f"the database {self.path} cannot be read as a kvsidecar database ({exc}); "
-                "set KVSIDECAR_DB_PATH (or --db) to another file"
-            ) from exc
-        except SidecarConfigError:
-            conn.close()
-            raise
+        # the lock first: a second sidecar (maybe a newer one) must not migrate the file
+        # under the one that serves it, nor even switch its journal mode
         try:
             self._lock_fd = _lock_exclusively(self.path)
         except SidecarConfigError:
             conn.close()
             raise
+        try:
+            self._prepare(conn)
+        except sqlite3.Error as exc:
+            self._release_open(conn)
+            raise SidecarConfigError(
+                f"the database {self.path} cannot be read as a kvsidecar database ({exc}); "
+                "set KVSIDECAR_DB_PATH (or --db) to another file"
+            ) from exc
+        except BaseException:
+            self._release_open(conn)
+            raise
         info = os.fstat(self._lock_fd)
         self._file_id = (info.st_dev, info.st_ino)
         self._conn = conn
 
+    def _release_open(self, conn: sqlite3.Connection) -> None:
+        conn.close()
+        os.close(self._lock_fd)
+        self._lock_fd = -1
+
     def _prepare(self, conn: sqlite3.Connection) -> None:
+        # read-only checks first: a file that is refused is left exactly as it was
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        self._refuse_foreign(conn, version)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         # one transaction: a migration cut short (the sidecar killed, a write refused) leaves
         # the file as it was, never a column added under the old version number
         conn.execute("BEGIN IMMEDIATE")
         try:
-            self._migrate(conn)
+            self._migrate(conn, version)
         except BaseException:
             conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
 
-    def _migrate(self, conn: sqlite3.Connection) -> None:
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
+    def _refuse_foreign(self, conn: sqlite3.Connection, version: int) -> None:
+        """Refuse a file of a schema this sidecar does not read, or another program's
+        database (version 0 is only ever a new file: every kvsidecar sets the version in
+        the transaction that creates its tables)."""
         if version not in (0, 1, 2, 3, 4, _SCHEMA_VERSION):
             raise SidecarConfigError(
                 f"the database {self.path} has schema version {version}; this sidecar "
                 f"reads version {_SCHEMA_VERSION}: use a newer kvsidecar or another --db"
             )
+        if version:
+            return
+        if self._instance_columns(conn):  # ours by name: must be ours by shape as well
+            self._check_columns(conn, _COLUMN_NAMES, version)
+        found = [row[0] for row in conn.execute("SELECT name FROM sqlite_master ORDER BY name")]
+        foreign = [name for name in found if not _is_own_object(name)]
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (
+                f" and {len(foreign) - 5} more" if foreign[5:] else ""
+            )
+            raise SidecarConfigError(
+                f"the database {self.path} holds objects kvsidecar did not create ({shown}): "
+                "it belongs to another program and is left as it is; set KVSIDECAR_DB_PATH "
+                "(or --db) to a file of its own"
+            )
+
+    def _migrate(self, conn: sqlite3.Connection, version: int) -> None:
         if version == 1:
             # a sidecar before the migration was one transaction could be killed after
             # adding the column and before setting the version: the column is there already
@@ -331,7 +371,7 @@ class Store:
                     conn.execute(f"ALTER TABLE policies ADD COLUMN {column} {declared}")
         for statement in _SCHEMA_STATEMENTS:  # not executescript: it would commit first
             conn.execute(statement)
-        self._check_columns(conn, _COLUMN_NAMES, _SCHEMA_VERSION)
+        self._check_columns(conn, _COLUMN_NAMES, version)
         conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
 
     @staticmethod

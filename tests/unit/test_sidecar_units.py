@@ -136,6 +136,82 @@ def _record(
     return InstanceRecord(row, observed=observed, last_seen=last_seen)
 
 
+def _file_bytes(path: Path) -> bytes:
+    return path.read_bytes() + b"".join(
+        p.read_bytes() for p in sorted(path.parent.glob(path.name + "-*"))
+    )
+
+
+def _open_and_close(path: Path) -> None:
+    async def run() -> None:
+        store = Store(path)
+        try:
+            await store.open()
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("script", "refusal"),
+    [
+        # another program's database: its tables, a view, its own use of user_version 0
+        ("CREATE TABLE users (id, name); INSERT INTO users VALUES (1, 'a');", "users"),
+        ("CREATE TABLE t (a); CREATE VIEW v AS SELECT a FROM t;", "t, v"),
+        # a table with our name and another shape, at version 0
+        ("CREATE TABLE instances (x); INSERT INTO instances VALUES (1);", "schema version 0"),
+        # a version from the future
+        ("CREATE TABLE instances (x); PRAGMA user_version=99;", "schema version 99"),
+    ],
+)
+def test_store_leaves_a_file_it_refuses_byte_for_byte(
+    tmp_path: Path, script: str, refusal: str
+) -> None:
+    """A refused file keeps its bytes: no kvsidecar table, no version, no journal mode."""
+    path = tmp_path / "theirs.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(script)
+    conn.close()
+    before = _file_bytes(path)
+    with pytest.raises(SidecarConfigError, match=refusal) as caught:
+        _open_and_close(path)
+    assert "KVSIDECAR_DB_PATH" in str(caught.value) or "--db" in str(caught.value)
+    assert _file_bytes(path) == before
+
+
+def test_store_takes_the_lock_before_it_touches_the_file(tmp_path: Path) -> None:
+    """A second (maybe newer) sidecar started on a served database is refused before it
+    migrates anything under the one that serves it."""
+    import fcntl
+    import os
+
+    path = tmp_path / "served.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE instances (id TEXT PRIMARY KEY, limit_bytes INTEGER,"
+        " revision INTEGER NOT NULL, updated_at REAL NOT NULL, engine TEXT,"
+        " engine_version TEXT, socket_path TEXT, device_total_bytes INTEGER,"
+        " registered_at REAL, stopped_at REAL) STRICT;"
+        "CREATE TABLE policies (id TEXT PRIMARY KEY, pin_revision INTEGER) STRICT;"
+        "PRAGMA user_version=4;"
+    )
+    conn.close()
+    before = _file_bytes(path)
+    held = os.open(path, os.O_RDWR)  # the serving sidecar's lock
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(SidecarConfigError, match="another kvsidecar serves"):
+            _open_and_close(path)
+        assert _file_bytes(path) == before
+    finally:
+        os.close(held)
+    _open_and_close(path)  # once free, the same file is migrated
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
+    conn.close()
+
+
 def test_derive_status() -> None:
     applied = EngineState(status=Status.APPLIED, revision=1, limit_bytes=GiB)
     deferred = EngineState(status=Status.DEFERRED, revision=1, limit_bytes=GiB, reason="evicting")
