@@ -39,15 +39,21 @@ class SidecarSettings(BaseSettings):
     port: int = Field(default=8570, ge=0, le=65535)
     db_path: Path = Field(default_factory=default_db_path)
     token: SecretStr | None = None  # bearer token for every mutating endpoint
-    heartbeat_timeout_s: float = Field(default=15.0, gt=0)  # no report for this long: unreachable
+    heartbeat_timeout_s: float = Field(
+        default=15.0, gt=0, le=86400
+    )  # no report for this long: unreachable
     max_body_bytes: int = Field(default=64 * 1024, ge=256)  # larger bodies get 413
     max_wait_s: float = Field(default=300.0, gt=0, le=300.0)  # cap for ?wait=
-    push_timeout_s: float = Field(default=5.0, gt=0)  # one push to an engine control socket
+    push_timeout_s: float = Field(default=5.0, gt=0, le=600)  # one push to an engine control socket
     push_backoff_initial_s: float = Field(default=0.05, ge=0.001)  # first retry delay
-    push_backoff_max_s: float = Field(default=5.0, gt=0)  # retry delay cap
+    push_backoff_max_s: float = Field(default=5.0, gt=0, le=3600)  # retry delay cap
     max_instances: int = Field(default=1024, ge=1)  # new ids beyond this get 409
-    header_timeout_s: float = Field(default=10.0, gt=0)  # a request's headers must arrive by then
-    body_timeout_s: float = Field(default=10.0, gt=0)  # ... and its body this long after them
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, le=600
+    )  # a request's headers must arrive by then
+    body_timeout_s: float = Field(
+        default=10.0, gt=0, le=600
+    )  # ... and its body this long after them
     # an idle keep-alive connection closes after this; well above the engines' heartbeat
     # (5 s) so each engine keeps one connection (idle ones are closed first at the cap)
     keepalive_timeout_s: int = Field(default=75, ge=1)
@@ -69,6 +75,18 @@ class SidecarSettings(BaseSettings):
     # running or waiting request, so a short gap between requests does not move memory
     autopilot_busy_hold_s: float = Field(default=3.0, ge=0, le=3600)
     autopilot_dry_run: bool = False  # every device: compute and show, write nothing
+
+    @field_validator("db_path", mode="before")
+    @classmethod
+    def _db_path_not_blank(cls, value: object) -> object:
+        # Path("") is "." (the working directory): an unset variable in a compose file or
+        # a unit would otherwise point the store at a directory
+        if isinstance(value, str) and not value.strip():
+            raise ValueError(
+                "KVSIDECAR_DB_PATH is empty; unset it for the default "
+                "(~/.local/state/kvsidecar/sidecar.db) or name a file"
+            )
+        return value
 
     @field_validator("log_level", mode="before")
     @classmethod

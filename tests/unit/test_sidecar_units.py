@@ -266,6 +266,20 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
         ("KVSIDECAR_AUTOPILOT_INTERVAL_S", "1e-9"),  # a busy loop on the event loop
         ("KVSIDECAR_PUSH_BACKOFF_INITIAL_S", "0"),
         ("KVSIDECAR_MAX_WAITS", "many"),
+        ("KVSIDECAR_DB_PATH", ""),  # "." otherwise: the working directory
+        ("KVSIDECAR_DB_PATH", "  "),
+        # not finite, or past any sensible bound: a push or a request that never times out
+        *(
+            (f"KVSIDECAR_{name}", value)
+            for name in (
+                "HEARTBEAT_TIMEOUT_S",
+                "PUSH_TIMEOUT_S",
+                "PUSH_BACKOFF_MAX_S",
+                "HEADER_TIMEOUT_S",
+                "BODY_TIMEOUT_S",
+            )
+            for value in ("inf", "nan", "1e400", "1e9")
+        ),
     ],
 )
 def test_bad_new_settings_name_the_variable(
