@@ -91,16 +91,34 @@ class Reply:
     http_status: int
 
 
-def _raise_for(resp: httpx.Response) -> None:
+def _raise_for(resp: httpx.Response, where: str, hint: str) -> None:
+    """An error answer as one line: kvsidecar's problem detail, or, for an answer kvsidecar
+    does not give (a proxy's or another server's HTML page, JSON without a detail), what
+    answered and a hint that ``where`` may not be kvsidecar."""
     if resp.status_code < 400:
         return
+    code = EXIT_USAGE if resp.status_code == 422 else EXIT_ERROR
     try:
         problem = resp.json()
-        detail = problem.get("detail") or problem.get("title") or resp.text
-    except (ValueError, AttributeError):  # not JSON, or JSON but not a problem object
-        detail = resp.text.strip()[:200] or resp.reason_phrase
-    code = EXIT_USAGE if resp.status_code == 422 else EXIT_ERROR
-    raise CtlError(f"{detail} (HTTP {resp.status_code})", code)
+    except ValueError:
+        problem = None
+    detail = problem.get("detail") or problem.get("title") if isinstance(problem, dict) else None
+    if detail:
+        raise CtlError(f"{_one_line(str(detail))} (HTTP {resp.status_code})", code)
+    kind = resp.headers.get("content-type") or "no content type"
+    if "html" in kind:  # a page for a browser: its markup says nothing on one line
+        what = f"an HTML page ({kind})"
+    else:
+        what = f"{kind} ({_one_line(resp.text)[:120] or resp.reason_phrase!r})"
+    raise CtlError(
+        f"{where} answered HTTP {resp.status_code} with {what}, not a kvsidecar problem; "
+        f"is that kvsidecar? Check {hint}",
+        EXIT_ERROR,
+    )
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _json(resp: httpx.Response, what: str) -> Any:
@@ -178,8 +196,8 @@ class SidecarApi:
                 f"{exc}); is 'kvsidecar serve' running? (--url)",
                 EXIT_UNREACHABLE,
             ) from None
-        _raise_for(resp)
         where = f"the sidecar at {self.url}"
+        _raise_for(resp, where, _URL_HINT)
         if answer is None:
             if resp.status_code != 204:
                 raise CtlError(
@@ -279,7 +297,7 @@ class SocketApi:
             body = _json(resp, where)
             message = body.get("message") if isinstance(body, dict) else None
             raise CtlError(str(message or "revision rejected"), EXIT_ERROR)
-        _raise_for(resp)
+        _raise_for(resp, where, "--socket")
         return Reply(
             _checked(_json(resp, where), EngineState, where, resp.status_code, "--socket"),
             resp.status_code,

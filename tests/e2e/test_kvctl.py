@@ -351,14 +351,16 @@ def test_a_server_that_is_not_kvsidecar_is_a_clear_error(tmp_path: Path) -> None
 
 
 class _Answers(http.server.BaseHTTPRequestHandler):
-    """Answers every request with 200 and the class's JSON ``body`` (not kvsidecar's shape)."""
+    """Answers every request with ``status`` and the class's ``body`` (not kvsidecar's)."""
 
     body = b"{}"
+    status = 200
+    kind = "application/json"
 
     def _answer(self) -> None:
         self.rfile.read(int(self.headers.get("content-length") or 0))
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
+        self.send_response(self.status)
+        self.send_header("content-type", self.kind)
         self.send_header("content-length", str(len(self.body)))
         self.end_headers()
         self.wfile.write(self.body)
@@ -388,6 +390,44 @@ _EVERY_COMMAND = (
     ["policy", "a", "--min", "1G"],
     ["device-limits", "d", "a=1G"],
 )
+
+
+@pytest.mark.parametrize(
+    ("status", "kind", "body"),
+    [
+        (404, "text/html", b"<!DOCTYPE HTML>\n<html>\n<body>\n<h1>404</h1>\n</body>\n</html>\n"),
+        (502, "text/html", b"<html><head><title>502 Bad Gateway</title></head></html>"),
+        (501, "text/plain", b"Unsupported method\n('PUT')\n"),
+        (500, "application/json", b'{"error": "upstream"}'),
+        (503, "application/json", b"[1, 2]"),
+        (400, "application/octet-stream", b""),
+    ],
+)
+def test_an_error_answer_that_is_not_kvsidecars_is_one_line(
+    status: int, kind: str, body: bytes
+) -> None:
+    """A wrong port or a proxy answering an error page: every command printed the page's raw
+    lines (an HTML document across the terminal); now one line saying what answered and
+    that it may not be kvsidecar, exit 1."""
+    handler = type("Answers", (_Answers,), {"body": body, "status": status, "kind": kind})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for args in _EVERY_COMMAND:
+            result = runner.invoke(app, ["--url", url, *args])
+            assert result.exit_code == 1, (args, result.output, result.exception)
+            assert len(result.output.strip().splitlines()) == 1, (args, result.output)
+            assert f"HTTP {status}" in result.output, (args, result.output)
+            assert "is that kvsidecar? Check --url/KVSIDECAR_URL" in result.output, (
+                args,
+                result.output,
+            )
+            assert "<h1>" not in result.output
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.parametrize(
