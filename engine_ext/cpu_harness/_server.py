@@ -4,14 +4,23 @@ Shared by the vLLM and SGLang launchers (``vllm/_launcher.py``,
 ``sglang/_launcher.py``), which only build the command line and the
 environment. The server runs in its own process group (API server and the
 engine's children); :meth:`ServerProcess.stop` terminates the whole group.
+
+Each server gets a private ``TMPDIR`` (a short directory under the system
+temporary directory, so unix socket paths inside it stay well under the
+107-byte limit). The engines put their own ZMQ ipc sockets and lock files
+there (vLLM's ``VLLM_RPC_BASE_PATH`` and SGLang's ipc names default to it) and
+leave them behind even on a clean shutdown; :meth:`ServerProcess.stop` removes
+the directory once the process group is gone.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,12 +52,20 @@ class ServerProcess:
     kv_memfd_name = ""
     health_poll_s = 0.25
     stop_timeout_s = 20.0
+    group_exit_timeout_s = 5.0  # after the SIGKILL: how long stop() waits for the group to end
 
-    def __init__(self, proc: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        port: int,
+        log_path: Path,
+        tmp_dir: Path | None = None,
+    ) -> None:
         self.proc = proc
         self.port = port
         self.log_path = log_path
         self.base_url = f"http://127.0.0.1:{port}"
+        self.tmp_dir = tmp_dir  # the server's private TMPDIR (removed by stop())
 
     def log_text(self) -> str:
         try:
@@ -133,7 +150,15 @@ class ServerProcess:
                 _signal_group(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers (the engine's children)
+        _wait_group_gone(self.proc.pid, self.group_exit_timeout_s)
+        self._after_group_gone()
         return int(self.proc.returncode)
+
+    def _after_group_gone(self) -> None:
+        """Every process of the group is gone (or the wait gave up): clean up after them."""
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
     def __enter__(self) -> Self:
         return self
@@ -157,13 +182,23 @@ def start_server(
     *,
     wait: bool = True,
 ) -> _S:
-    """Start ``args`` in a new process group logging to ``log``; wait until healthy."""
+    """Start ``args`` in a new process group logging to ``log``, with a private ``TMPDIR``
+    (module docstring); wait until healthy."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            list(args), env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    server = kind(proc, port, log)
+    tmp_dir = Path(tempfile.mkdtemp(prefix="kvs-tmp-"))
+    try:
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                list(args),
+                env={**env, "TMPDIR": str(tmp_dir)},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    server = kind(proc, port, log, tmp_dir)
     if wait:
         try:
             server.wait_healthy(timeout_s)
@@ -171,6 +206,28 @@ def start_server(
             server.stop()
             raise
     return server
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is alive (zombies do not count), from /proc."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != b"Z":  # state, ppid, pgrp
+            return True
+    return False
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """Until no process of group ``pgid`` is alive, or ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

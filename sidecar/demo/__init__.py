@@ -127,6 +127,9 @@ def missing_dependencies() -> list[str]:
 _Body = Callable[["Cluster", "Sampler", dict[str, Any], float], list[dict[str, Any]]]
 
 
+_INTERRUPT_GRACE_S = 2.0  # after Ctrl-C: how long an engine may take to stop on SIGTERM
+
+
 def _run(args: argparse.Namespace, console: Console) -> bool:
     if args.autopilot:
         return _session(args, console, "autopilot", _autopilot_body(args, console))
@@ -149,19 +152,27 @@ def _session(args: argparse.Namespace, console: Console, scenario: str, body: _B
     cluster = Cluster(workdir, make_tiny_model_dir(workdir / "model"))
     sampler = Sampler(cluster.sidecar_url, t0)
     ok = False
+    interrupted = False
     try:
         cluster.start_sidecar()
         sampler.start()
         checks = body(cluster, sampler, results, t0)
         print_checks(console, checks)
         ok = bool(checks) and all(c["ok"] for c in checks)
+    except KeyboardInterrupt:  # Ctrl-C: stop everything at once, say so, exit 130
+        interrupted = True
+        results["error"] = "interrupted"
+        console.print("[yellow]interrupted:[/yellow] stopping the engines and the sidecar")
+        raise
     except Exception as exc:  # noqa: BLE001 -- last resort: record why, fail the demo, keep logs
         results["error"] = f"{type(exc).__name__}: {exc}"
         console.print(f"[red]demo failed:[/red] {results['error']}\nlogs in {workdir}")
         args.keep_workdir = True
     finally:
         sampler.stop()
-        cluster.close()
+        # interrupted: no clean shutdown to wait for (vLLM ignores SIGTERM while its
+        # EngineCore starts, docs/vllm.md): SIGKILL after a short grace
+        cluster.close(engine_grace_s=_INTERRUPT_GRACE_S if interrupted else None)
         results["ok"] = ok
         results["elapsed_s"] = round(time.monotonic() - t0, 1)
         results["samples"] = [asdict(s) for s in sampler.samples]

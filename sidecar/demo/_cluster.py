@@ -111,20 +111,23 @@ class Cluster:
 
     # -- engines -----------------------------------------------------------
     def start_engines(self, specs: list[EngineSpec]) -> None:
-        """Start engines in parallel; each registers with the sidecar."""
-        with ThreadPoolExecutor(max_workers=len(specs)) as pool:
-            futures = [(spec, pool.submit(self._launch, spec)) for spec in specs]
-        failed: BaseException | None = None
-        for spec, future in futures:  # keep every server that started, so close() stops it
-            try:
-                self.engines[spec.instance_id] = future.result()
-                self.kinds[spec.instance_id] = spec.engine
-            except Exception as exc:  # noqa: BLE001 -- re-raised below, after bookkeeping
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+        """Start engines side by side; each registers with the sidecar.
+
+        Each process is started and booked in :attr:`engines` at once, then waited for
+        here, on the calling thread: an interrupt (Ctrl-C) or a failed start leaves every
+        started engine to :meth:`close`, none still starting on a thread of its own.
+        """
+        for spec in specs:
+            self.engines[spec.instance_id] = self._launch(spec)
+            self.kinds[spec.instance_id] = spec.engine
+        for spec in specs:
+            self.engines[spec.instance_id].wait_healthy(self._start_timeout_s(spec))
         for spec in specs:
             self.wait_registered(spec.instance_id)
+
+    @staticmethod
+    def _start_timeout_s(spec: EngineSpec) -> float:
+        return 900.0 if spec.engine == "sglang" else 300.0  # SGLang: minutes on 2 cores
 
     def _launch(self, spec: EngineSpec) -> ServerProcess:
         env = {
@@ -148,7 +151,8 @@ class Cluster:
                 extra_args=["--disable-overlap-schedule", "--max-running-requests", "8"],
                 log_path=self.workdir / f"{spec.instance_id}.log",
                 max_total_tokens=SGLANG_MAX_TOTAL_TOKENS,
-                timeout_s=900.0,
+                timeout_s=self._start_timeout_s(spec),
+                wait=False,
             )
         env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes POST /reset_prefix_cache
         return launch_vllm_server(
@@ -157,17 +161,19 @@ class Cluster:
             kv_cache_bytes=spec.kv_cache_bytes,
             log_path=self.workdir / f"{spec.instance_id}.log",
             extra_args=["--max-num-seqs", "8"],
-            timeout_s=300.0,
+            timeout_s=self._start_timeout_s(spec),
+            wait=False,
         )
 
-    def stop_engines(self, instance_ids: list[str]) -> None:
-        """Stop engines in parallel (an SGLang server takes seconds to end its processes)."""
+    def stop_engines(self, instance_ids: list[str], grace_s: float | None = None) -> None:
+        """Stop engines in parallel (an SGLang server takes seconds to end its processes);
+        ``grace_s``: SIGKILL after this long (default: each server's own stop timeout)."""
         servers = [self.engines.pop(i) for i in instance_ids if i in self.engines]
         for i in instance_ids:
             self.kinds.pop(i, None)
         if servers:
             with ThreadPoolExecutor(max_workers=len(servers)) as pool:
-                list(pool.map(lambda s: s.stop(), servers))
+                list(pool.map(lambda s: s.stop(grace_s), servers))
 
     def proc_bytes(self, instance_id: str) -> int:
         """The engine's KV memory committed now, from ``/proc`` (its memfd's allocated blocks)."""
@@ -236,8 +242,8 @@ class Cluster:
                 raise RuntimeError(f"{instance_id}: {path} {reply.status_code}: {reply.text}")
             time.sleep(0.2)
 
-    def close(self) -> None:
-        self.stop_engines(list(self.engines))
+    def close(self, engine_grace_s: float | None = None) -> None:
+        self.stop_engines(list(self.engines), engine_grace_s)
         if self._sidecar is not None and self._sidecar.poll() is None:
             os.killpg(self._sidecar.pid, signal.SIGTERM)
             try:

@@ -58,7 +58,11 @@ def write_json(path: Path, results: dict[str, Any]) -> None:
 
 
 def write_plot(path: Path, samples: list[Sample]) -> bool:
-    """Mapped MiB over time per instance with its limit line; False if matplotlib is missing."""
+    """Mapped MiB over time per instance with its limit line; False (no file) if there are
+    no samples (the demo stopped before its engines registered) or matplotlib is missing."""
+    if not samples:
+        path.unlink(missing_ok=True)  # not a stale plot of an earlier run beside these results
+        return False
     try:
         import matplotlib
 

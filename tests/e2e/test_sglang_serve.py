@@ -268,6 +268,12 @@ def test_limit_lowered_while_generation_is_paused_applies(engine: Engine, mode: 
 def test_zz_sigterm_to_the_server_removes_socket_and_owner_file(engine: Engine) -> None:
     """Last in the module: SIGTERM to the server process (as ``docker stop`` sends it)."""
     assert engine.socket_path.exists() and (engine.instance_dir / ".owner").exists()
+    # SGLang's own leftovers, which it leaves even on a clean exit: its ZMQ ipc sockets (in
+    # the harness's private TMPDIR) and its load-snapshot file in /dev/shm
+    tmp_dir = engine.server.tmp_dir
+    assert tmp_dir is not None and any(p.is_socket() for p in tmp_dir.iterdir())
+    shm = engine.server.created_shm()
+    assert shm, "SGLang made no load-snapshot file in /dev/shm (the sweep would test nothing)"
     pids = engine.server.pids()
     engine.server.signal(signal.SIGTERM)
     engine.server.proc.wait(timeout=120)  # SGLang ends its own process tree (its exit code)
@@ -275,6 +281,9 @@ def test_zz_sigterm_to_the_server_removes_socket_and_owner_file(engine: Engine) 
         lambda: not any(_alive(p) for p in pids), timeout_s=60, what="every SGLang process exited"
     )
     assert not engine.instance_dir.exists(), sorted(p.name for p in engine.instance_dir.iterdir())
+    engine.server.stop()  # what the harness does after any exit: the engine's leftovers go
+    assert not tmp_dir.exists(), sorted(p.name for p in tmp_dir.iterdir())
+    assert [p for p in shm if p.exists()] == []
     problems = [p for p in log_problems(engine.server.log_text()) if "Traceback" not in p]
     assert problems == []
 

@@ -12,6 +12,8 @@ control socket directly.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -400,3 +402,16 @@ def test_small_limit_while_a_runs_and_b_waits_nothing_hangs_100ms_samples(
     statuses = {(s.state["status"], s.state["reason"]) for s in samples}
     assert ("deferred", "running_requests") in statuses  # A ran above the 2-page limit
     assert any(s.state["waiting_reason"] == "waiting_for_memory" for s in samples)
+
+
+def test_stop_removes_the_ipc_sockets_vllm_leaves(engines: tuple[Engine, Engine]) -> None:
+    """Last in the module (it stops ``main``): vLLM leaves its ZMQ ipc sockets behind even
+    on a clean exit; the harness gives it a private TMPDIR and removes it after the stop."""
+    _, main = engines
+    tmp_dir = main.server.tmp_dir
+    assert tmp_dir is not None and tmp_dir.parent == Path(tempfile.gettempdir())
+    sockets = [p for p in tmp_dir.iterdir() if p.is_socket()]
+    assert sockets, f"vLLM's ipc sockets are not in its TMPDIR: {sorted(tmp_dir.iterdir())}"
+    main.server.stop()
+    assert not tmp_dir.exists()
+    assert [p for p in sockets if os.path.lexists(p)] == []

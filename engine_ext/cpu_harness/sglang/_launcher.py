@@ -10,6 +10,7 @@ leaving its ``with`` block (or ``stop()``) terminates the whole group.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -30,14 +31,83 @@ CPU_ENV = {
 KV_MEMFD = "kvsidecar-sglang"
 
 
+#: SGLang 0.5's load-snapshot files (``managers/load_snapshot.py``): one per server, named
+#: after a random instance id, never unlinked by the server itself (its CI sweeps them).
+_LOADS_SHM_PREFIX = "sglang_loads_"
+_SHM_DIR = Path("/dev/shm")
+
+
 class SglangServer(ServerProcess):
     """A running SGLang server process group (HTTP server/tokenizer manager, detokenizer,
-    scheduler)."""
+    scheduler).
+
+    :meth:`stop` also unlinks the load-snapshot file the server left in ``/dev/shm``: any
+    such file that appeared while it ran and that no live process holds open or mapped
+    (another server's is held by its writer for that server's whole life).
+    """
 
     engine_name = "the SGLang server"
     kv_memfd_name = KV_MEMFD
     health_poll_s = 0.5
     stop_timeout_s = 30.0
+
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        port: int,
+        log_path: Path,
+        tmp_dir: Path | None = None,
+    ) -> None:
+        super().__init__(proc, port, log_path, tmp_dir)
+        self._shm_before = _loads_shm()
+
+    def created_shm(self) -> set[Path]:
+        """The load-snapshot files in ``/dev/shm`` that appeared since this server started."""
+        return _loads_shm() - self._shm_before
+
+    def _after_group_gone(self) -> None:
+        super()._after_group_gone()
+        new = self.created_shm()
+        if not new:
+            return
+        held = _held_paths({str(path) for path in new})
+        for path in new - {Path(p) for p in held}:
+            path.unlink(missing_ok=True)
+
+
+def _loads_shm() -> set[Path]:
+    try:
+        return {
+            _SHM_DIR / name for name in os.listdir(_SHM_DIR) if name.startswith(_LOADS_SHM_PREFIX)
+        }
+    except OSError:
+        return set()
+
+
+def _held_paths(paths: set[str]) -> set[str]:
+    """Those of ``paths`` some live process holds open (``/proc/*/fd``) or mapped
+    (``/proc/*/maps``)."""
+    held: set[str] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                try:
+                    target = os.readlink(fd.path)
+                except OSError:
+                    continue
+                if target in paths:
+                    held.add(target)
+            with open(f"/proc/{entry.name}/maps", encoding="utf-8", errors="replace") as maps:
+                for line in maps:
+                    if "/dev/shm/" in line:
+                        target = line.split(maxsplit=5)[-1].strip().removesuffix(" (deleted)")
+                        if target in paths:
+                            held.add(target)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return held
 
 
 def launch_sglang_server(

@@ -65,6 +65,7 @@ def launch_vllm_server(
     kv_cache_bytes: int = 64 << 20,
     timeout_s: float = 180.0,
     async_scheduling: bool = False,
+    wait: bool = True,
 ) -> VllmServer:
     """Start ``vllm serve MODEL_DIR`` with the stub executor and wait until healthy.
 
@@ -74,6 +75,7 @@ def launch_vllm_server(
     pages are mapped; all of it mapped at the first step with the plugin off).
     The log goes to ``log_path`` (default: a fresh temporary directory).
     ``async_scheduling``: run vLLM's async-scheduling loop (module docstring).
+    ``wait=False`` returns at once; then call :meth:`VllmServer.wait_healthy`.
     """
     port = port or free_port()
     log = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="kvs-vllm-")) / "serve.log"
@@ -111,7 +113,7 @@ def launch_vllm_server(
         *(["--async-scheduling"] if async_scheduling else []),
         *extra_args,
     ]
-    return start_server(VllmServer, args, child_env, port, log, timeout_s)
+    return start_server(VllmServer, args, child_env, port, log, timeout_s, wait=wait)
 
 
 def _pythonpath(existing: str, scratch: Path, *, async_scheduling: bool) -> str:
