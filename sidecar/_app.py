@@ -13,6 +13,7 @@ from ._body_limit import BodyLimitMiddleware
 from ._docs_ui import install_docs
 from ._metrics import Metrics
 from ._problems import install_problem_handlers
+from ._retention import Retention
 from ._routes import devices, engines, health, instances, watch
 from ._service import InstanceService
 from ._settings import SidecarSettings
@@ -42,16 +43,20 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     metrics.add_waits(waits)
     service = InstanceService(store, client, settings, metrics, router=router)
     autopilot = Autopilot(store, service, settings, metrics)
+    retention = Retention(service, autopilot.forget, settings, metrics)
     try:
         await service.start()
         await autopilot.start()
+        retention.start()
         app.state.service = service
         app.state.autopilot = autopilot
         app.state.metrics = metrics
         app.state.waits = waits
         app.state.watch_listing = watch.SharedListing(service)  # shared by the event streams
+        app.state.retention = retention
         yield
     finally:
+        await retention.close()
         await autopilot.close()
         await service.close()
         await client.aclose()

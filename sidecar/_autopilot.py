@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from prometheus_client import Counter, Histogram
@@ -419,12 +419,20 @@ class Autopilot:
                 await self._pass(device_id)
         return self.device(device_id)
 
-    async def forget(self, instance_id: str, *, source: str) -> None:
+    async def forget(
+        self, instance_id: str, *, source: str, only_if: Callable[[], bool] | None = None
+    ) -> bool:
         """``DELETE /instances/{id}``: drop the instance and its policy row. Under the lock: a
         pass that planned a change for it writes it before (the instance is then dropped
         with it) or not at all, never after, which would store its limit again, a new
-        pending instance where the operator had just forgotten one."""
+        pending instance where the operator had just forgotten one.
+
+        ``only_if`` is asked under the lock (the retention sweep: the engine is still
+        gone); False leaves the instance as it is. Returns whether it was forgotten.
+        """
         async with self._lock:
+            if only_if is not None and not only_if():
+                return False
             await self._service.forget(instance_id, source=source)
             await self._store.forget(instance_id)
             for table in (
@@ -436,6 +444,7 @@ class Autopilot:
                 self._pin_sources,
             ):
                 table.pop(instance_id, None)
+        return True
 
     # --- engine-facing -------------------------------------------------------------------
 

@@ -176,6 +176,12 @@ class Metrics:
             [INSTANCE_LABEL, "reason"],
             registry=self.registry,
         )
+        self.retention_forgotten = Counter(
+            "kvsidecar_retention_forgotten",
+            "Instances forgotten because their engine was gone longer than "
+            "KVSIDECAR_FORGET_AFTER_S",
+            registry=self.registry,
+        )
         Info(
             "kvsidecar_build",
             "Version and build of this sidecar (value always 1)",
@@ -208,6 +214,10 @@ class Metrics:
         """Count one failed push (``kvsidecar_push_failures``)."""
         self.push_failures.labels(instance_id, reason).inc()
         self._failure_reasons.setdefault(instance_id, set()).add(reason)
+
+    def retention_forgot(self) -> None:
+        """One instance forgotten by the retention sweep (``kvsidecar_retention_forgotten``)."""
+        self.retention_forgotten.inc()
 
     def forget(self, instance_id: str) -> None:
         """The instance was forgotten: drop its pending apply timing and its counter series

@@ -185,7 +185,7 @@ class InstanceService:
         )
         if rec is not None:
             rec.notify()
-        _log.info("instance %s: forgotten (DELETE /instances/%s)", instance_id, instance_id)
+        _log.info("instance %s: forgotten (%s)", instance_id, source)
 
     # --- engine-facing -------------------------------------------------------------------
 

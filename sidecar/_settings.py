@@ -48,6 +48,9 @@ class SidecarSettings(BaseSettings):
     push_backoff_initial_s: float = Field(default=0.05, ge=0.001)  # first retry delay
     push_backoff_max_s: float = Field(default=5.0, gt=0, le=3600)  # retry delay cap
     max_instances: int = Field(default=1024, ge=1)  # new ids beyond this get 409
+    # forget an instance whose engine has been stopped or unreachable this long (seconds;
+    # 0: never, the default; at least 1, at most ~10 years). docs/sidecar.md, "Retention"
+    forget_after_s: float = Field(default=0.0, ge=0, le=3.2e8)
     header_timeout_s: float = Field(
         default=10.0, gt=0, le=600
     )  # a request's headers must arrive by then
@@ -135,6 +138,16 @@ class SidecarSettings(BaseSettings):
                 "the connections, so engine reports always find one"
             )
         return self
+
+    @field_validator("forget_after_s")
+    @classmethod
+    def _forget_after_off_or_a_second(cls, value: float) -> float:
+        if 0 < value < 1:
+            raise ValueError(
+                "must be 0 (never forget on its own) or at least 1 second; a few seconds "
+                "would forget an engine that merely restarts"
+            )
+        return value
 
     @model_validator(mode="after")
     def _backoff_order(self) -> SidecarSettings:

@@ -158,6 +158,18 @@ def test_settings_and_probes_exist() -> None:
     }
 
 
+def test_the_sidecar_forgets_replaced_pods(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines are named after their pods, so a replaced pod's id never returns: the
+    DaemonSet's sidecar forgets gone instances (else the instance cap fills up and the
+    autopilot keeps every dead pod's floor free). Its settings must also load."""
+    (container,) = _pod("DaemonSet")["containers"]
+    for name, value in _env(container).items():
+        if name.startswith("KVSIDECAR_") and isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    settings = SidecarSettings()
+    assert settings.forget_after_s >= settings.heartbeat_timeout_s * 10
+
+
 def test_kustomize_builds_it_when_available() -> None:
     exe = shutil.which("kustomize") or shutil.which("kubectl")
     if exe is None:

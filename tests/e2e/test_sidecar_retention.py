@@ -1,0 +1,191 @@
+"""``KVSIDECAR_FORGET_AFTER_S``: instances whose engine is gone that long are forgotten.
+
+Over real HTTP (uvicorn on loopback) against the real store. The ids of engines
+that end for good (Kubernetes pod names) otherwise pile up: the instance cap
+then refuses new engines, and the autopilot keeps each dead one's floor free.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any, Self
+
+import httpx
+import pytest
+from support import wait_until
+from test_sidecar_support import ThreadedSidecar
+
+from engine_ext.protocol import REGISTRATION_HEADER
+from sidecar import SidecarSettings
+
+MiB = 1 << 20
+TOKEN = "t" * 32
+
+
+def _serve(db: Path, **kw: Any) -> ThreadedSidecar:
+    return ThreadedSidecar(SidecarSettings(db_path=db, **kw))
+
+
+def _register(c: httpx.Client, iid: str, **state: Any) -> httpx.Response:
+    body = {
+        "engine": "vllm",
+        "engine_version": "0.33.0",
+        "socket_path": f"/nonexistent/kvsidecar-{iid}.sock",
+        "registration_token": TOKEN,
+        "state": {"status": "applied", **state},
+    }
+    return c.post(f"/instances/{iid}/register", json=body)
+
+
+def _report(c: httpx.Client, iid: str) -> httpx.Response:
+    return c.post(
+        f"/instances/{iid}/report", json={"status": "applied"}, headers={REGISTRATION_HEADER: TOKEN}
+    )
+
+
+def _deregister(c: httpx.Client, iid: str) -> None:
+    r = c.post(f"/instances/{iid}/deregister", headers={REGISTRATION_HEADER: TOKEN})
+    assert r.status_code == 200 and r.json()["status"] == "stopped", r.text
+
+
+def _ids(c: httpx.Client) -> set[str]:
+    return {view["id"] for view in c.get("/instances").json()["instances"]}
+
+
+def _db_ids(db: Path) -> set[str]:
+    conn = sqlite3.connect(db)
+    try:
+        return {row[0] for row in conn.execute("SELECT id FROM instances")}
+    finally:
+        conn.close()
+
+
+def _forgotten_total(c: httpx.Client) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("kvsidecar_retention_forgotten_total "):
+            return float(line.split()[1])
+    raise AssertionError("no kvsidecar_retention_forgotten_total in /metrics")
+
+
+class _Heartbeat:
+    """An engine that keeps reporting (a live one) from a thread of its own."""
+
+    def __init__(self, url: str, iid: str) -> None:
+        self.url, self.iid = url, iid
+        self.stop = threading.Event()
+        self.failures: list[str] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=10) as c:
+            while not self.stop.wait(0.1):
+                r = _report(c, self.iid)
+                if r.status_code != 200:
+                    self.failures.append(f"{r.status_code} {r.text}")
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def test_gone_engines_are_forgotten_and_the_rest_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvsidecar.audit")
+    db = tmp_path / "sidecar.db"
+    with (
+        _serve(db, forget_after_s=1, heartbeat_timeout_s=0.5) as server,
+        httpx.Client(base_url=server.url, timeout=30) as c,
+    ):
+        for iid in ("stopped", "silent", "live"):
+            assert _register(c, iid).status_code == 200
+        # a limit set ahead of its engine (never registered): kept however long it waits
+        assert c.put("/instances/ahead/limit", json={"limit": "8M"}).status_code == 200
+        with _Heartbeat(server.url, "live") as live:
+            _deregister(c, "stopped")
+            # "silent" never reports again: unreachable after 0.5 s, gone 1 s after that
+            t0 = time.monotonic()
+            wait_until(lambda: "stopped" not in _ids(c), timeout_s=10, what="stopped forgotten")
+            assert "silent" in _ids(c)  # not yet: 1 s after its timeout, not after its stop
+            wait_until(lambda: "silent" not in _ids(c), timeout_s=10, what="silent forgotten")
+            took = time.monotonic() - t0
+            time.sleep(1.5)  # several more sweeps
+            assert _ids(c) == {"live", "ahead"}
+            assert live.failures == []
+        assert took >= 1.4, took  # the silent one: heartbeat timeout + forget_after
+        assert _db_ids(db) == {"live", "ahead"}  # gone from the store too, not only the view
+        assert c.get("/instances/stopped").status_code == 404
+        assert _forgotten_total(c) == 2
+        assert 'kv_instance="stopped"' not in c.get("/metrics").text
+        # a forgotten engine that comes back registers afresh, as after kvctl forget
+        assert _register(c, "silent").status_code == 200
+        assert c.get("/instances/silent").json()["status"] == "applied"
+    audit = [r.getMessage() for r in caplog.records if r.getMessage().startswith("forget ")]
+    assert any("forget stopped" in m and "by retention" in m for m in audit), audit
+
+
+def test_a_full_instance_table_takes_new_engines_again_once_the_dead_are_forgotten(
+    tmp_path: Path,
+) -> None:
+    """The production failure: pod names as ids, a cap of 3, three pods replaced. Without
+    retention the fourth pod is refused for good; with it, once the dead are forgotten."""
+    for forget_after_s in (0, 1):
+        db = tmp_path / f"cap-{forget_after_s}.db"
+        with (
+            _serve(
+                db, forget_after_s=forget_after_s, max_instances=3, heartbeat_timeout_s=0.5
+            ) as server,
+            httpx.Client(base_url=server.url, timeout=30) as c,
+        ):
+            for n in range(3):
+                assert _register(c, f"pod-{n}").status_code == 200
+                _deregister(c, f"pod-{n}")
+            refused = _register(c, "pod-new")
+            assert refused.status_code == 409 and "KVSIDECAR_MAX_INSTANCES" in refused.text
+            time.sleep(2.5)
+            again = _register(c, "pod-new")
+            if forget_after_s:
+                assert again.status_code == 200, again.text
+                assert _ids(c) == {"pod-new"}
+            else:  # the default: kept for their return, as before
+                assert again.status_code == 409
+                assert _ids(c) == {"pod-0", "pod-1", "pod-2"}
+
+
+def test_a_stop_before_a_restart_of_the_sidecar_counts(tmp_path: Path) -> None:
+    """``stopped_at`` is durable: time spent while the sidecar was down counts. An engine
+    that was unreachable at the restart gets the full time again (its last report is not
+    stored: the clock starts at start-up)."""
+    db = tmp_path / "sidecar.db"
+    with _serve(db) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        for iid in ("stopped", "silent"):
+            assert _register(c, iid).status_code == 200
+        _deregister(c, "stopped")
+    time.sleep(1.2)
+    with (
+        _serve(db, forget_after_s=1, heartbeat_timeout_s=1) as server,
+        httpx.Client(base_url=server.url, timeout=30) as c,
+    ):
+        t0 = time.monotonic()
+        wait_until(lambda: "stopped" not in _ids(c), timeout_s=10, what="stopped forgotten")
+        assert time.monotonic() - t0 < 1.0  # at the first sweep (0.25 s), not 1 s later
+        assert "silent" in _ids(c)
+        wait_until(lambda: "silent" not in _ids(c), timeout_s=10, what="silent forgotten")
+        assert time.monotonic() - t0 >= 1.9
+
+
+@pytest.mark.parametrize("value", ["0.5", "-1", "inf", "nan", "1e12", "soon"])
+def test_bad_forget_after_values_are_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("KVSIDECAR_FORGET_AFTER_S", value)
+    with pytest.raises(ValueError, match="forget_after_s"):
+        SidecarSettings()
