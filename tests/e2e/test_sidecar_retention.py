@@ -8,6 +8,7 @@ then refuses new engines, and the autopilot keeps each dead one's floor free.
 from __future__ import annotations
 
 import logging
+import random
 import sqlite3
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any, Self
 import httpx
 import pytest
 from support import wait_until
+from support.soak import soak_seeds
 from test_sidecar_support import ThreadedSidecar
 
 from engine_ext.protocol import REGISTRATION_HEADER
@@ -189,3 +191,110 @@ def test_bad_forget_after_values_are_refused_naming_the_variable(
     monkeypatch.setenv("KVSIDECAR_FORGET_AFTER_S", value)
     with pytest.raises(ValueError, match="forget_after_s"):
         SidecarSettings()
+
+
+_FORGET_AFTER_S = 1.0
+_HEARTBEAT_TIMEOUT_S = 0.5
+_SLACK_S = 0.05  # the client's clock is read around its requests, not inside the sidecar
+
+
+class _Engine:
+    """One id driven at random by one thread: register, report, deregister, fall silent.
+
+    Records, from the client's side, when the sidecar last heard from it and whether it
+    deregistered, so a forget can be checked against the earliest time it was allowed."""
+
+    def __init__(self, iid: str) -> None:
+        self.iid = iid
+        self.registered = False
+        self.heard_at = 0.0  # monotonic: the start of the last request the sidecar took
+        self.stopped_at: float | None = None  # monotonic: when its deregistration was answered
+        self.early: list[str] = []  # forgets before they were allowed
+
+    def act(self, c: httpx.Client, rng: random.Random) -> None:
+        if not self.registered:
+            sent = time.monotonic()
+            r = _register(c, self.iid)
+            assert r.status_code == 200, r.text
+            self.registered, self.heard_at, self.stopped_at = True, sent, None
+            return
+        roll = rng.random()
+        if roll < 0.15:
+            sent = time.monotonic()
+            _deregister(c, self.iid)
+            self.registered, self.heard_at, self.stopped_at = False, sent, time.monotonic()
+            self._after_stop(c, rng)
+        elif roll < 0.35:  # fall silent: often past the heartbeat timeout, sometimes past both
+            self._check_report(c, pause=rng.choice((0.2, 0.7, 1.2, 1.8, 2.5)))
+        else:
+            self._check_report(c, pause=rng.uniform(0.0, 0.2))
+
+    def _after_stop(self, c: httpx.Client, rng: random.Random) -> None:
+        """Stay stopped a while, then see whether the id is still known."""
+        time.sleep(rng.choice((0.3, 0.9, 1.4, 2.2)))
+        asked = time.monotonic()
+        known = c.get(f"/instances/{self.iid}").status_code == 200
+        assert self.stopped_at is not None
+        if not known and asked - self.stopped_at < _FORGET_AFTER_S - _SLACK_S:
+            self.early.append(f"stopped {asked - self.stopped_at:.2f}s ago and forgotten")
+
+    def _check_report(self, c: httpx.Client, pause: float) -> None:
+        time.sleep(pause)
+        sent = time.monotonic()
+        r = _report(c, self.iid)
+        if r.status_code == 200:
+            self.heard_at = sent
+            return
+        assert r.status_code == 404, r.text  # forgotten: allowed only after both times ran out
+        silent = sent - self.heard_at
+        if silent < _HEARTBEAT_TIMEOUT_S + _FORGET_AFTER_S - _SLACK_S:
+            self.early.append(f"silent {silent:.2f}s and forgotten")
+        self.registered = False  # an engine registers again after a 404
+
+
+@pytest.mark.parametrize("seed", soak_seeds() or range(2))
+def test_live_engines_are_never_forgotten_under_random_timing(tmp_path: Path, seed: int) -> None:
+    """Threads register, report, deregister and fall silent at random against a sidecar
+    that forgets after 1 s; one id per thread. No id is forgotten before its engine was
+    gone the full time (checked from each client's own clock), every report of a live
+    engine is taken, and once all stop, every id goes within the time plus two sweeps."""
+    db = tmp_path / "sidecar.db"
+    rng = random.Random(seed)
+    engines = [_Engine(f"e{n}") for n in range(4)]
+    deadline = time.monotonic() + 8.0
+    errors: list[BaseException] = []
+
+    def drive(engine: _Engine, thread_seed: int) -> None:
+        local = random.Random(thread_seed)
+        try:
+            with httpx.Client(base_url=server.url, timeout=10) as c:
+                while time.monotonic() < deadline:
+                    engine.act(c, local)
+        except BaseException as exc:  # noqa: BLE001 -- reported by the main thread
+            errors.append(exc)
+
+    with (
+        _serve(
+            db, forget_after_s=_FORGET_AFTER_S, heartbeat_timeout_s=_HEARTBEAT_TIMEOUT_S
+        ) as server,
+        httpx.Client(base_url=server.url, timeout=30) as c,
+    ):
+        assert c.put("/instances/ahead/limit", json={"limit": "8M"}).status_code == 200
+        threads = [
+            threading.Thread(target=drive, args=(e, rng.randrange(1 << 30)), daemon=True)
+            for e in engines
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors == [], errors
+        early = [f"{e.iid}: {m}" for e in engines for m in e.early]
+        assert early == [], early
+        forgotten = _forgotten_total(c)
+        assert forgotten >= 1, "the run forgot nothing: it tested nothing"
+        # all quiet now: each id goes within its time plus two sweeps (0.25 s each)
+        bound = _HEARTBEAT_TIMEOUT_S + _FORGET_AFTER_S + 2 * 0.25 + 0.5
+        time.sleep(bound)
+        assert _ids(c) == {"ahead"}
+        assert _db_ids(db) == {"ahead"}
