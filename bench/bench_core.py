@@ -21,6 +21,7 @@ sets it).
 
 from __future__ import annotations
 
+import atexit
 import random
 import sys
 import time
@@ -193,7 +194,9 @@ def vllm_idle_schedule() -> Callable[[], object] | str:
         from engine_ext.cpu_harness import make_tiny_model_dir
     except ImportError as exc:
         return f"vLLM not importable ({exc})"
-    model_dir = make_tiny_model_dir(tempfile.mkdtemp(prefix="bench-core-"))
+    scratch = tempfile.TemporaryDirectory(prefix="bench-core-")  # goes when the bench exits
+    atexit.register(scratch.cleanup)
+    model_dir = make_tiny_model_dir(scratch.name)
     config = VllmConfig(
         model_config=ModelConfig(
             model=str(model_dir), dtype="float32", max_model_len=512, skip_tokenizer_init=True

@@ -109,9 +109,12 @@ def _client(mode: Mode, url: str, interval: float | None, state: Any) -> Sidecar
 def run(
     rounds: int, num_requests: int, warm: bool, interval: float | None = None
 ) -> dict[str, Mode]:
-    model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-reports-")) / "model")
     modes = {name: Mode(name) for name in MODES}
-    with tempfile.TemporaryDirectory(prefix="kvs-reports-db-") as db_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvs-reports-") as scratch,
+        tempfile.TemporaryDirectory(prefix="kvs-reports-db-") as db_dir,
+    ):
+        model_dir = make_tiny_model_dir(Path(scratch) / "model")
         sidecar, url = _start_sidecar(Path(db_dir) / "sidecar.db")
         try:
             with steps.pool_class(True):

@@ -22,10 +22,12 @@ round with the median next to it. Run:
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -115,6 +117,13 @@ def pool_class(elastic: bool, reserve_pages: int = 0) -> Iterator[None]:
         for owner, name, method in saved:
             setattr(owner, name, method)
         clear_kv_memory()
+
+
+def _scratch_dir() -> Path:
+    """A temporary directory for this run (the tiny model), removed when the bench exits."""
+    path = Path(tempfile.mkdtemp(prefix="kvs-bench-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 # -- 1. block pool trace --------------------------------------------------------------
@@ -1230,7 +1239,7 @@ def main() -> None:
     if args.safe_point_costs:
         from engine_ext.cpu_harness import make_tiny_model_dir
 
-        model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
+        model_dir = make_tiny_model_dir(_scratch_dir() / "model")
         kinds, native_step, steps = safe_point_costs(model_dir, args.rounds, 64, args.warm)
         trace = "--warm" if args.warm else "--churn" if _churn else "default"
         print(
@@ -1247,13 +1256,13 @@ def main() -> None:
     if args.callgrind_lockstep:
         from engine_ext.cpu_harness import make_tiny_model_dir
 
-        model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
+        model_dir = make_tiny_model_dir(_scratch_dir() / "model")
         callgrind_lockstep(args.callgrind_lockstep, model_dir)
         return
     if args.callgrind_step:
         from engine_ext.cpu_harness import make_tiny_model_dir
 
-        model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
+        model_dir = make_tiny_model_dir(_scratch_dir() / "model")
         callgrind_steps(args.callgrind_step == "elastic", model_dir)
         return
     if args.callgrind:
@@ -1262,7 +1271,7 @@ def main() -> None:
     if args.step_bytecodes:
         from engine_ext.cpu_harness import make_tiny_model_dir
 
-        model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
+        model_dir = make_tiny_model_dir(_scratch_dir() / "model")
         native = count_step_bytecodes(False, model_dir)
         elastic = count_step_bytecodes(True, model_dir)
         n, e = sum(native.values()), sum(elastic.values())
@@ -1287,7 +1296,7 @@ def main() -> None:
     )
     from engine_ext.cpu_harness import make_tiny_model_dir
 
-    model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "model")
+    model_dir = make_tiny_model_dir(_scratch_dir() / "model")
     cpus = tuple(int(c) if c else None for c in args.step_cpus.split(","))
     step_rounds = (
         functools.partial(process_step_rounds, cpus=cpus) if args.step_procs else scheduler_rounds
