@@ -229,7 +229,7 @@ class SidecarClient:
         if response.status_code >= 300:
             if response.status_code == 409:  # another live process holds this id: say so loudly
                 _log.error("the sidecar refused this engine's registration: %s", _detail(response))
-            self._log_failure(f"register answered {response.status_code}: {response.text[:200]}")
+            self._log_failure(f"register answered {response.status_code}: {_detail(response)}")
             return False
         self._registered = True
         self._adopt(response)
@@ -246,7 +246,7 @@ class SidecarClient:
         response = self._post("/report", state.model_dump_json())
         if response is None or (response.status_code >= 300 and response.status_code != 404):
             if response is not None:
-                self._log_failure(f"report answered {response.status_code}: {response.text[:200]}")
+                self._log_failure(f"report answered {response.status_code}: {_detail(response)}")
             with self._lock:
                 if self._unsent is None:
                     self._unsent = state  # resend unless something newer arrived
@@ -342,13 +342,19 @@ def _bounded_post(
 
 
 def _detail(response: httpx.Response) -> str:
-    """A refusal's ``detail``, else the start of its body (whatever the server sent)."""
+    """A refusal's ``detail``, else what answered, on one line for the log (a proxy's or
+    another server's HTML page is named as such, not logged line by line)."""
     try:
         body = response.json()
     except ValueError:  # not JSON, not UTF-8
         body = None
     detail = body.get("detail") if isinstance(body, dict) else None
-    return str(detail or response.text[:200])
+    if detail:
+        return " ".join(str(detail).split())[:1024]
+    kind = response.headers.get("content-type") or "no content type"
+    if "html" in kind:
+        return f"an HTML page ({kind}); is KVSIDECAR_SIDECAR_URL the sidecar?"
+    return repr(" ".join(response.text.split())[:200])
 
 
 def _key(state: EngineState) -> _Key:

@@ -8,6 +8,7 @@ The stand-in speaks the engine-facing half of the sidecar API
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 import threading
 import time
@@ -473,6 +474,51 @@ def test_a_hostile_sidecar_never_ends_the_client_thread_nor_sets_a_limit(
     finally:
         inst.close()
         server.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        _answer(
+            "404 Not Found",
+            b"<!DOCTYPE HTML>\n<html>\n<body>\n<h1>Not Found</h1>\n</body>\n</html>\n",
+            b"Content-Type: text/html",
+        ),
+        _answer(
+            "502 Bad Gateway",
+            b"upstream\nconnect error\nor disconnect",
+            b"Content-Type: text/plain",
+        ),
+        _answer(
+            "401 Unauthorized",
+            b'{"detail": "wrong\\nbearer token"}',
+            b"Content-Type: application/json",
+        ),
+    ],
+)
+def test_what_a_refusal_logs_is_one_line(
+    pool: Pool, tmp_path: Path, answer: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sidecar URL that reaches a proxy or another server: the engine's warning was the
+    page's raw lines (an HTML document across the engine's log); now one line that says
+    what answered."""
+    caplog.set_level(logging.WARNING, logger="kvsidecar")
+    server = HostileSidecar([answer])
+    inst = make_instance(pool, tmp_path, server.url, threading.Event(), register_timeout_s=1)
+    try:
+        inst.start()
+        deadline = time.monotonic() + 30
+        while server.served < 2:
+            assert time.monotonic() < deadline, server.served
+            time.sleep(0.05)
+    finally:
+        inst.close()
+        server.close()
+    failures = [r.getMessage() for r in caplog.records if "answered" in r.getMessage()]
+    assert failures, [r.getMessage() for r in caplog.records]
+    for message in failures:
+        assert "\n" not in message, message
+        assert "<h1>" not in message, message
 
 
 @pytest.mark.parametrize("mode", ["flood", "drip"])
