@@ -66,6 +66,10 @@ class ServerProcess:
         self.log_path = log_path
         self.base_url = f"http://127.0.0.1:{port}"
         self.tmp_dir = tmp_dir  # the server's private TMPDIR (removed by stop())
+        self._started()
+
+    def _started(self) -> None:
+        """The process was just started (a subclass notes what it will clean up after)."""
 
     def log_text(self) -> str:
         try:

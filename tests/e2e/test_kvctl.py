@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -371,6 +372,19 @@ class _Answers(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@contextlib.contextmanager
+def _answering(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A threaded HTTP server with ``handler`` on loopback; yields its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 _EVERY_COMMAND = (
     ["list"],
     ["list", "--json"],
@@ -410,11 +424,7 @@ def test_an_error_answer_that_is_not_kvsidecars_is_one_line(
     lines (an HTML document across the terminal); now one line saying what answered and
     that it may not be kvsidecar, exit 1."""
     handler = type("Answers", (_Answers,), {"body": body, "status": status, "kind": kind})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with _answering(handler) as url:
         for args in _EVERY_COMMAND:
             result = runner.invoke(app, ["--url", url, *args])
             assert result.exit_code == 1, (args, result.output, result.exception)
@@ -425,9 +435,6 @@ def test_an_error_answer_that_is_not_kvsidecars_is_one_line(
                 result.output,
             )
             assert "<h1>" not in result.output
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.mark.parametrize(

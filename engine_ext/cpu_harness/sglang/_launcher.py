@@ -10,7 +10,6 @@ leaving its ``with`` block (or ``stop()``) terminates the whole group.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -51,14 +50,7 @@ class SglangServer(ServerProcess):
     health_poll_s = 0.5
     stop_timeout_s = 30.0
 
-    def __init__(
-        self,
-        proc: subprocess.Popen[bytes],
-        port: int,
-        log_path: Path,
-        tmp_dir: Path | None = None,
-    ) -> None:
-        super().__init__(proc, port, log_path, tmp_dir)
+    def _started(self) -> None:
         self._shm_before = _loads_shm()
 
     def created_shm(self) -> set[Path]:
