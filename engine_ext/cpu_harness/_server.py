@@ -15,6 +15,7 @@ the directory once the process group is gone.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -203,6 +204,9 @@ def start_server(
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     server = kind(proc, port, log, tmp_dir)
+    # a server no one stopped (a caller that dropped it after a kill -9): its TMPDIR goes
+    # when this process exits, once the server's process is gone
+    atexit.register(_remove_when_ended, proc, tmp_dir)
     if wait:
         try:
             server.wait_healthy(timeout_s)
@@ -212,18 +216,24 @@ def start_server(
     return server
 
 
+def _remove_when_ended(proc: subprocess.Popen[bytes], tmp_dir: Path) -> None:
+    if proc.poll() is not None and not _group_alive(proc.pid):
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process of group ``pgid`` is alive (zombies do not count), from /proc."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        if int(fields[2]) == pgid and fields[0] != b"Z":  # state, ppid, pgrp
-            return True
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[2]) == pgid and fields[0] != b"Z":  # state, ppid, pgrp
+                return True
     return False
 
 

@@ -115,6 +115,9 @@ class Rig:
         self.sidecar = None
 
     def start_engine(self, name: str) -> Engine:
+        old = self.engines.pop(name, None)
+        if old is not None:  # a restart under the same name: the old server's leftovers go
+            old.server.stop()
         runtime_dir = self.tmp / "run"
         server = launch_vllm_server(
             self.model_dir,

@@ -80,18 +80,19 @@ def _held_paths(paths: set[str]) -> set[str]:
     """Those of ``paths`` some live process holds open (``/proc/*/fd``) or mapped
     (``/proc/*/maps``)."""
     held: set[str] = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    with os.scandir("/proc") as entries:
+        pids = [entry.name for entry in entries if entry.name.isdigit()]
+    for pid in pids:
         try:
-            for fd in os.scandir(f"/proc/{entry.name}/fd"):
-                try:
-                    target = os.readlink(fd.path)
-                except OSError:
-                    continue
-                if target in paths:
-                    held.add(target)
-            with open(f"/proc/{entry.name}/maps", encoding="utf-8", errors="replace") as maps:
+            with os.scandir(f"/proc/{pid}/fd") as fds:
+                for fd in fds:
+                    try:
+                        target = os.readlink(fd.path)
+                    except OSError:
+                        continue
+                    if target in paths:
+                        held.add(target)
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
                 for line in maps:
                     if "/dev/shm/" in line:
                         target = line.split(maxsplit=5)[-1].strip().removesuffix(" (deleted)")
