@@ -187,6 +187,12 @@ def test_long_prompts_left_mid_prefill_while_limits_arrive(engine: Engine) -> No
     kept requests' tokens are those of an unlimited run); once the requests ended the
     memory measured from ``/proc`` is at or under each limit set afterwards; while a
     long prompt is prefilled alone the state counts it as running."""
+    # how long one such prefill takes here, alone (a text of the same length that none of
+    # the storm's prompts shares): the clients leave at fractions of it, so that at least
+    # the five with prompts of their own leave before a token however fast the host is
+    started = time.monotonic()
+    engine.generate(make_document(3800, seed=99), max_new_tokens=1)
+    prefill_s = time.monotonic() - started
     engine.flush()
     kept = [f"{DOC} kept {i}" for i in range(4)]
     reference = [engine.generate(p, max_new_tokens=8)[0] for p in kept]
@@ -197,7 +203,7 @@ def test_long_prompts_left_mid_prefill_while_limits_arrive(engine: Engine) -> No
     limits = [0, bundle, warm["mapped_bytes"] - bundle - 1, rng.randrange(2, 40) * bundle]
     with ThreadPoolExecutor(16) as pool:
         left = [
-            pool.submit(_left_mid_prefill, engine, text, 0.02 + 0.04 * i)
+            pool.submit(_left_mid_prefill, engine, text, prefill_s * (0.05 + 0.09 * i))
             for i, text in enumerate(
                 [f"{LONG} {i}" for i in range(5)] + [f"{i} {LONG}" for i in range(5)]
             )
@@ -209,7 +215,10 @@ def test_long_prompts_left_mid_prefill_while_limits_arrive(engine: Engine) -> No
         engine.set_limit(warm["mapped_bytes"] + 64 * bundle)  # the kept requests fit
         outcomes = [f.result() for f in left]
         assert engine.results(futures, timeout_s=240) == reference
-    print(f"\nclients that left before a token: {outcomes.count('left')} of {len(outcomes)}")
+    print(
+        f"\nclients that left before a token: {outcomes.count('left')} of {len(outcomes)} "
+        f"(one prefill alone: {prefill_s * 1000:.0f} ms)"
+    )
     assert outcomes.count("left") >= 5, outcomes  # (one prompt is prefilled at a time)
     assert engine.healthy()
     for limit in (warm["mapped_bytes"] // 2, bundle, 0):
