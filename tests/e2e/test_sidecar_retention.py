@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import random
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import httpx
 import pytest
 from support import wait_until
 from support.soak import soak_seeds
-from test_sidecar_support import ThreadedSidecar
+from test_sidecar_support import ThreadedSidecar, db_rows
 
 from engine_ext.protocol import REGISTRATION_HEADER
 from sidecar import SidecarSettings
@@ -59,11 +58,7 @@ def _ids(c: httpx.Client) -> set[str]:
 
 
 def _db_ids(db: Path) -> set[str]:
-    conn = sqlite3.connect(db)
-    try:
-        return {row[0] for row in conn.execute("SELECT id FROM instances")}
-    finally:
-        conn.close()
+    return {row[0] for row in db_rows(db)}
 
 
 def _forgotten_total(c: httpx.Client) -> float:
