@@ -10,7 +10,10 @@ kept for its return (docs/sidecar.md, "Retention").
 Gone means ``stopped`` (since ``stopped_at``, durable) or ``unreachable``
 (since the heartbeat timeout ran out: the last report plus
 ``KVSIDECAR_HEARTBEAT_TIMEOUT_S``; after a sidecar restart the clock starts at
-start-up). An instance that never registered (a limit set ahead of its
+start-up). Both are counted on the event loop's monotonic clock while the
+sidecar runs, so a step of the wall clock (NTP, a VM resumed) forgets nothing
+early and holds nothing back; a stop stored before start-up counts by the wall
+clock up to start-up. An instance that never registered (a limit set ahead of its
 engine, docs/limits.md) is never forgotten by time.
 """
 
@@ -46,6 +49,8 @@ def gone_for(
     if row.registered_at is None:
         return None
     if row.stopped_at is not None:
+        if rec.stopped_since is not None:  # the monotonic clock: a wall-clock step moves nothing
+            return max(0.0, loop_now - rec.stopped_since)
         return max(0.0, wall_now - row.stopped_at)
     if rec.last_seen is None:
         return None

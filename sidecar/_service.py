@@ -85,11 +85,13 @@ class InstanceService:
 
     async def start(self) -> None:
         """Load the durable rows; push to every registered engine that may have missed one."""
-        now = self._now
+        now, wall_now = self._now, time.time()
         for row in await self._store.load_all():
             rec = self._records[row.id] = InstanceRecord(row)
             if row.registered_at is not None:
                 rec.last_seen = now  # the heartbeat clock starts at start-up
+            if row.stopped_at is not None:  # the wall clock counts up to start-up only
+                rec.stopped_since = now - max(0.0, wall_now - row.stopped_at)
             if rec.needs_push():
                 self._pusher.wake(row.id)
 
@@ -280,6 +282,7 @@ class InstanceService:
             row = await self._store.set_stopped(instance_id, time.time())
             if row is not None:
                 rec.set_row(row)
+            rec.stopped_since = self._now
             rec.reg_token = None
             rec.notify()
             _log.info("instance %s: the engine stopped cleanly (deregistered)", instance_id)

@@ -8,7 +8,10 @@ then refuses new engines, and the autopilot keeps each dead one's floor free.
 from __future__ import annotations
 
 import logging
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,8 +20,9 @@ from typing import Any, Self
 import httpx
 import pytest
 from support import wait_until
+from support.clockshift import ClockShift
 from support.soak import soak_seeds
-from test_sidecar_support import ThreadedSidecar, db_rows
+from test_sidecar_support import SidecarProcess, ThreadedSidecar, db_rows
 
 from engine_ext.protocol import REGISTRATION_HEADER
 from sidecar import SidecarSettings
@@ -177,6 +181,68 @@ def test_a_stop_before_a_restart_of_the_sidecar_counts(tmp_path: Path) -> None:
         assert "silent" in _ids(c)
         wait_until(lambda: "silent" not in _ids(c), timeout_s=10, what="silent forgotten")
         assert time.monotonic() - t0 >= 1.9
+
+
+def test_the_shim_steps_the_wall_clock_of_its_process_only(tmp_path: Path) -> None:
+    """What the next test relies on: the shim moves ``time.time()`` in the process it is
+    loaded in, at once, both ways, and leaves the monotonic clock alone."""
+    shift = ClockShift(tmp_path)
+    probe = (
+        "import time, sys\n"
+        "print(time.time(), time.monotonic(), flush=True)\n"
+        "sys.stdin.readline()\n"
+        "print(time.time(), time.monotonic(), flush=True)\n"
+    )
+    env = {**os.environ, **shift.env}
+    with subprocess.Popen(
+        [sys.executable, "-c", probe], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    ) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        wall0, mono0 = map(float, proc.stdout.readline().split())
+        assert abs(wall0 - time.time()) < 5
+        shift.set(-_DAY_S)
+        proc.stdin.write(b"\n")
+        proc.stdin.flush()
+        wall1, mono1 = map(float, proc.stdout.readline().split())
+    assert abs(wall1 - (time.time() - _DAY_S)) < 5
+    assert 0 <= mono1 - mono0 < 5
+
+
+_DAY_S = 86_400.0
+
+
+@pytest.mark.parametrize("step_s", [_DAY_S, -_DAY_S])
+def test_a_step_of_the_wall_clock_neither_forgets_early_nor_holds_back(
+    tmp_path: Path, step_s: float
+) -> None:
+    """NTP stepping the clock, or a VM resumed, while engines are stopped: with the wall
+    clock a day ahead every stopped instance was forgotten at the next sweep (its stop
+    looked a day old); a day behind, none for a day. The stop is counted on the
+    monotonic clock while the sidecar runs. A real ``kvsidecar serve`` whose wall clock
+    (only its own) the shim steps."""
+    shift = ClockShift(tmp_path)
+    env = {**shift.env, "KVSIDECAR_FORGET_AFTER_S": "4", "KVSIDECAR_LOG_LEVEL": "warning"}
+    server = SidecarProcess(tmp_path / "sidecar.db", env).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            assert _register(c, "stopped").status_code == 200
+            _deregister(c, "stopped")
+            t0 = time.monotonic()
+            stopped_at = c.get("/instances/stopped").json()["engine"]["stopped_at"]
+            assert abs(stopped_at - time.time()) < 5  # no shift yet
+            shift.set(step_s)
+            # the sidecar's own clock moved (the views it writes now say so)
+            assert _register(c, "witness").status_code == 200
+            seen = c.get("/instances/witness").json()["engine"]["registered_at"]
+            assert abs(seen - (time.time() + step_s)) < 5
+            time.sleep(2.5)  # two or three sweeps (every 1 s) after the step
+            assert "stopped" in _ids(c)  # a day ahead: was forgotten here
+            wait_until(lambda: "stopped" not in _ids(c), timeout_s=10, what="stopped forgotten")
+            took = time.monotonic() - t0  # a day behind: was not forgotten here
+            assert 3.9 <= took < 8.0, took
+            assert _ids(c) == {"witness"}
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("value", ["0.5", "-1", "inf", "nan", "1e12", "soon"])
