@@ -9,6 +9,7 @@ guard would raise if it did). Errors are ``application/problem+json``.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -407,20 +408,47 @@ class ControlServer:
         server.server_close()
 
 
+#: accept() errors that last while the process is short of a resource: the connection
+#: stays in the backlog and the socket readable, so retrying at once would spin
+_SHORT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+#: seconds between accept() attempts while short of descriptors or memory
+ACCEPT_RETRY_S = 0.1
+
+
 def _serve(server: _Server, wake_r: int) -> None:
     """Accept connections until a byte arrives on ``wake_r`` (the server thread's loop)."""
     try:
         with selectors.DefaultSelector() as selector:
             selector.register(server.socket, selectors.EVENT_READ)
             selector.register(wake_r, selectors.EVENT_READ)
+            short = False  # accept() failed for want of descriptors or memory
             while True:
-                ready = selector.select()  # blocks: no timeout, nothing runs while idle
+                # blocks: no timeout, nothing runs while idle (while short: a retry timer)
+                ready = selector.select(ACCEPT_RETRY_S if short else None)
                 if any(key.fileobj == wake_r for key, _ in ready):
                     return
+                if short and not ready:  # the timer: listen again, try one accept
+                    selector.register(server.socket, selectors.EVENT_READ)
+                    continue
                 try:
                     request, address = server.get_request()
-                except OSError:
-                    continue  # the client went away between select and accept
+                except OSError as exc:
+                    if exc.errno in _SHORT_OF_RESOURCES:
+                        if not short:
+                            _log.warning(
+                                "control socket: cannot accept a connection (%s); retrying "
+                                "every %.1f s. Raise the engine's descriptor limit (ulimit -n) "
+                                "if this lasts",
+                                os.strerror(exc.errno),
+                                ACCEPT_RETRY_S,
+                            )
+                        short = True
+                        selector.unregister(server.socket)
+                    continue  # else the client went away between select and accept
+                if short:
+                    short = False
+                    _log.info("control socket: accepting connections again")
                 try:
                     server.process_request(request, address)
                 except Exception:  # noqa: BLE001 -- one bad connection must not stop serving

@@ -8,6 +8,8 @@ import os
 import random
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -506,3 +508,77 @@ def test_mutated_requests_get_framed_answers_and_only_a_200_put_publishes(
         # (a refused, cut or unanswered request publishes nothing)
         assert mailbox.revision == revision or 200 in [r[0] for r in replies], request
     assert call(path, "GET", "/healthz")[0] == 200
+
+
+_FD_EXHAUSTED_CHILD = """
+import os, resource, sys
+from engine_ext import ControlServer, LimitMailbox
+server = ControlServer(sys.argv[1], LimitMailbox())
+server.start()
+print(server._thread.native_id, flush=True)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+print("full", flush=True)
+sys.stdin.readline()
+for fd in held:
+    os.close(fd)
+print("freed", flush=True)
+sys.stdin.readline()
+server.stop()
+"""
+
+
+def _thread_cpu_s(pid: int, tid: int) -> float:
+    with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as stat_file:
+        fields = stat_file.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_an_engine_out_of_descriptors_does_not_spin_and_serves_once_they_free(
+    tmp_path: Path,
+) -> None:
+    """The engine's process has no descriptor left (its limit reached: many connections of
+    its own, a leak elsewhere) and a client connects: accept() fails with EMFILE while the
+    connection stays in the backlog, so the socket stays readable. The server thread
+    retried at once, for as long as the shortage lasted: a core at 100 % and the GIL
+    taken from the engine's busy loop. It waits instead, and serves the client once
+    descriptors are free again. From /proc: the thread's CPU time over that second."""
+    path = str(tmp_path / "c.sock")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    with subprocess.Popen(
+        [sys.executable, "-c", _FD_EXHAUSTED_CHILD, path],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    ) as child:
+        assert child.stdin is not None and child.stdout is not None
+        try:
+            tid = int(child.stdout.readline())
+            assert child.stdout.readline() == b"full\n"
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.settimeout(15)
+            with client:
+                client.connect(path)  # into the backlog: the server cannot accept it now
+                client.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                time.sleep(0.2)
+                cpu0 = _thread_cpu_s(child.pid, tid)
+                time.sleep(1.0)
+                spent = _thread_cpu_s(child.pid, tid) - cpu0
+                assert spent < 0.2, f"the server thread spent {spent:.2f} s of CPU in 1 s"
+                child.stdin.write(b"free\n")
+                child.stdin.flush()
+                assert child.stdout.readline() == b"freed\n"
+                answer = client.recv(65536)  # served once descriptors are back
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+            child.stdin.write(b"stop\n")
+            child.stdin.flush()
+            assert child.wait(15) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()
