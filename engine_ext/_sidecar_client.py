@@ -91,6 +91,10 @@ class SidecarClient:
         self._sent_at = float("-inf")  # when the last report was sent (monotonic)
         self._pacing = False  # the client thread waits out the interval for _unsent
         self._registered = False
+        # a report was taken (200) since the last registration: a 404 then means the
+        # sidecar forgot this instance (kvctl forget, retention), not that /report goes
+        # somewhere the registration did not
+        self._reported_since_register = False
         self._healthy = True  # last call succeeded (only for logging transitions)
         self._thread: threading.Thread | None = None
 
@@ -182,7 +186,8 @@ class SidecarClient:
                 self._stop.wait(delay)
                 delay = min(delay * 2, _BACKOFF_MAX_S, self._heartbeat_s)
                 continue
-            delay = _BACKOFF_FIRST_S
+            if self._reported_since_register:  # a registration alone proves too little
+                delay = _BACKOFF_FIRST_S
             if not self._registered:
                 continue  # the sidecar forgot us (404): register again at once
             self._wait_for_next_report()
@@ -232,6 +237,7 @@ class SidecarClient:
             self._log_failure(f"register answered {response.status_code}: {_detail(response)}")
             return False
         self._registered = True
+        self._reported_since_register = False
         self._adopt(response)
         _log.info("registered with the sidecar")
         return True
@@ -252,12 +258,23 @@ class SidecarClient:
                     self._unsent = state  # resend unless something newer arrived
             return False
         if response.status_code == 404:
-            _log.info("the sidecar does not know this instance any more; registering again")
             self._registered = False
             with self._lock:
                 if self._unsent is None:
                     self._unsent = state
+            if not self._reported_since_register:
+                # unknown right after its registration: /report reaches another server
+                # than /register did (several sidecars behind one address, a proxy). Again
+                # at once, the two calls would loop as fast as the network answers
+                self._log_failure(
+                    "the sidecar answered 404 to the first report after registering "
+                    "(is KVSIDECAR_SIDECAR_URL one sidecar, not several behind one address "
+                    "or a proxy that sends /report elsewhere?); registering again"
+                )
+                return False
+            _log.info("the sidecar does not know this instance any more; registering again")
             return True
+        self._reported_since_register = True
         with self._lock:
             self._sent_key = _key(state)
         self._adopt(response)  # the reply carries the desired limit: a pull fallback for pushes

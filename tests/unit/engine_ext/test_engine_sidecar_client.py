@@ -39,8 +39,10 @@ class StandIn:
         self.retained = RegisterReply()
         self.registers: list[RegisterBody] = []
         self.reports: list[EngineState] = []
+        self.refused_reports = 0  # reports answered 404
         self.auth: list[str | None] = []
         self.forget = False  # answer 404 to reports until the next register
+        self.never_known = False  # answer 404 to every report (/report reaches another server)
         self.gate = threading.Event()
         self.gate.set()  # cleared: report handlers block until set
         self.changed = threading.Condition()
@@ -63,14 +65,16 @@ class StandIn:
                         outer.changed.notify_all()
                 elif self.path == "/instances/eng-1/report":
                     outer.gate.wait(10)
+                    forgot = outer.forget or outer.never_known
                     code, reply = (
                         (404, b'{"detail": "unknown"}')
-                        if outer.forget
+                        if forgot
                         else (200, outer.retained.model_dump_json().encode())
                     )
                     with outer.changed:
-                        if not outer.forget:
+                        if not forgot:
                             outer.reports.append(EngineState.model_validate_json(data))
+                        outer.refused_reports += forgot
                         outer.changed.notify_all()
                 else:
                     code, reply = 404, b"{}"
@@ -188,6 +192,46 @@ def test_heartbeats_and_reregisters_after_404(pool: Pool, tmp_path: Path, standi
         standin.wait("reports", n + 1)
     finally:
         inst.close()
+
+
+def test_a_report_unknown_right_after_registering_backs_off(
+    standin: StandIn, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two sidecars behind one address (or a proxy that routes /report elsewhere): every
+    registration succeeds and the report after it is 404. Registering again at once, as
+    after a sidecar that forgot the instance, made the two calls loop as fast as the
+    network answered: 648 registrations in 2 s against this stand-in, each a durable
+    write in a sidecar. They back off instead, with a warning that names the setting; a
+    sidecar that forgets an instance it had taken reports from is re-joined at once."""
+    standin.never_known = True
+    client = SidecarClient(
+        load_engine_settings(sidecar_url=standin.url, heartbeat_s=60),
+        LimitMailbox(),
+        lambda: RegisterBody(engine="vllm", engine_version="0.33.0", state=_state(0)),
+        instance_id="eng-1",
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine_ext"):
+            client.start()
+            client.report(_state(1))  # an engine reports as it runs
+            time.sleep(2.0)
+            n = len(standin.registers)
+        # backoff from 0.05 s, doubling: 0.05 + 0.1 + ... + 0.8 < 2 s, then 1.6 s waits
+        assert 3 <= n <= 8, n
+        assert standin.refused_reports in (n - 1, n)
+        assert any("KVSIDECAR_SIDECAR_URL" in r.getMessage() for r in caplog.records)
+        # the sidecar takes reports again: the client settles and reports
+        standin.never_known = False
+        standin.wait("reports", 1)
+        registered = len(standin.registers)
+        # then it forgets the instance (kvctl forget): registered again at once, no backoff
+        standin.forget = True
+        t0 = time.monotonic()
+        client.report(_state(3))
+        standin.wait("registers", registered + 1)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        client.stop()
 
 
 @pytest.mark.parametrize(
