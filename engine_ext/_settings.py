@@ -19,6 +19,7 @@ from .protocol import (
     ID_PATTERN,
     parse_limit,
     parse_size,
+    sidecar_url_problem,
     token_fits_a_header,
     unknown_settings,
 )
@@ -122,8 +123,10 @@ class EngineSettings(BaseSettings):
     def _check_url(cls, value: str | None) -> str | None:
         if value is None or value.strip() == "":
             return None
-        if not value.startswith(("http://", "https://")):
-            raise ValueError(f"{value!r} is not an http(s) URL, e.g. http://127.0.0.1:8570")
+        value = value.strip()
+        problem = sidecar_url_problem(value)
+        if problem is not None:
+            raise ValueError(f"{value!r} {problem} (e.g. http://127.0.0.1:8570)")
         return value.rstrip("/")
 
     def new_thread_guard(self, name: str) -> ThreadGuard:

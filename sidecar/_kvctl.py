@@ -12,14 +12,20 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-import httpx
 import typer
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 from rich.live import Live
 
-from engine_ext.protocol import ID_PATTERN, SizeError, Status, parse_limit, token_fits_a_header
+from engine_ext.protocol import (
+    ID_PATTERN,
+    SizeError,
+    Status,
+    parse_limit,
+    sidecar_url_problem,
+    token_fits_a_header,
+)
 
 from ._cli_run import run_app
 from ._kvctl_client import (
@@ -99,19 +105,10 @@ def sidecar_url(raw: str) -> str:
     url = raw.strip()
     if "://" not in url:
         url = f"http://{url}"
-    scheme, _, rest = url.partition("://")
-    problem = None
-    if scheme.lower() not in ("http", "https") or not rest.strip("/"):
-        problem = "it must be host:port or an http(s) URL"
-    else:
-        try:
-            if not httpx.URL(url).host:
-                problem = "it names no host"
-        except httpx.InvalidURL as exc:
-            problem = str(exc)
+    problem = sidecar_url_problem(url)
     if problem is not None:
         raise _fail(
-            f"--url/KVSIDECAR_URL {raw!r} cannot be used: {problem} "
+            f"--url/KVSIDECAR_URL {raw!r} cannot be used: it {problem} "
             "(e.g. --url 127.0.0.1:8570 or http://sidecar.example:8570)",
             EXIT_USAGE,
         )

@@ -21,7 +21,13 @@ engine-core module. Import it as ``engine_ext.protocol``; its submodules are pri
 from __future__ import annotations
 
 from ._json import duplicate_json_key, duplicate_key_message
-from ._paths import DEVICE_ID_PATTERN, ID_PATTERN, MAX_SOCKET_PATH_BYTES, socket_path_fits
+from ._paths import (
+    DEVICE_ID_PATTERN,
+    ID_PATTERN,
+    MAX_SOCKET_PATH_BYTES,
+    sidecar_url_problem,
+    socket_path_fits,
+)
 from ._revisions import (
     MAX_CLIENT_REVISION,
     MAX_REVISION,
@@ -95,6 +101,7 @@ __all__ = [
     "parse_limit",
     "parse_size",
     "registration_mark",
+    "sidecar_url_problem",
     "socket_path_fits",
     "token_fits_a_header",
     "unknown_settings",

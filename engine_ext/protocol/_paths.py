@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import os
+from urllib.parse import urlsplit
 
-__all__ = ["DEVICE_ID_PATTERN", "ID_PATTERN", "MAX_SOCKET_PATH_BYTES", "socket_path_fits"]
+__all__ = [
+    "DEVICE_ID_PATTERN",
+    "ID_PATTERN",
+    "MAX_SOCKET_PATH_BYTES",
+    "sidecar_url_problem",
+    "socket_path_fits",
+]
 
 #: Instance ids: what fits in a URL path segment, a file name and a metric label.
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
@@ -26,3 +33,26 @@ def socket_path_fits(path: str) -> bool:
         return len(os.fsencode(path)) <= MAX_SOCKET_PATH_BYTES
     except UnicodeEncodeError:
         return False
+
+
+def sidecar_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be the sidecar's address, in words to put after "it"; None when
+    it can. An http(s) URL with a host, a port in 1..65535 if one is given, an optional
+    path (a prefix the sidecar is served under), and nothing else: a query or fragment
+    would end up inside every request path built on it."""
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        return "contains a space or a control character"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises for a port that is not a number in 0..65535
+    except ValueError as exc:
+        return f"cannot be read as a URL ({exc})"
+    if parts.scheme.lower() not in ("http", "https"):
+        return "is not an http(s) URL"
+    if not parts.hostname:
+        return "names no host"
+    if port == 0:
+        return "names port 0"
+    if "?" in url or "#" in url:
+        return "carries a query (?) or fragment (#); give the address only"
+    return None

@@ -310,7 +310,20 @@ def test_a_token_that_cannot_be_sent_is_a_usage_error(
 
 
 @pytest.mark.parametrize(
-    "url", ["127.0.0.1:abc", "localhost:8570x", "http://[::1", "http://:8570", "ftp://x"]
+    "url",
+    [
+        "127.0.0.1:abc",
+        "localhost:8570x",
+        "http://[::1",
+        "http://:8570",
+        "ftp://x",
+        # these were taken and built into every request path or address
+        "127.0.0.1:99999",  # a port out of range
+        "127.0.0.1:0",
+        "http://127.0.0.1:8570/kvs?x=1",  # GET /kvs?x=1/instances
+        "http://127.0.0.1:8570#top",
+        "http://side car:8570",
+    ],
 )
 def test_a_malformed_url_is_a_usage_error(url: str) -> None:
     for how in ("flag", "env"):

@@ -25,6 +25,19 @@ def test_reads_prefixed_env_when_called(monkeypatch: pytest.MonkeyPatch) -> None
     assert s.limit == 3 << 29 and s.heartbeat_s == 0.5
 
 
+@pytest.mark.parametrize(
+    ("value", "taken"),
+    [
+        ("http://sidecar.example:8570/kvs/", "http://sidecar.example:8570/kvs"),  # a prefix
+        ("https://[::1]:8570", "https://[::1]:8570"),
+        ("HTTP://127.0.0.1", "HTTP://127.0.0.1"),
+        (" http://127.0.0.1:8570\n", "http://127.0.0.1:8570"),  # an env file's stray blank
+    ],
+)
+def test_sidecar_urls_that_work_are_taken(value: str, taken: str) -> None:
+    assert load_engine_settings(sidecar_url=value).sidecar_url == taken
+
+
 def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in ("XDG_RUNTIME_DIR", "KVSIDECAR_RUNTIME_DIR", "KVSIDECAR_LIMIT"):
         monkeypatch.delenv(name, raising=False)
@@ -43,6 +56,17 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         ("KVSIDECAR_LIMIT", "4 parsecs", "KVSIDECAR_LIMIT"),
         ("KVSIDECAR_INSTANCE_ID", "bad id!", "KVSIDECAR_INSTANCE_ID"),
         ("KVSIDECAR_SIDECAR_URL", "localhost:8420", "http"),
+        # taken before, then either a traceback at engine start (httpx could not build the
+        # client) or an engine that retried a sidecar it could never reach, unlimited
+        ("KVSIDECAR_SIDECAR_URL", "http://host:notaport", "KVSIDECAR_SIDECAR_URL.*read"),
+        ("KVSIDECAR_SIDECAR_URL", "https://[::1", "KVSIDECAR_SIDECAR_URL.*read"),
+        ("KVSIDECAR_SIDECAR_URL", "http://", "KVSIDECAR_SIDECAR_URL.*no host"),
+        ("KVSIDECAR_SIDECAR_URL", "http:///kvs", "KVSIDECAR_SIDECAR_URL.*no host"),
+        ("KVSIDECAR_SIDECAR_URL", "http://127.0.0.1:99999", "KVSIDECAR_SIDECAR_URL.*range"),
+        ("KVSIDECAR_SIDECAR_URL", "http://127.0.0.1:0", "KVSIDECAR_SIDECAR_URL.*port 0"),
+        ("KVSIDECAR_SIDECAR_URL", "http://127.0.0.1:8570/?a=1", "KVSIDECAR_SIDECAR_URL.*query"),
+        ("KVSIDECAR_SIDECAR_URL", "http://127.0.0.1:8570#x", "KVSIDECAR_SIDECAR_URL.*fragment"),
+        ("KVSIDECAR_SIDECAR_URL", "http://side car:8570", "KVSIDECAR_SIDECAR_URL.*space"),
         ("KVSIDECAR_HEARTBEAT_S", "0", "KVSIDECAR_HEARTBEAT_S"),
         ("KVSIDECAR_HEARTBEAT_S", "0.001", "KVSIDECAR_HEARTBEAT_S"),  # POSTs in a tight loop
         ("KVSIDECAR_REPORT_INTERVAL_S", "-0.1", "KVSIDECAR_REPORT_INTERVAL_S"),
