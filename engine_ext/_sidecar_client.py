@@ -34,16 +34,22 @@ _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 5.0
 _REQUEST_TIMEOUT_S = 5.0
 _DEREGISTER_TIMEOUT_S = 2.0  # a clean shutdown waits at most this long for the sidecar
+#: stop() waits this long for the client thread to end its call and deregister; past it the
+#: engine goes on shutting down (a call whose host name does not resolve is not bounded by
+#: httpx's timeouts: name resolution has none)
+_STOP_WAIT_S = _DEREGISTER_TIMEOUT_S + 0.5
 
 
 class SidecarClient:
     """Talks to the sidecar on its own daemon thread (``sidecar-client``).
 
     Owns one ``httpx.Client``, the registered flag and the newest state not
-    sent yet. ``register_blocking`` runs once at start-up on the caller's
-    thread, before the engine allocates; afterwards only the client thread
-    does network I/O. ``report`` may be called from the engine thread: it
-    stores the state (latest wins) and returns at once.
+    sent yet. Only the client thread does network I/O: ``register_blocking``
+    starts it and waits (bounded) for its registration, ``stop`` waits
+    (bounded) for its deregistration, so a sidecar whose host name hangs in
+    the resolver holds neither the engine's start nor its shutdown longer than
+    said. ``report`` may be called from the engine thread: it stores the state
+    (latest wins) and returns at once.
 
     Retained limits from the sidecar are *published* into the mailbox like
     any other source, so revisions decide what wins.
@@ -85,6 +91,7 @@ class SidecarClient:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._joined = threading.Event()  # registered once (register_blocking waits on it)
         self._unsent: EngineState | None = None
         self._interval_s = settings.report_interval_s
         self._sent_key: _Key | None = None  # _key() of the last state the sidecar took
@@ -104,26 +111,21 @@ class SidecarClient:
         return self._registered
 
     def register_blocking(self, timeout_s: float) -> bool:
-        """Register, retrying with backoff for up to ``timeout_s``; publish the retained limit.
+        """Start the client thread, which registers (retrying with backoff) and publishes
+        the retained limit; wait for that at most ``timeout_s``.
 
-        Returns whether registration succeeded. On failure the client thread
-        keeps trying after :meth:`start`; the engine runs unlimited meanwhile.
+        Returns whether registration succeeded in that time. Otherwise the client
+        thread keeps trying; the engine runs unlimited meanwhile.
         """
-        deadline = time.monotonic() + timeout_s
-        delay = _BACKOFF_FIRST_S
-        while not self._stop.is_set():
-            if self._attempt(self._register):
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                _log.warning(
-                    "the sidecar did not answer within %.1fs; starting without its retained "
-                    "limit and registering in the background",
-                    timeout_s,
-                )
-                return False
-            self._stop.wait(min(delay, remaining))
-            delay = min(delay * 2, _BACKOFF_MAX_S)
+        self.start()
+        if self._joined.wait(timeout_s) and not self._stop.is_set():
+            return True
+        if not self._stop.is_set():
+            _log.warning(
+                "the sidecar did not answer within %.1fs; starting without its retained "
+                "limit and registering in the background",
+                timeout_s,
+            )
         return False
 
     def report(self, state: EngineState) -> None:
@@ -149,14 +151,22 @@ class SidecarClient:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread, deregister (a clean shutdown), close the HTTP client. Idempotent."""
+        """Stop the thread, which deregisters (a clean shutdown) and closes the HTTP client;
+        wait for it at most ``_STOP_WAIT_S``. Idempotent."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=_REQUEST_TIMEOUT_S + 1)
-        if self._registered and not self._client.is_closed:
-            self._deregister()
-        self._client.close()
+        self._joined.set()  # a register_blocking() in another thread returns
+        thread = self._thread
+        if thread is None:
+            self._client.close()
+            return
+        thread.join(timeout=_STOP_WAIT_S)
+        if thread.is_alive():
+            _log.info(
+                "the sidecar did not answer within %.1fs at shutdown; going on without "
+                "deregistering (it will show the instance unreachable)",
+                _STOP_WAIT_S,
+            )
 
     def _deregister(self) -> None:
         """Tell the sidecar this engine stopped on purpose (``stopped``, not ``unreachable``)."""
@@ -179,6 +189,14 @@ class SidecarClient:
     # -- client thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._talk()
+            if self._registered:
+                self._deregister()
+        finally:
+            self._client.close()
+
+    def _talk(self) -> None:
         delay = _BACKOFF_FIRST_S
         while not self._stop.is_set():
             ok = self._attempt(self._report_once if self._registered else self._register)
@@ -239,6 +257,11 @@ class SidecarClient:
         self._registered = True
         self._reported_since_register = False
         self._adopt(response)
+        self._joined.set()  # after the retained limit is in the mailbox
+        with self._lock:  # report at once: the state may have moved since the body was built
+            if self._unsent is None:
+                self._unsent = self._mailbox.latest_state
+            self._sent_key = None
         _log.info("registered with the sidecar")
         return True
 

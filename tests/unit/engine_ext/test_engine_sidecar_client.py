@@ -8,8 +8,12 @@ The stand-in speaks the engine-facing half of the sidecar API
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +23,7 @@ from typing import Any
 
 import pytest
 from engine_pool import BLOCKS_PER_PAGE, BUNDLE, Pool
+from support import preload
 from support.endless import EndlessServer, rss_bytes
 
 from engine_ext import ElasticInstance, EngineBinding, LimitMailbox, Target, load_engine_settings
@@ -625,3 +630,65 @@ def test_a_bug_in_handling_an_answer_is_logged_and_retried(
         assert caplog.text.count("failed unexpectedly") == 2 and "bug 2" in caplog.text
     finally:
         inst.close()
+
+
+_HANGING_RESOLVER_CHILD = """
+import json, socket, time
+from engine_ext import LimitMailbox, load_engine_settings
+from engine_ext._sidecar_client import SidecarClient
+from engine_ext.protocol import EngineState, RegisterBody, Status
+
+t0 = time.monotonic()
+try:
+    socket.getaddrinfo("kvs-hangs.invalid", 8570)
+except OSError:
+    pass
+resolve_s = time.monotonic() - t0
+client = SidecarClient(
+    load_engine_settings(sidecar_url="http://kvs-hangs.invalid:8570"),
+    LimitMailbox(),
+    lambda: RegisterBody(engine="vllm", engine_version="0.33.0",
+                         state=EngineState(status=Status.APPLIED)),
+    instance_id="eng-1",
+)
+t0 = time.monotonic()
+registered = client.register_blocking(1.0)
+register_s = time.monotonic() - t0
+t0 = time.monotonic()
+client.stop()
+stop_s = time.monotonic() - t0
+print(json.dumps({"resolve_s": resolve_s, "register_s": register_s,
+                  "registered": registered, "stop_s": stop_s}))
+"""
+
+
+def test_a_sidecar_host_that_hangs_in_the_resolver_holds_neither_start_nor_stop(
+    tmp_path: Path,
+) -> None:
+    """A DNS server that does not answer: resolving the sidecar's host name takes as long as
+    the resolver's retries (seconds to tens of seconds), and name resolution has no
+    timeout of its own. The engine's start waited for that past ``register_timeout_s``
+    (6 s against 1 s here), and its shutdown past the deregistration's 2 s (11.5 s).
+    Both waits are bounded now; the calls go on in the client thread. In a child process
+    whose getaddrinfo() the slowdns shim makes hang 4 s for one name."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[3]),
+        "LD_PRELOAD": str(preload.build("slowdns", tmp_path)),
+        "KVS_SLOW_DNS_HOST": "kvs-hangs.invalid",
+        "KVS_SLOW_DNS_S": "4",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _HANGING_RESOLVER_CHILD],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    times = json.loads(done.stdout.splitlines()[-1])
+    assert times["resolve_s"] >= 3.5, times  # the shim hangs the resolver (else vacuous)
+    assert not times["registered"]
+    assert times["register_s"] < 2.0, times  # register_timeout_s 1 s, not the resolver's 4
+    assert times["stop_s"] < 4.0, times  # the stop's own bound (2.5 s), not 4 + 4 s
