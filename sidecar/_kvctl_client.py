@@ -6,6 +6,7 @@ exit code kvctl ends with; nothing here prints.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,41 @@ def _bounded_request(
     """One request whose whole answer is read within ``total_s`` and up to
     :data:`MAX_ANSWER_BYTES`: httpx's timeout is per read, so a server sending a byte now
     and then would hold kvctl (a cron job, a script) for ever. Past either bound it raises
-    an ``httpx.TransportError`` (``ReadTimeout``, :class:`AnswerTooLarge`)."""
+    an ``httpx.TransportError`` (``ReadTimeout``, :class:`AnswerTooLarge`).
+
+    The request runs on a daemon thread, waited for at most ``total_s`` (plus a moment):
+    resolving the host name comes before httpx's timeouts and has none of its own, so a
+    resolver that does not answer held kvctl for its whole retry time. Past that it
+    raises ``ConnectTimeout``; the thread is left to end with the process."""
+    outcome: list[httpx.Response | BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(_read_whole(client, method, path, total_s=total_s, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 -- handed to the waiting thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, name="kvctl-request", daemon=True)
+    worker.start()
+    worker.join(total_s + _JOIN_GRACE_S)
+    if not outcome:
+        raise httpx.ConnectTimeout(
+            f"no answer within {total_s:g} s (does the host name resolve? name resolution "
+            "has no timeout of its own)"
+        )
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+#: how much longer than its own bound a request thread is waited for
+_JOIN_GRACE_S = 0.5
+
+
+def _read_whole(
+    client: httpx.Client, method: str, path: str, *, total_s: float, **kwargs: Any
+) -> httpx.Response:
     deadline = time.monotonic() + total_s
     with client.stream(method, path, **kwargs) as resp:
         body = bytearray()

@@ -10,11 +10,13 @@ import socketserver
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from support import preload
 from support.endless import EndlessServer
 from test_sidecar_support import ROOT, SocketEngine, ThreadedSidecar
 from typer.testing import CliRunner
@@ -186,6 +188,35 @@ def test_real_process_exit_codes_and_no_traceback() -> None:
         )
         assert proc.returncode == code, (args, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+def test_a_sidecar_host_that_hangs_in_the_resolver_is_given_up_in_time(tmp_path: Path) -> None:
+    """A DNS server that does not answer: resolving --url's host comes before httpx's
+    timeouts and has none of its own, so kvctl waited for the resolver's retries (30 s
+    here, a cron job's whole slot in general). It gives up within its documented bound
+    (twice the 5 s connect timeout) with one line and exit 4. The slowdns shim hangs
+    getaddrinfo() for one name in the kvctl process only."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "LD_PRELOAD": str(preload.build("slowdns", tmp_path)),
+        "KVS_SLOW_DNS_HOST": "kvs-hangs.invalid",
+        "KVS_SLOW_DNS_S": "30",
+    }
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar.kvctl", "--url", "kvs-hangs.invalid:8570", "list"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    took = time.monotonic() - t0
+    assert proc.returncode == 4, proc.stderr
+    assert took < 20, took
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does the host name resolve" in lines[0], proc.stderr
 
 
 @pytest.mark.parametrize(
