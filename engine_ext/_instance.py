@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,6 +103,9 @@ class ElasticInstance:
         self._started = False
         self._closed = False
         self._close_lock = threading.Lock()
+        # the process that owns the socket, the dir and the registration: a process forked
+        # from it inherits the atexit hook and must not close them (close() checks)
+        self._pid = os.getpid()
 
     def start(self) -> None:
         """Create the runtime dir, serve the socket, register, publish the start-up limit.
@@ -150,7 +154,13 @@ class ElasticInstance:
         return self.mailbox.latest_state
 
     def close(self) -> None:
-        """Stop the threads, remove the socket and the runtime dir. Idempotent."""
+        """Stop the threads, remove the socket and the runtime dir. Idempotent.
+
+        A no-op in a process forked from the one that built the instance (a helper, a
+        library's worker, ending through the inherited atexit hook): they are the
+        parent's. Checked before the lock, which the fork may have copied held."""
+        if os.getpid() != self._pid:
+            return
         with self._close_lock:
             if self._closed:
                 return

@@ -370,10 +370,13 @@ class RuntimeDir:
 def _chained(
     first: Callable[[], None], then: Callable[[], None] | None, signum: int, previous: _Handler
 ) -> Callable[[int, FrameType | None], None]:
+    owner = os.getpid()
+
     def handler(sig: int, frame: FrameType | None) -> None:
-        first()
-        if then is not None:
-            then()
+        if os.getpid() == owner:  # not in a forked process: the dir is the parent's
+            first()
+            if then is not None:
+                then()
         if callable(previous):
             previous(sig, frame)
         elif previous == signal.SIG_DFL:

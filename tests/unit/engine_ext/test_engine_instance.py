@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -12,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from engine_pool import BUNDLE, Pool
 
@@ -145,3 +147,81 @@ def test_a_failed_unmap_during_a_pass_is_logged_not_fatal(
         time.sleep(0.01)  # the next passes retry on their own (no new revision)
     assert inst.state().status is Status.APPLIED
     assert pool.backend.mapped_bytes() <= BUNDLE
+
+
+_FORKING_CHILD = textwrap.dedent(
+    """
+    import json, os, signal, socket, sys, time
+    from allocator import BlockAllocator, HostBackend, PageAllocator, PageLayout
+    from engine_ext import ElasticInstance, EngineBinding, load_engine_settings
+    backend = HostBackend.reserve(PageLayout(page_bytes=65536, num_pages=4))
+    blocks = BlockAllocator(PageAllocator(backend), 4)
+    settings = load_engine_settings(
+        instance_id="forks", runtime_dir=sys.argv[1], sidecar_url=sys.argv[2] or None
+    )
+    inst = ElasticInstance(settings, EngineBinding("vllm", "0.33.0", blocks))
+    inst.start()
+    inst.install_signal_cleanup()
+    pid = os.fork()
+    if pid == 0:  # a helper the engine forked, ending as Python programs do
+        if sys.argv[3] == "signal":
+            os.kill(os.getpid(), signal.SIGTERM)  # as a kill of the process group does
+            time.sleep(5)
+        sys.exit(0)  # atexit handlers run here
+    _, status = os.waitpid(pid, 0)
+    answer = b""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(inst.socket_path)
+            s.sendall(b"GET /healthz HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n")
+            answer = s.recv(100)
+    except OSError as exc:
+        answer = repr(exc).encode()
+    print(json.dumps({
+        "socket": os.path.exists(inst.socket_path),
+        "dir": inst.runtime_dir.exists(),
+        "answer": answer.decode(errors="replace").split("\\r\\n")[0],
+    }), flush=True)
+    sys.stdin.readline()
+    inst.close()
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["exit", "signal"])
+def test_a_forked_helper_that_ends_leaves_the_engine_its_socket_dir_and_registration(
+    tmp_path: Path, how: str
+) -> None:
+    """A process the engine forks after start-up (a helper, a library's worker) inherits
+    the atexit hook and the SIGTERM/SIGINT handler. Ending normally, or on SIGTERM, ran
+    them in the helper: it unlinked the engine's control socket, removed its runtime dir
+    and deregistered the instance (``stopped``) while the engine ran on, deaf to pushes.
+    Only the process that started the instance closes it now."""
+    from support import ThreadedSidecar
+
+    from sidecar import SidecarSettings
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    args = [sys.executable, "-c", _FORKING_CHILD, str(tmp_path / "rt")]
+    with (
+        ThreadedSidecar(SidecarSettings(db_path=tmp_path / "s.db")) as sidecar,
+        subprocess.Popen(
+            [*args, sidecar.url, how],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        ) as child,
+    ):
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            seen = json.loads(child.stdout.readline())
+            status = httpx.get(f"{sidecar.url}/instances/forks").json()["status"]
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert child.wait(timeout=30) == 0
+        finally:
+            child.kill()
+    assert seen == {"socket": True, "dir": True, "answer": "HTTP/1.1 200 OK"}, seen
+    assert status != "stopped", status
