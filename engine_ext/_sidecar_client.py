@@ -92,6 +92,7 @@ class SidecarClient:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._joined = threading.Event()  # registered once (register_blocking waits on it)
+        self._life = threading.Lock()  # start() and stop() hand the thread over under it
         self._unsent: EngineState | None = None
         self._interval_s = settings.report_interval_s
         self._sent_key: _Key | None = None  # _key() of the last state the sidecar took
@@ -144,11 +145,13 @@ class SidecarClient:
             self._wake.set()
 
     def start(self) -> None:
-        """Start the client thread (registers if not registered, then reports). Idempotent."""
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="sidecar-client", daemon=True)
-        self._thread.start()
+        """Start the client thread (registers if not registered, then reports). Idempotent;
+        nothing after :meth:`stop`."""
+        with self._life:
+            if self._thread is not None or self._stop.is_set():
+                return
+            self._thread = threading.Thread(target=self._run, name="sidecar-client", daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
         """Stop the thread, which deregisters (a clean shutdown) and closes the HTTP client;
@@ -156,7 +159,8 @@ class SidecarClient:
         self._stop.set()
         self._wake.set()
         self._joined.set()  # a register_blocking() in another thread returns
-        thread = self._thread
+        with self._life:  # a start() racing this one either ran or never will
+            thread = self._thread
         if thread is None:
             self._client.close()
             return

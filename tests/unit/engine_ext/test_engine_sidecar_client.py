@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import pytest
 from engine_pool import BLOCKS_PER_PAGE, BUNDLE, Pool
 from support import preload
 from support.endless import EndlessServer, rss_bytes
+from support.soak import soak_seeds
 
 from engine_ext import ElasticInstance, EngineBinding, LimitMailbox, Target, load_engine_settings
 from engine_ext._sidecar_client import SidecarClient
@@ -45,6 +47,8 @@ class StandIn:
         self.registers: list[RegisterBody] = []
         self.reports: list[EngineState] = []
         self.refused_reports = 0  # reports answered 404
+        self.deregisters = 0
+        self.delay_s = 0.0  # each answer waits this long (a slow sidecar)
         self.auth: list[str | None] = []
         self.forget = False  # answer 404 to reports until the next register
         self.never_known = False  # answer 404 to every report (/report reaches another server)
@@ -81,8 +85,14 @@ class StandIn:
                             outer.reports.append(EngineState.model_validate_json(data))
                         outer.refused_reports += forgot
                         outer.changed.notify_all()
+                elif self.path == "/instances/eng-1/deregister":
+                    code, reply = 200, b"{}"
+                    with outer.changed:
+                        outer.deregisters += 1
+                        outer.changed.notify_all()
                 else:
                     code, reply = 404, b"{}"
+                time.sleep(outer.delay_s)
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(reply)))
@@ -692,3 +702,76 @@ def test_a_sidecar_host_that_hangs_in_the_resolver_holds_neither_start_nor_stop(
     assert not times["registered"]
     assert times["register_s"] < 2.0, times  # register_timeout_s 1 s, not the resolver's 4
     assert times["stop_s"] < 4.0, times  # the stop's own bound (2.5 s), not 4 + 4 s
+
+
+@pytest.mark.parametrize("seed", soak_seeds() or range(2))
+def test_start_report_and_stop_from_foreign_threads_at_random_moments(
+    standin: StandIn, seed: int
+) -> None:
+    """The client's life cycle from three threads at once, at random moments: the engine
+    thread's register_blocking, a thread reporting states, and stop() (a signal's
+    cleanup, the atexit hook). Whatever the order: register_blocking returns within its
+    bound, stop() within its own, the client thread has ended when stop() returns (the
+    sidecar was quick), nothing raises, and every registration the sidecar took is
+    followed by a deregistration."""
+    rng = random.Random(seed)
+    errors: list[BaseException] = []
+
+    def guarded(fn: Any) -> Any:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 -- collected for the test thread
+                errors.append(exc)
+
+        return run
+
+    for _ in range(25):
+        standin.delay_s = rng.choice([0.0, 0.0, 0.005, 0.02])
+        with standin.changed:
+            registers_before = len(standin.registers)
+            deregisters_before = standin.deregisters
+        client = SidecarClient(
+            load_engine_settings(sidecar_url=standin.url, heartbeat_s=0.05),
+            LimitMailbox(),
+            lambda: RegisterBody(engine="vllm", engine_version="0.33.0", state=_state(0)),
+            instance_id="eng-1",
+        )
+        waited: list[float] = []
+
+        def register(client: SidecarClient = client, waited: list[float] = waited) -> None:
+            time.sleep(rng.uniform(0, 0.02))
+            t0 = time.monotonic()
+            client.register_blocking(0.5)
+            waited.append(time.monotonic() - t0)
+
+        def reports(client: SidecarClient = client) -> None:
+            for n in range(rng.randrange(1, 20)):
+                client.report(_state(n))
+                time.sleep(rng.uniform(0, 0.005))
+
+        stopped: list[float] = []
+
+        def stop(client: SidecarClient = client, stopped: list[float] = stopped) -> None:
+            time.sleep(rng.uniform(0, 0.08))
+            t0 = time.monotonic()
+            client.stop()
+            stopped.append(time.monotonic() - t0)
+
+        threads = [
+            threading.Thread(target=guarded(fn), name=name)
+            for name, fn in (("engine", register), ("reporter", reports), ("stopper", stop))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert errors == []
+        assert waited and waited[0] < 1.0, waited
+        assert stopped and stopped[0] < 3.0, stopped
+        client_thread = client._thread
+        assert client_thread is None or not client_thread.is_alive()
+        with standin.changed:
+            registered = len(standin.registers) - registers_before
+            deregistered = standin.deregisters - deregisters_before
+        assert deregistered == (1 if registered else 0), (registered, deregistered)
