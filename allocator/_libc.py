@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
+import resource
 
 from ._errors import BackendError
 
@@ -71,7 +73,19 @@ def reserve_file(fd: int, length: int) -> int:
     """Map all of ``fd`` shared but inaccessible (``PROT_NONE``): a reservation with no memory."""
     addr = _mmap(None, length, PROT_NONE, MAP_SHARED | MAP_NORESERVE, fd, 0)
     if addr is None or addr == _MAP_FAILED:
-        raise _fail("mmap", f"reserve {length} bytes of fd {fd} PROT_NONE")
+        err = ctypes.get_errno()
+        failed = _fail("mmap", f"reserve {length} bytes of fd {fd} PROT_NONE", err)
+        if err == errno.ENOMEM:  # a reservation takes no memory: the address space is short
+            limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+            shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
+            raise BackendError(
+                f"{failed}; the reservation takes address space, not memory: the process's "
+                f"address-space limit (ulimit -v, RLIMIT_AS: {shown}) or the kernel's "
+                "overcommit policy refused it. Raise the limit, or reserve a smaller KV "
+                "cache (KVSIDECAR_VIRTUAL_KV_BYTES, or the engine's KV cache size)",
+                errno=err,
+            )
+        raise failed
     return int(addr)
 
 

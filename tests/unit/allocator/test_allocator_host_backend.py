@@ -205,3 +205,33 @@ def test_a_memfd_the_os_will_not_size_is_a_backend_error() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("BackendError") and "ulimit -f" in out.stdout
+
+
+def test_a_reservation_over_the_address_space_limit_says_which_limit() -> None:
+    """Under an address-space limit (ulimit -v, RLIMIT_AS: batch schedulers set it) the
+    reservation's mmap fails with ENOMEM, which read as "Cannot allocate memory" for a
+    reservation that takes no memory at all. The error names the limit, its value and
+    what to do (in a child: the limit is per process)."""
+    code = (
+        "import resource\n"
+        "from allocator import BackendError, HostBackend, PageLayout\n"
+        "with open('/proc/self/status') as status:\n"
+        "    vm = [int(l.split()[1]) for l in status if l.startswith('VmSize:')][0] << 10\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    HostBackend.reserve(PageLayout(1 << 21, 4096))  # 8 GiB of address space\n"
+        "except BackendError as exc:\n"
+        "    print('BackendError', exc.errno, exc)\n"
+    )
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("BackendError 12 "), out.stdout
+    assert "ulimit -v" in out.stdout and "KVSIDECAR_VIRTUAL_KV_BYTES" in out.stdout
