@@ -361,9 +361,15 @@ class RuntimeDir:
         """Main thread: on SIGINT/SIGTERM run :meth:`remove_now` first (vLLM SIGKILLs its
         EngineCore right after SIGTERM, so an orderly close may not get to run), then
         ``then`` (the orderly close), then what the previous handler did (a default
-        handler: the process dies of the signal; an ignored signal: nothing more)."""
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        handler: the process dies of the signal; an ignored signal: nothing more).
+
+        SIGHUP too where it would end the process (its default: a terminal that closes
+        under ``vllm serve`` ended the engine with its socket and dir left behind); a
+        hangup the process ignores (``nohup``) or handles itself is left as it is."""
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous = signal.getsignal(signum)
+            if signum == signal.SIGHUP and previous != signal.SIG_DFL:
+                continue
             signal.signal(signum, _chained(self.remove_now, then, signum, previous))
 
 

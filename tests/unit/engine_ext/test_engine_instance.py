@@ -82,8 +82,10 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_signal_removes_socket_and_dir(tmp_path: Path, signum: int) -> None:
+    """Also SIGHUP: a terminal that closes under the engine ends it by default; that left
+    the socket and the dir behind."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(tmp_path)],
@@ -103,6 +105,35 @@ def test_signal_removes_socket_and_dir(tmp_path: Path, signum: int) -> None:
             child.kill()
     assert child.returncode in (-signum, 1)  # SIGINT: KeyboardInterrupt exits 1
     assert not socket_path.exists() and not socket_path.parent.exists()
+
+
+def test_an_ignored_hangup_stays_ignored(tmp_path: Path) -> None:
+    """Under ``nohup`` (SIGHUP ignored) a hangup must neither end the engine nor take its
+    socket: the cleanup is chained to SIGHUP only where the hangup would end it."""
+    child_code = _CHILD.replace(
+        "inst.start()", "signal.signal(signal.SIGHUP, signal.SIG_IGN)\ninst.start()"
+    )
+    assert child_code != _CHILD
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with subprocess.Popen(
+        [sys.executable, "-c", child_code, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as child:
+        try:
+            assert child.stdout is not None
+            socket_path = Path(child.stdout.readline().strip())
+            child.send_signal(signal.SIGHUP)
+            time.sleep(0.5)
+            assert child.poll() is None and socket_path.is_socket()
+            child.send_signal(signal.SIGTERM)
+            child.wait(timeout=30)
+        finally:
+            child.kill()
+    assert not socket_path.exists()
 
 
 def test_failed_start_leaves_nothing_behind(pool: Pool, tmp_path: Path) -> None:
