@@ -69,6 +69,10 @@ class EndlessServer:
         self.sent += n
 
     def close(self) -> None:
+        try:  # wakes the accept() of the server thread (a close alone leaves it blocked)
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
 
 
