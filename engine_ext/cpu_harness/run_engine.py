@@ -5,8 +5,8 @@ Writes the tiny model (:func:`make_tiny_model_dir`) to ``--model-dir``, starts
 the real ``vllm serve`` (stub executor) or SGLang's real server (stub forward,
 through kvsidecar's launcher) on ``--host:--port`` with the process's
 ``KVSIDECAR_*`` environment, prints one line when it is healthy and stays
-until the engine exits or this process gets SIGTERM/SIGINT, which stops the
-engine's whole process group. Exit code: the engine's (0 after a clean stop).
+until the engine exits or this process gets SIGTERM/SIGINT (or SIGHUP, unless
+ignored), which stops the engine's whole process group. Exit code: the engine's (0 after a clean stop).
 """
 
 from __future__ import annotations
@@ -58,9 +58,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     # SIGTERM/SIGINT become SystemExit: during start-up the launcher stops the half-started
-    # engine group on it, afterwards the ``finally`` below does
+    # engine group on it, afterwards the ``finally`` below does. SIGHUP too (a terminal
+    # closing), unless ignored (nohup): by default it ended this process at once and the
+    # engine, in a session of its own, ran on
     signal.signal(signal.SIGTERM, _exit)
     signal.signal(signal.SIGINT, _exit)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, _exit)
     model_dir = make_tiny_model_dir(args.model_dir or Path(tempfile.mkdtemp()) / "model")
     extra = ["--host", args.host, "--served-model-name", args.served_model_name]
     server: ServerProcess

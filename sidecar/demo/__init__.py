@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -130,6 +131,35 @@ _Body = Callable[["Cluster", "Sampler", dict[str, Any], float], list[dict[str, A
 _INTERRUPT_GRACE_S = 2.0  # after Ctrl-C: how long an engine may take to stop on SIGTERM
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP reached the demo: stopped as Ctrl-C stops it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signame = signal.Signals(signum).name
+
+
+def _stop_on_signals() -> dict[int, Any]:
+    """Main thread: SIGTERM (``kill``) and SIGHUP (the terminal closing) end the demo the way
+    Ctrl-C does, through its cleanup. By default they ended the process at once, and the
+    engines and the sidecar, in sessions of their own, ran on with nobody to stop them.
+    Only a signal left at its default is taken (an ignored one, ``nohup``, stays so); the
+    first one ignores the rest while the cleanup runs. Returns the handlers to restore."""
+    taken: dict[int, Any] = {}
+
+    def stop(signum: int, _frame: Any) -> None:
+        for sig in taken:
+            signal.signal(sig, signal.SIG_IGN)
+        raise _Stopped(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous = signal.getsignal(sig)
+        if previous == signal.SIG_DFL:
+            taken[sig] = previous
+            signal.signal(sig, stop)
+    return taken
+
+
 def _run(args: argparse.Namespace, console: Console) -> bool:
     if args.autopilot:
         return _session(args, console, "autopilot", _autopilot_body(args, console))
@@ -153,22 +183,26 @@ def _session(args: argparse.Namespace, console: Console, scenario: str, body: _B
     sampler = Sampler(cluster.sidecar_url, t0)
     ok = False
     interrupted = False
+    handlers = _stop_on_signals()
     try:
         cluster.start_sidecar()
         sampler.start()
         checks = body(cluster, sampler, results, t0)
         print_checks(console, checks)
         ok = bool(checks) and all(c["ok"] for c in checks)
-    except KeyboardInterrupt:  # Ctrl-C: stop everything at once, say so, exit 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: stop everything at once, say so
         interrupted = True
-        results["error"] = "interrupted"
-        console.print("[yellow]interrupted:[/yellow] stopping the engines and the sidecar")
+        how = f" ({exc.signame})" if isinstance(exc, _Stopped) else ""
+        results["error"] = f"interrupted{how}"
+        console.print(f"[yellow]interrupted{how}:[/yellow] stopping the engines and the sidecar")
         raise
     except Exception as exc:  # noqa: BLE001 -- last resort: record why, fail the demo, keep logs
         results["error"] = f"{type(exc).__name__}: {exc}"
         console.print(f"[red]demo failed:[/red] {results['error']}\nlogs in {workdir}")
         args.keep_workdir = True
     finally:
+        for sig in handlers:  # the cleanup below runs to its end (bounded: SIGKILL after)
+            signal.signal(sig, signal.SIG_IGN)
         sampler.stop()
         # interrupted: no clean shutdown to wait for (vLLM ignores SIGTERM while its
         # EngineCore starts, docs/vllm.md): SIGKILL after a short grace
@@ -184,6 +218,8 @@ def _session(args: argparse.Namespace, console: Console, scenario: str, body: _B
         )
         if not args.keep_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
     return ok
 
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import psutil  # type: ignore[import-untyped]
+import pytest
 from demo_support import REPO
 from support import wait_until
 
@@ -50,7 +51,12 @@ def _temp_entries() -> set[str]:
     return found
 
 
-def test_ctrl_c_while_the_engines_start_stops_everything_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["ctrl-c", "kill", "hangup"])
+def test_ctrl_c_while_the_engines_start_stops_everything_at_once(tmp_path: Path, how: str) -> None:
+    """Ctrl-C (SIGINT to the demo's group), ``kill`` (SIGTERM to the demo alone) and a
+    closing terminal (SIGHUP to its group) all stop everything. SIGTERM and SIGHUP ended
+    the demo at once before, and its engines and sidecar, in sessions of their own, ran
+    on for good."""
     before = _temp_entries()
     env = {
         **os.environ,
@@ -74,7 +80,12 @@ def test_ctrl_c_while_the_engines_start_stops_everything_at_once(tmp_path: Path)
             wait_until(lambda: _engines_starting(demo), timeout_s=120, what="both engines started")
             time.sleep(2)  # into their start-up (vLLM ignores SIGTERM while EngineCore starts)
             started = [p for p in demo.children(recursive=True) if _alive(p)]
-            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the demo's group only
+            if how == "ctrl-c":
+                os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the demo's group only
+            elif how == "kill":
+                os.kill(proc.pid, signal.SIGTERM)
+            else:
+                os.killpg(proc.pid, signal.SIGHUP)  # a closing terminal: its foreground group
             t0 = time.monotonic()
             output, _ = proc.communicate(timeout=60)
             took = time.monotonic() - t0
@@ -83,11 +94,16 @@ def test_ctrl_c_while_the_engines_start_stops_everything_at_once(tmp_path: Path)
                 os.killpg(proc.pid, signal.SIGKILL)
             for child in demo.children(recursive=True) if proc.poll() is None else []:
                 child.kill()
-    assert proc.returncode != 0, output[-3000:]
-    assert "interrupted" in output, output[-3000:]
-    assert took < _STOP_BOUND_S, f"the demo took {took:.1f}s to stop after Ctrl-C"
-    time.sleep(0.5)  # the engines' children, SIGKILLed, are reaped by init
-    survivors = [p for p in started if _alive(p)]
-    assert survivors == [], [" ".join(p.cmdline()) for p in survivors]
-    left = sorted(_temp_entries() - before)
-    assert left == [], left
+    try:
+        assert proc.returncode != 0, output[-3000:]
+        assert "interrupted" in output, output[-3000:]
+        assert took < _STOP_BOUND_S, f"the demo took {took:.1f}s to stop after Ctrl-C"
+        time.sleep(0.5)  # the engines' children, SIGKILLed, are reaped by init
+        survivors = [p for p in started if _alive(p)]
+        assert survivors == [], [" ".join(p.cmdline()) for p in survivors]
+        left = sorted(_temp_entries() - before)
+        assert left == [], left
+    finally:  # a demo that failed to stop them must not leave them to the next tests
+        for survivor in started:
+            if _alive(survivor):
+                survivor.kill()

@@ -1,6 +1,7 @@
 """``python -m engine_ext.cpu_harness.run_engine vllm`` (what compose/cpu-demo.yml's ``live``
 services run): healthy, registered with the sidecar under its instance id, serves the
-model as ``tiny``, and SIGTERM stops the whole engine process group with exit code 0.
+model as ``tiny``, and SIGTERM (or SIGHUP) stops the whole engine process group with exit
+code 0.
 
 The SGLang side runs the same launcher as ``tests/e2e/test_sglang_serve.py``; only the
 vLLM engine is started here (an SGLang server costs minutes of start-up).
@@ -26,9 +27,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_run_engine_serves_registers_and_stops_on_sigterm(
-    tmp_path: Path, module_sidecar_url: str
+    tmp_path: Path, module_sidecar_url: str, signum: int
 ) -> None:
+    """SIGHUP too (the terminal it was started from closing): by default it ended the
+    launcher at once, and the engine, in a session of its own, ran on."""
     port = free_port()
     env = {
         **os.environ,
@@ -47,6 +51,7 @@ def test_run_engine_serves_registers_and_stops_on_sigterm(
         stderr=subprocess.STDOUT,
         text=True,
     )
+    engine_pids: list[int] = []
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # blocks until healthy (or the launcher failed)
@@ -66,7 +71,7 @@ def test_run_engine_serves_registers_and_stops_on_sigterm(
         assert view["mapped_bytes"] > 0
         engine_pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         assert engine_pids
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         assert proc.wait(timeout=120) == 0
         wait_until(
             lambda: not any(psutil.pid_exists(p) and _alive(p) for p in engine_pids),
@@ -79,6 +84,9 @@ def test_run_engine_serves_registers_and_stops_on_sigterm(
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+        for pid in engine_pids:  # a launcher that failed to stop them leaves them to no one
+            if psutil.pid_exists(pid) and _alive(pid):
+                psutil.Process(pid).kill()
 
 
 def _alive(pid: int) -> bool:
