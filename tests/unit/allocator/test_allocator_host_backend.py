@@ -194,17 +194,8 @@ def test_a_memfd_the_os_will_not_size_is_a_backend_error() -> None:
         "except BackendError as exc:\n"
         "    print('BackendError', exc)\n"
     )
-    root = Path(__file__).resolve().parents[3]
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("BackendError") and "ulimit -f" in out.stdout
+    out = _in_a_child(code)
+    assert out.startswith("BackendError") and "ulimit -f" in out
 
 
 def test_a_reservation_over_the_address_space_limit_says_which_limit() -> None:
@@ -223,15 +214,21 @@ def test_a_reservation_over_the_address_space_limit_says_which_limit() -> None:
         "except BackendError as exc:\n"
         "    print('BackendError', exc.errno, exc)\n"
     )
-    root = Path(__file__).resolve().parents[3]
+    out = _in_a_child(code)
+    assert out.startswith("BackendError 12 "), out
+    assert "ulimit -v" in out and "KVSIDECAR_VIRTUAL_KV_BYTES" in out
+
+
+def _in_a_child(code: str) -> str:
+    """Run ``code`` in a child interpreter at the repository root (a resource limit set
+    there is the child's alone); its stdout, once it exited 0."""
     out = subprocess.run(
         [sys.executable, "-c", code],
-        cwd=root,
+        cwd=Path(__file__).resolve().parents[3],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("BackendError 12 "), out.stdout
-    assert "ulimit -v" in out.stdout and "KVSIDECAR_VIRTUAL_KV_BYTES" in out.stdout
+    return out.stdout

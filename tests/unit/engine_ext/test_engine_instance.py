@@ -82,19 +82,24 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_signal_removes_socket_and_dir(tmp_path: Path, signum: int) -> None:
-    """Also SIGHUP: a terminal that closes under the engine ends it by default; that left
-    the socket and the dir behind."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(tmp_path)],
+def _engine_child(code: str, runtime_dir: Path) -> subprocess.Popen[str]:
+    """``code`` (an engine with its instance started) in a child interpreter: it prints
+    the socket path, then waits on stdin."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(runtime_dir)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
-    ) as child:
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signal_removes_socket_and_dir(tmp_path: Path, signum: int) -> None:
+    """Also SIGHUP: a terminal that closes under the engine ends it by default; that left
+    the socket and the dir behind."""
+    with _engine_child(_CHILD, tmp_path) as child:
         try:
             assert child.stdout is not None
             socket_path = Path(child.stdout.readline().strip())
@@ -114,15 +119,7 @@ def test_an_ignored_hangup_stays_ignored(tmp_path: Path) -> None:
         "inst.start()", "signal.signal(signal.SIGHUP, signal.SIG_IGN)\ninst.start()"
     )
     assert child_code != _CHILD
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with subprocess.Popen(
-        [sys.executable, "-c", child_code, str(tmp_path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    ) as child:
+    with _engine_child(child_code, tmp_path) as child:
         try:
             assert child.stdout is not None
             socket_path = Path(child.stdout.readline().strip())
