@@ -19,6 +19,7 @@ import psutil  # type: ignore[import-untyped]
 import pytest
 from demo_support import REPO
 from support import wait_until
+from support.hangup import with_default_hangup
 
 _STOP_BOUND_S = 15.0  # the engines' SIGTERM grace after Ctrl-C is 2 s; vLLM's own is 20 s
 
@@ -67,7 +68,10 @@ def test_ctrl_c_while_the_engines_start_stops_everything_at_once(tmp_path: Path,
     }
     out = tmp_path / "out"
     with subprocess.Popen(
-        [sys.executable, "-m", "sidecar.cli", "demo", "--quick", "--out", str(out)],
+        # SIGHUP at its default, as from a terminal, even if this run ignores it (nohup)
+        with_default_hangup(
+            [sys.executable, "-m", "sidecar.cli", "demo", "--quick", "--out", str(out)]
+        ),
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,

@@ -19,6 +19,7 @@ import httpx
 import psutil  # type: ignore[import-untyped]
 import pytest
 from support import wait_until
+from support.hangup import with_default_hangup
 
 from engine_ext.cpu_harness import free_port
 
@@ -44,8 +45,8 @@ def test_run_engine_serves_registers_and_stops_on_sigterm(
         "KVSIDECAR_HEARTBEAT_S": "1",
     }
     cmd = [sys.executable, "-m", "engine_ext.cpu_harness.run_engine", "vllm", "--port", str(port)]
-    proc = subprocess.Popen(
-        [*cmd, "--model-dir", str(tmp_path / "model")],
+    proc = subprocess.Popen(  # SIGHUP at its default, as from a terminal, even under nohup
+        with_default_hangup([*cmd, "--model-dir", str(tmp_path / "model")]),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_pool import BUNDLE, Pool
+from support.hangup import with_default_hangup
 
 from engine_ext import ElasticInstance, EngineBinding, EngineExtConfigError, load_engine_settings
 from engine_ext.protocol import Status
@@ -84,9 +85,10 @@ _CHILD = textwrap.dedent(
 
 def _engine_child(code: str, runtime_dir: Path) -> subprocess.Popen[str]:
     """``code`` (an engine with its instance started) in a child interpreter: it prints
-    the socket path, then waits on stdin."""
+    the socket path, then waits on stdin. SIGHUP at its default, as from a terminal, even
+    when this test run ignores it (nohup)."""
     return subprocess.Popen(
-        [sys.executable, "-c", code, str(runtime_dir)],
+        with_default_hangup([sys.executable, "-c", code, str(runtime_dir)]),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
