@@ -36,8 +36,8 @@ class InstanceRecord:
     observed: EngineState | None = None  # the engine's last report/push answer
     last_seen: float | None = None  # loop time of the last sign of life
     # loop time the engine stopped (deregistered), on this process's monotonic clock, so a
-    # step of the wall clock moves no duration (sidecar/_retention.py); None: not stopped
-    # in this process's view (the row's stopped_at then counts, by the wall clock)
+    # step of the wall clock moves no duration (sidecar/_retention.py); a stop stored
+    # before start-up is placed on it at start-up; None: not stopped
     stopped_since: float | None = None
     reg_token: str | None = None  # the registration token of the engine process holding the id
     # the most the engine may map until it next reports applied (None: unbounded), for the

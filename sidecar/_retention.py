@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from ._instances import InstanceRecord
@@ -40,18 +39,15 @@ _MAX_SWEEP_INTERVAL_S = 60.0
 ForgetFn = Callable[..., Awaitable[bool]]
 
 
-def gone_for(
-    rec: InstanceRecord, *, wall_now: float, loop_now: float, heartbeat_timeout_s: float
-) -> float | None:
-    """Seconds since ``rec``'s engine became stopped or unreachable; None while it is live
-    or if it never registered."""
+def gone_for(rec: InstanceRecord, *, loop_now: float, heartbeat_timeout_s: float) -> float | None:
+    """Seconds since ``rec``'s engine became stopped or unreachable, on the loop's monotonic
+    clock; None while it is live or if it never registered."""
     row = rec.row
     if row.registered_at is None:
         return None
     if row.stopped_at is not None:
-        if rec.stopped_since is not None:  # the monotonic clock: a wall-clock step moves nothing
-            return max(0.0, loop_now - rec.stopped_since)
-        return max(0.0, wall_now - row.stopped_at)
+        # set at start-up for a stored stop and at each deregistration (sidecar/_service.py)
+        return None if rec.stopped_since is None else max(0.0, loop_now - rec.stopped_since)
     if rec.last_seen is None:
         return None
     silent = loop_now - rec.last_seen
@@ -102,7 +98,6 @@ class Retention:
     def _is_due(self, rec: InstanceRecord) -> bool:
         gone = gone_for(
             rec,
-            wall_now=time.time(),
             loop_now=asyncio.get_running_loop().time(),
             heartbeat_timeout_s=self._heartbeat_timeout_s,
         )

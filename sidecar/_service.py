@@ -228,6 +228,7 @@ class InstanceService:
             row = await self._store.register(instance_id, reg)
         rec = self._take_row(row, wake=False)
         rec.reg_token = body.registration_token
+        rec.stopped_since = None  # running again
         rec.take_report(body.state, restarted=True)  # a (re)started engine: a new state
         rec.last_seen = self._now
         await self._adopt_if_newer(rec, body.state)

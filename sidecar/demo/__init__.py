@@ -135,28 +135,28 @@ class _Stopped(KeyboardInterrupt):
     """SIGTERM or SIGHUP reached the demo: stopped as Ctrl-C stops it."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
         self.signame = signal.Signals(signum).name
+        super().__init__(self.signame)
 
 
-def _stop_on_signals() -> dict[int, Any]:
+def _stop_on_signals() -> tuple[int, ...]:
     """Main thread: SIGTERM (``kill``) and SIGHUP (the terminal closing) end the demo the way
     Ctrl-C does, through its cleanup. By default they ended the process at once, and the
     engines and the sidecar, in sessions of their own, ran on with nobody to stop them.
     Only a signal left at its default is taken (an ignored one, ``nohup``, stays so); the
-    first one ignores the rest while the cleanup runs. Returns the handlers to restore."""
-    taken: dict[int, Any] = {}
+    first one ignores the rest while the cleanup runs. Returns the signals taken (their
+    default is restored afterwards)."""
+    taken = tuple(
+        s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) == signal.SIG_DFL
+    )
 
     def stop(signum: int, _frame: Any) -> None:
         for sig in taken:
             signal.signal(sig, signal.SIG_IGN)
         raise _Stopped(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        previous = signal.getsignal(sig)
-        if previous == signal.SIG_DFL:
-            taken[sig] = previous
-            signal.signal(sig, stop)
+    for sig in taken:
+        signal.signal(sig, stop)
     return taken
 
 
@@ -183,7 +183,7 @@ def _session(args: argparse.Namespace, console: Console, scenario: str, body: _B
     sampler = Sampler(cluster.sidecar_url, t0)
     ok = False
     interrupted = False
-    handlers = _stop_on_signals()
+    taken = _stop_on_signals()
     try:
         cluster.start_sidecar()
         sampler.start()
@@ -201,7 +201,7 @@ def _session(args: argparse.Namespace, console: Console, scenario: str, body: _B
         console.print(f"[red]demo failed:[/red] {results['error']}\nlogs in {workdir}")
         args.keep_workdir = True
     finally:
-        for sig in handlers:  # the cleanup below runs to its end (bounded: SIGKILL after)
+        for sig in taken:  # the cleanup below runs to its end (bounded: SIGKILL after)
             signal.signal(sig, signal.SIG_IGN)
         sampler.stop()
         # interrupted: no clean shutdown to wait for (vLLM ignores SIGTERM while its
@@ -218,8 +218,8 @@ def _session(args: argparse.Namespace, console: Console, scenario: str, body: _B
         )
         if not args.keep_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-        for sig, previous in handlers.items():
-            signal.signal(sig, previous)
+        for sig in taken:
+            signal.signal(sig, signal.SIG_DFL)
     return ok
 
 
