@@ -88,7 +88,8 @@ class HarnessConfig:
     head_dim: int = 64  # fp16: 256 bytes per token row, 1 KiB per SGLang page
     layer_num: int = 2  # 4 regions (K and V per layer)
     max_tokens: int = 1020  # SGLang-sized capacity: 255 pages + padding = 64 allocator pages
-    cache: str = "unified"  # "unified" (SGLang's default) or "radix"
+    # "unified" (SGLang's default), "radix", or "disabled" (--disable-radix-cache)
+    cache: str = "unified"
     max_running: int = 16  # ReqToTokenPool rows
     max_context: int = 1024
     sleep_on_idle: bool = False  # build SGLang's IdleSleeper (the adapter registers its waker)
@@ -209,18 +210,22 @@ class CpuHarness:
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+        if self.config.cache not in ("unified", "radix", "disabled"):
+            raise ValueError(
+                f"cache must be 'unified', 'radix' or 'disabled'; got {self.config.cache!r}"
+            )
         params = CacheInitParams(
-            disable=False,
+            disable=self.config.cache == "disabled",
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
             page_size=self.config.page_size,
             tree_components=(ComponentType.FULL,),
         )
-        if self.config.cache == "unified":
-            return UnifiedRadixCache(params)
         if self.config.cache == "radix":
             return RadixCache(params)
-        raise ValueError(f"cache must be 'unified' or 'radix'; got {self.config.cache!r}")
+        # SGLang 0.5.23 builds its --disable-radix-cache cache this way too: the unified
+        # tree with ``disable`` set, which caches nothing and frees a request's KV at its end
+        return UnifiedRadixCache(params)
 
     def _make_checks(self) -> tuple[Any, Any]:
         from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -700,8 +705,8 @@ class CpuHarness:
         ps = self.config.page_size
         # the prompt only: in the overlap loop the next batch has written a token past it
         aligned = min(req.kv_len, len(req.tokens)) // ps * ps
-        if aligned <= req.owned_len:
-            return
+        if aligned <= req.owned_len or self.config.cache == "disabled":
+            return  # a disabled tree keeps nothing: the request owns all its KV to the end
         kv = self.req_to_token_pool.req_to_token[req.row, :aligned].to("cpu").long()
         key = self._key(req.tokens[:aligned])
         result = self.tree_cache.insert(
@@ -770,7 +775,8 @@ class CpuHarness:
 
         ps = self.config.page_size
         kv = self.req_to_token_pool.req_to_token[req.row, : req.kv_len].to("cpu").long()
-        aligned = min(req.kv_len, len(req.seq)) // ps * ps
+        # a disabled tree inserts nothing: SGLang's release frees the whole row
+        aligned = 0 if self.config.cache == "disabled" else min(req.kv_len, len(req.seq)) // ps * ps
         result = self.tree_cache.insert(
             InsertParams(
                 key=self._key(req.seq[:aligned]),

@@ -40,6 +40,14 @@ def cache_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture(params=["unified", "radix", "disabled"])
+def any_cache_kind(request: pytest.FixtureRequest) -> str:
+    """Both tree caches, and the tree ``--disable-radix-cache`` builds (it caches nothing,
+    so a limit can only take free pages): for the tests whose promises hold without a
+    prefix cache (no crash, no lost KV, ``applied`` true to the memfd)."""
+    return str(request.param)
+
+
 @pytest.fixture
 def make_harness(tmp_path: Path) -> Iterator[Callable[..., CpuHarness]]:
     made: list[CpuHarness] = []

@@ -121,10 +121,10 @@ def _run(h: CpuHarness, *, with_limits: bool) -> Trace:
     ids=["evict1", "evict-all", "evict1-reserve3"],
 )
 def test_random_limits_from_a_foreign_thread(
-    make_harness: Make, cache_kind: str, max_evict: int | None, reserve: int
+    make_harness: Make, any_cache_kind: str, max_evict: int | None, reserve: int
 ) -> None:
-    reference = _run(make_harness(cache_kind), with_limits=False)
-    h = make_harness(cache_kind, max_evict_pages_per_step=max_evict, reserve_pages=reserve)
+    reference = _run(make_harness(any_cache_kind), with_limits=False)
+    h = make_harness(any_cache_kind, max_evict_pages_per_step=max_evict, reserve_pages=reserve)
     pages = h.token_to_kv_pool_allocator.blocks.pages
     assert pages.reserve_pages == reserve
     refilled: list[int] = []

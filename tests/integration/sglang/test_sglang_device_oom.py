@@ -62,19 +62,19 @@ def test_a_decode_the_device_refuses_is_counted_once(
 
 def test_a_chunked_prompt_whose_device_fills_mid_prompt_waits_then_finishes(
     make_harness: Make,
-    cache_kind: str,
+    any_cache_kind: str,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A continuation has no admission check in SGLang (it is forced through), so a device
     that another engine filled after the first chunk failed its allocation ("Prefill out of
     memory" ends the scheduler). Now it takes its pages in the budget, or waits a round."""
-    reference = make_harness(cache_kind)  # the same prompts, no chunks, no device limit
+    reference = make_harness(any_cache_kind)  # the same prompts, no chunks, no device limit
     want_long = reference.submit(prompt(3, length=150), max_new_tokens=4)
     want_short = reference.submit(prompt(4, length=8), max_new_tokens=4)
     reference.run_until_idle()
     devices = _install_device(monkeypatch, racing=False)
-    h = make_harness(cache_kind, chunked_prefill_size=16)
+    h = make_harness(any_cache_kind, chunked_prefill_size=16)
     (device,) = devices
     allocator = h.token_to_kv_pool_allocator
     long = h.submit(prompt(3, length=150), max_new_tokens=4)
@@ -141,18 +141,18 @@ def test_an_ignore_eos_admission_takes_its_pages_or_waits(
 
 @pytest.mark.parametrize("chunk", [None, 32], ids=["whole", "chunked"])
 def test_a_device_filling_under_admission_never_fails_an_allocation(
-    make_harness: Make, cache_kind: str, monkeypatch: pytest.MonkeyPatch, chunk: int | None
+    make_harness: Make, any_cache_kind: str, monkeypatch: pytest.MonkeyPatch, chunk: int | None
 ) -> None:
     # the reference (chunked runs: the same prompts in one prefill each) is built before the
     # device is installed: on a plain backend. Built after, it mapped through a racing
     # device (30% of its maps refused, for ever) under the 20 ms hold, and on a quiet
     # machine its run_until_idle ran out of iterations with hundreds of requests waiting
-    reference = make_harness(cache_kind) if chunk is not None else None
+    reference = make_harness(any_cache_kind) if chunk is not None else None
     devices = _install_device(monkeypatch)
     # after a refusal the allocator holds at what is mapped for DEVICE_RETRY_S (1 s): retry
     # sooner here, so the device is probed (and the race met) at many more allocations
     monkeypatch.setattr(allocator_pages, "DEVICE_RETRY_S", 0.02)
-    h = make_harness(cache_kind, chunked_prefill_size=chunk)
+    h = make_harness(any_cache_kind, chunked_prefill_size=chunk)
     (device,) = devices
     allocator = h.token_to_kv_pool_allocator
     rng = random.Random(31)

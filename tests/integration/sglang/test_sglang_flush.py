@@ -41,11 +41,11 @@ def _retract_chunked(h: CpuHarness) -> None:
 
 
 def test_flush_right_after_a_round_that_left_promised_pages(
-    make_harness: Make, cache_kind: str
+    make_harness: Make, any_cache_kind: str
 ) -> None:
-    h = make_harness(cache_kind, chunked_prefill_size=30)
+    h = make_harness(any_cache_kind, chunked_prefill_size=30)
     allocator = h.token_to_kv_pool_allocator
-    reference = make_harness(cache_kind, chunked_prefill_size=30)
+    reference = make_harness(any_cache_kind, chunked_prefill_size=30)
     expected = reference.submit(prompt(1, 100), max_new_tokens=4)
     reference.run_until_idle()
 

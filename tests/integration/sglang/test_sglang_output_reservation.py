@@ -49,9 +49,9 @@ def test_without_the_reservation_sglangs_estimate_is_left_alone(make_harness: Ma
 
 
 def test_applied_means_the_running_requests_growth_fits(
-    make_harness: Make, cache_kind: str
+    make_harness: Make, any_cache_kind: str
 ) -> None:
-    h = make_harness(cache_kind, reserve_output=True)
+    h = make_harness(any_cache_kind, reserve_output=True)
     bundle, page = h.bundle_bytes, h.config.page_size
     reqs = [h.submit(prompt(60 + i, length=2 * page), max_new_tokens=12 * page) for i in range(3)]
     h.iterate()

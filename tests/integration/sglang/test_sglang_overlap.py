@@ -269,20 +269,23 @@ def run_storm(
 @pytest.mark.parametrize(("completion", "full_device", "seed", "extra"), CASES, ids=CASE_IDS)
 def test_the_overlap_loop_survives_aborts_flushes_and_limits_at_every_point(
     make_harness: Make,
-    cache_kind: str,
+    any_cache_kind: str,
     monkeypatch: pytest.MonkeyPatch,
     completion: str,
     full_device: bool,
     seed: int,
     extra: dict[str, Any],
 ) -> None:
-    done = run_storm(make_harness, cache_kind, monkeypatch, completion, full_device, seed, extra)
+    done = run_storm(
+        make_harness, any_cache_kind, monkeypatch, completion, full_device, seed, extra
+    )
     # the storm reached what it attacks (counts of these seeds: a change that stops
     # reaching a point fails here rather than passing without it)
     assert done["abort_in_flight"] > 10 and done["abort_waiting"] > 5, done
     assert done["flushes_refused_in_flight"] > 3 and done["paused_in_flight"] > 3, done
     assert min(done[f"limits_{p}"] for p in ("between", "admitted", "decode", "launched")) > 5
-    assert done["overshoot_frees"] > 20 and done["prefix_hits"] > 20, done
+    assert done["overshoot_frees"] > 20, done
+    assert done["prefix_hits"] > 20 or any_cache_kind == "disabled", done
     assert done["applied"] > 20 and done["unmaps"] > 20, done
     if full_device:
         assert done["retracted"] >= 2 and done["abort_retracted"], done

@@ -53,11 +53,11 @@ def _fenced(monkeypatch: pytest.MonkeyPatch, log: list[str]) -> list[UnmapFence]
 
 
 def test_fence_recorded_every_batch_and_unmaps_wait_on_it(
-    make_harness: Make, cache_kind: str, monkeypatch: pytest.MonkeyPatch
+    make_harness: Make, any_cache_kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log: list[str] = []
     made = _fenced(monkeypatch, log)
-    h = make_harness(cache_kind)
+    h = make_harness(any_cache_kind)
     fence = made[0]
     assert h.pool.fence is fence
     batches = 0
