@@ -25,6 +25,7 @@ import httpx
 import pytest
 from sglang_serve_support import Engine, log_problems, start_engine
 from support import wait_until
+from support.control import limit_storm
 
 pytest.importorskip("sglang", reason="sglang 0.5.23 is installed by scripts/dev.sh")
 
@@ -238,6 +239,41 @@ def test_prefill_that_cannot_be_backed_waits_and_completes(engine: Engine) -> No
         assert [big.result()[0], small.result()[0]] == expected
     engine.wait_state(raised, status="applied")
     assert log_problems(engine.server.log_text()) == []  # no "Prefill out of memory"
+
+
+def _sampled(engine: Engine, text: str, n: int) -> list[list[int]]:
+    """One ``/generate`` of ``n`` samples (SGLang caches the prompt once, then runs the
+    ``n`` copies on it)."""
+    response = httpx.post(
+        engine.server.base_url + "/generate",
+        json={
+            "text": text,
+            "sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "n": n},
+        },
+        timeout=300,
+    )
+    assert response.status_code == 200, response.text
+    return [out["output_ids"] for out in response.json()]
+
+
+def test_parallel_sampling_under_limits_from_a_foreign_thread(engine: Engine) -> None:
+    """``n`` > 1: the copies share the prompt's pages through the tree. Under limits
+    published every few ms (0 included) each answer still has the tokens of a run without
+    limits, and SGLang's own checks (no "Prefill out of memory", no leak) stay quiet."""
+    engine.flush()
+    asks = [(f"{DOC[: 200 + 157 * i]} sampled {i}", n) for i, n in enumerate((2, 3, 4, 6))]
+
+    def run() -> list[list[list[int]]]:
+        with ThreadPoolExecutor(len(asks)) as pool:
+            return list(pool.map(lambda a: _sampled(engine, *a), asks))
+
+    reference = run()
+    bundle = engine.state()["page_bundle_bytes"]
+    with limit_storm(engine, [0, bundle, 4 * bundle, 16 * bundle, None], seed=29):
+        stormed = run()
+    assert stormed == reference
+    assert engine.healthy()
+    assert log_problems(engine.server.log_text()) == []
 
 
 def test_openai_completions_report_cached_tokens(engine: Engine) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from support import wait_until
-from support.control import ControlSocket
+from support.control import ControlSocket, limit_storm
 
 pytest.importorskip("vllm", reason="vllm 0.33 is installed by scripts/dev.sh")
 
@@ -232,6 +232,41 @@ def test_under_traffic_deferred_then_applied_with_identical_tokens(
     assert outcomes.count("aborted") == 12
     assert [r["choices"][0]["text"] for r in results] == reference
     assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for r in results)
+
+
+def _sampled(engine: Engine, prompt: str, n: int) -> list[str]:
+    """One completion of ``n`` choices (vLLM fans it out to ``n`` requests sharing the
+    prompt's blocks; ``best_of`` asks for more and returns ``n``)."""
+    body = {"model": engine.model, "prompt": prompt, "max_tokens": 12, "n": n}
+    if n % 3 == 0:
+        body["best_of"] = n + 1
+    response = httpx.post(engine.server.base_url + "/v1/completions", json=body, timeout=240)
+    assert response.status_code == 200, response.text
+    return [c["text"] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
+
+
+def test_parallel_sampling_under_limits_from_a_foreign_thread(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """``n`` > 1 (and ``best_of``): sibling requests share their prompt's blocks. Under
+    limits published every few ms (0 included) each completion still answers with the
+    tokens of a run without limits, and a one-page limit applies to the memfd afterwards."""
+    elastic, _ = engines
+    elastic.reset()
+    asks = [(f"{DOC[: 300 + 211 * i]} sampled {i}", n) for i, n in enumerate((2, 3, 4, 8, 6, 5))]
+
+    def run() -> list[list[str]]:
+        with ThreadPoolExecutor(len(asks)) as pool:
+            return list(pool.map(lambda a: _sampled(elastic, *a), asks))
+
+    reference = run()
+    bundle = elastic.state()["page_bundle_bytes"]
+    with limit_storm(elastic, [0, bundle, 2 * bundle, 4 * bundle, None], seed=23):
+        stormed = run()
+    assert stormed == reference
+    revision = elastic.set_limit(bundle)
+    applied = elastic.wait_state(revision, status="applied")
+    assert applied["mapped_bytes"] == elastic.server.kv_memfd_bytes() <= bundle
 
 
 def test_reset_prefix_cache_releases_memory(engines: tuple[Engine, Engine]) -> None:

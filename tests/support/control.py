@@ -7,15 +7,19 @@ multi-rank vLLM) steer it through this socket the way the sidecar does:
 
 from __future__ import annotations
 
+import random
 import ssl
+import threading
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-__all__ = ["ControlSocket"]
+__all__ = ["ControlSocket", "limit_storm"]
 
 
 @cache
@@ -66,3 +70,31 @@ class ControlSocket:
             time.sleep(0.02)
             state = self.state()
         raise AssertionError(f"no {status!r} state for revision {revision}: {state}")
+
+
+@contextmanager
+def limit_storm(engine: ControlSocket, limits: Sequence[int | None], seed: int) -> Iterator[None]:
+    """While the block runs, a foreign thread publishes limits drawn from ``limits`` every
+    0-30 ms; afterwards the engine is left unlimited. An error in the thread fails the
+    block's exit."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                engine.set_limit(rng.choice(limits))
+                stop.wait(rng.random() * 0.03)
+        except BaseException as exc:  # noqa: BLE001 -- reported by the block's exit
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="limit-storm", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        engine.set_limit(None)
+    assert not errors, errors
