@@ -33,6 +33,7 @@ from ._instances import InstanceRecord, limit_held
 from ._metrics import Metrics
 from ._models import DeviceMember, DeviceView, InstanceView, PlannedChange, PolicyView
 from ._policy import UNBOUNDED, Change, Member, Target, committed, compute_targets, plan
+from ._policy_table import PolicyTable
 from ._revisions import Decision, decide
 from ._service import InstanceService
 from ._settings import SidecarSettings
@@ -65,7 +66,7 @@ class Autopilot:
         self._service = service
         self._settings = settings
         self._devices: dict[str, DeviceRow] = {}
-        self._policies: dict[str, PolicyRow] = {}
+        self._policies = PolicyTable()
         self._targets: dict[str, Target] = {}  # instance -> last target of the pass
         self._would: dict[str, list[Change]] = {}  # device -> dry-run plan
         self._busy_at: dict[str, float] = {}  # instance -> monotonic time it was last busy
@@ -96,7 +97,7 @@ class Autopilot:
     async def start(self) -> None:
         devices, policies = await self._store.load()
         self._devices = {d.id: d for d in devices}
-        self._policies = {p.id: p for p in policies}
+        self._policies = PolicyTable(policies)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvsidecar-autopilot")
 
     async def close(self) -> None:
@@ -158,7 +159,7 @@ class Autopilot:
 
     def device_ids(self) -> list[str]:
         known = {d for d, row in self._devices.items() if row.budget_bytes is not None}
-        known |= {p.device_id for p in self._policies.values() if p.device_id is not None}
+        known |= self._policies.device_ids()
         return sorted(known)
 
     def device(self, device_id: str) -> DeviceView:
@@ -412,7 +413,7 @@ class Autopilot:
             }
             self._check_budget(device_id, dev.budget_bytes, rows)
             await self._store.put_policies(list(rows.values()))
-            self._policies.update(rows)
+            self._policies.update(rows.values())
             for iid in rows:
                 self._pin_sources[iid] = source
             if self._active(device_id):
@@ -548,7 +549,7 @@ class Autopilot:
                 rows.append(replace(p, floor_bytes=rec.observed.floor_bytes))
         if rows:
             await self._store.put_policies(rows)
-            self._policies.update((p.id, p) for p in rows)
+            self._policies.update(rows)
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -707,11 +708,10 @@ class Autopilot:
         now = time.monotonic()
         hold = self._settings.autopilot_busy_hold_s
         out = []
-        for iid, p in sorted(self._policies.items()):
-            rec = records.get(iid)
-            if p.device_id != device_id or rec is None:
-                continue
-            out.append(self._member(rec, p, now, hold))
+        for p in self._policies.on_device(device_id):
+            rec = records.get(p.id)
+            if rec is not None:
+                out.append(self._member(rec, p, now, hold))
         return out
 
     def _member(self, rec: InstanceRecord, p: PolicyRow, now: float, hold: float) -> Member:
@@ -774,7 +774,7 @@ class Autopilot:
         on the device."""
         need = 0
         parts = []
-        rows = {**{i: p for i, p in self._policies.items() if p.device_id == device_id}, **changed}
+        rows = {**{p.id: p for p in self._policies.on_device(device_id)}, **changed}
         for iid, p in sorted(rows.items()):
             pin = self._pin_of(p)
             if pin is not None:

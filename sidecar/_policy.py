@@ -247,7 +247,11 @@ def plan(
     the rest follows once the shrinks are applied.
     """
     by_id = {m.id: m for m in members}
-    over = sum(committed(m) for m in members) > budget
+    # what every instance may hold, kept as one total: the grows below each need the room
+    # the others leave, and summing the others per grow made a pass O(members^2)
+    held = {m.id: committed(m) for m in members}
+    total = sum(held.values())
+    over = total > budget
     shrinks: list[Change] = []
     grows: list[tuple[Member, Target]] = []
     for iid, target in sorted(targets.items()):
@@ -265,10 +269,9 @@ def plan(
     changes = list(shrinks)
     # what every instance may hold once the shrinks are written: a shrink counts only once
     # applied, so it frees nothing yet (committed() keeps the held limit and mapped bytes)
-    state = {m.id: m for m in members}
     grows.sort(key=lambda mt: (mt[1].reason != "operator", -(mt[1].limit - (mt[0].desired or 0))))
     for m, target in grows:
-        room = room_for(m.id, budget, state.values())
+        room = budget - (total - held[m.id])  # room_for(m.id, ...) over the state so far
         new = min(target.limit, room)
         new = new // max(1, m.page) * max(1, m.page) if new < target.limit else new
         old = m.desired or 0
@@ -277,5 +280,7 @@ def plan(
         if new < target.limit and new - old < max(hysteresis, m.page):
             continue
         changes.append(Change(m.id, m.desired, new, target.reason))
-        state[m.id] = replace(m, desired=new)
+        grown = committed(replace(m, desired=new))
+        total += grown - held[m.id]
+        held[m.id] = grown
     return changes

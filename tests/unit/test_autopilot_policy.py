@@ -239,6 +239,13 @@ def test_fuzz_the_budget_holds_at_every_step(seed: int, n: int, budget_g: int) -
                     assert t.limit <= max(m.max, m.min, m.floor)
         assert sum(t.limit for t in targets.values()) <= budget
         changes = plan(budget, members, targets, hysteresis)
+        grown = {m.id: m for m in members}
+        for c in changes:  # each grow takes the room the others leave once the earlier are in
+            if c.shrink:
+                continue
+            room, want = room_for(c.id, budget, grown.values()), targets[c.id].limit
+            assert c.new == (want if want <= room else room // PAGE * PAGE), (c, room, want)
+            grown[c.id] = replace(grown[c.id], desired=c.new)
         shrinks_done = False
         for c in changes:  # shrinks come first
             if c.shrink:

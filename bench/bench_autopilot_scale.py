@@ -1,0 +1,193 @@
+"""The sidecar at its instance cap: CPU and PUT latency with the autopilot on and off.
+
+A real ``kvsidecar serve`` with ``--instances`` registered engines (stand-ins speaking
+the engine API over HTTP) spread over ``--devices`` devices. Two runs, each its own
+sidecar: ``off`` (no device budget: the autopilot has nothing to do) and ``on`` (every
+device budgeted: the autopilot passes over every device at least every
+``KVSIDECAR_AUTOPILOT_INTERVAL_S``). In each: ``--puts`` operator PUTs ~10 ms apart with
+no engine reporting, then again while the engines report at ``--report-rate`` a second
+(1,024 engines at the default 5 s heartbeat make 205). Measured: PUT p50/p99 and the
+sidecar's CPU (``/proc/<pid>/stat``) over each phase; ratios on/off.
+
+    python bench/bench_autopilot_scale.py [--instances 1024] [--devices 8] [--puts 300]
+
+Timings never go in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine_ext.cpu_harness import free_port
+
+
+def _state(i: int, passes: int = 1) -> dict[str, Any]:
+    return {
+        "status": "applied",
+        "revision": 0,
+        "mapped_bytes": (i % 64) << 24,
+        "capacity_bytes": 16 << 30,
+        "passes": passes,
+        "num_running_requests": i % 3,
+        "num_waiting_requests": i % 2,
+        "waiting_bytes": (i % 2) << 22,
+    }
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _p(times: list[float], q: float) -> float:
+    times = sorted(times)
+    return times[min(len(times) - 1, int(len(times) * q))]
+
+
+class _Run:
+    """One sidecar, its engines registered (and its devices budgeted when ``on``)."""
+
+    def __init__(self, args: argparse.Namespace, on: bool) -> None:
+        self.args, self.on = args, on
+        tmp = Path(tempfile.mkdtemp(prefix="bench-autopilot-scale-"))
+        self.url = f"http://127.0.0.1:{free_port()}"
+        env = dict(
+            os.environ,
+            KVSIDECAR_DB_PATH=str(tmp / "s.db"),
+            KVSIDECAR_PORT=self.url.rsplit(":", 1)[1],
+            KVSIDECAR_MAX_INSTANCES=str(max(1024, args.instances)),
+        )
+        self.log = (tmp / "sidecar.log").open("wb")
+        self.proc = subprocess.Popen(
+            ["kvsidecar", "serve"], env=env, stdout=self.log, stderr=self.log
+        )
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if self.client.get("/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise SystemExit(f"the sidecar did not start; log {tmp / 'sidecar.log'}")
+            time.sleep(0.1)
+        for i in range(args.instances):
+            body = {
+                "engine": "vllm",
+                "engine_version": "0.33.0",
+                "state": _state(i),
+                "device_id": f"gpu{i % args.devices}",
+                "device_total_bytes": 80 << 30,
+            }
+            r = self.client.post(f"/instances/e{i:05d}/register", json=body)
+            r.raise_for_status()
+        if on:
+            for d in range(args.devices):
+                r = self.client.put(f"/devices/gpu{d}/budget", json={"budget": "60G"})
+                r.raise_for_status()
+        time.sleep(1)
+
+    def puts(self) -> tuple[list[float], float]:
+        """PUT latencies and the sidecar's CPU (cores) over them."""
+        times = []
+        cpu0, t0 = _cpu_s(self.proc.pid), time.monotonic()
+        for i in range(self.args.puts):
+            started = time.perf_counter()
+            self.client.put(
+                f"/instances/e{i * 7 % self.args.instances:05d}/limit",
+                json={"limit": f"{i % 40 + 2}GiB"},
+            )
+            times.append(time.perf_counter() - started)
+            time.sleep(0.01)
+        return times, (_cpu_s(self.proc.pid) - cpu0) / (time.monotonic() - t0)
+
+    def reporting(self) -> tuple[list[float], float]:
+        """:meth:`puts` while the engines report at ``--report-rate`` a second."""
+        stop = threading.Event()
+        rate, n = self.args.report_rate, self.args.instances
+
+        async def report() -> None:
+            async with httpx.AsyncClient(
+                base_url=self.url, timeout=60, limits=httpx.Limits(max_connections=32)
+            ) as ac:
+                sent, start, tasks = 0, time.monotonic(), set()
+                while not stop.is_set():
+                    wait = start + sent / rate - time.monotonic()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    i = sent % n
+                    task = asyncio.ensure_future(
+                        ac.post(f"/instances/e{i:05d}/report", json=_state(i, 2 + sent // n))
+                    )
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    sent += 1
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        reporter = threading.Thread(target=lambda: asyncio.run(report()))
+        reporter.start()
+        try:
+            time.sleep(1)
+            return self.puts()
+        finally:
+            stop.set()
+            reporter.join()
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--instances", type=int, default=1024)
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--puts", type=int, default=300)
+    parser.add_argument("--report-rate", type=float, default=205.0)
+    args = parser.parse_args()
+    results: dict[tuple[str, str], tuple[list[float], float]] = {}
+    for on in (False, True):
+        run = _Run(args, on)
+        try:
+            results["on" if on else "off", "quiet"] = run.puts()
+            results["on" if on else "off", "reporting"] = run.reporting()
+        finally:
+            run.close()
+    print(
+        f"{args.instances} instances on {args.devices} devices, {args.puts} PUTs per phase, "
+        f"reports at {args.report_rate:g}/s in the second phase"
+    )
+    print(f"{'phase':<10} {'autopilot':<9} {'PUT p50':>9} {'PUT p99':>9} {'CPU':>6}")
+    for phase in ("quiet", "reporting"):
+        for mode in ("off", "on"):
+            times, cpu = results[mode, phase]
+            print(
+                f"{phase:<10} {mode:<9} {_p(times, 0.5) * 1e3:7.1f}ms {_p(times, 0.99) * 1e3:7.1f}ms"
+                f" {cpu:6.2f}"
+            )
+        (t_off, c_off), (t_on, c_on) = results["off", phase], results["on", phase]
+        print(
+            f"{phase:<10} on / off  {_p(t_on, 0.5) / _p(t_off, 0.5):8.2f}x "
+            f"{_p(t_on, 0.99) / _p(t_off, 0.99):8.2f}x {c_on / c_off:5.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
