@@ -11,15 +11,17 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
-__all__ = ["ControlSocket", "limit_storm"]
+__all__ = ["ControlSocket", "limit_storm", "unchanged_by_a_storm"]
+
+_T = TypeVar("_T")
 
 
 @cache
@@ -98,3 +100,15 @@ def limit_storm(engine: ControlSocket, limits: Sequence[int | None], seed: int) 
         thread.join(timeout=30)
         engine.set_limit(None)
     assert not errors, errors
+
+
+def unchanged_by_a_storm(
+    engine: ControlSocket, run: Callable[[], _T], limits: Sequence[int | None], seed: int
+) -> _T:
+    """``run()`` without limits, then again under :func:`limit_storm`; the two results
+    (the tokens the engine generated) must be equal. Returns them."""
+    reference = run()
+    with limit_storm(engine, limits, seed):
+        stormed = run()
+    assert stormed == reference
+    return stormed

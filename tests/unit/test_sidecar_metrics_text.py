@@ -79,13 +79,13 @@ def test_the_direct_text_is_what_prometheus_client_writes(
     assert instance_text(views, now) == reference_text(views, now)
 
 
-def test_a_label_value_that_needs_quoting_is_escaped_as_the_format_says() -> None:
-    """Ids match ID_PATTERN, but a row from a hand-edited database is not trusted."""
-    odd = InstanceView(
-        id='a"b\\c\nd',
-        status=Status.DEFERRED,
-        reason='x"y',
-        desired=DesiredLimit(limit_bytes=1, revision=1, updated_at=0.0),
+def _unreported(iid: str, status: Status, reason: str, *, limit: int) -> InstanceView:
+    """An instance with a desired limit whose engine never reported."""
+    return InstanceView(
+        id=iid,
+        status=status,
+        reason=reason,
+        desired=DesiredLimit(limit_bytes=limit, revision=1, updated_at=0.0),
         effective_limit_bytes=None,
         mapped_bytes=0,
         overage_bytes=0,
@@ -93,6 +93,11 @@ def test_a_label_value_that_needs_quoting_is_escaped_as_the_format_says() -> Non
         engine=None,
         observed=None,
     )
+
+
+def test_a_label_value_that_needs_quoting_is_escaped_as_the_format_says() -> None:
+    """Ids match ID_PATTERN, but a row from a hand-edited database is not trusted."""
+    odd = _unreported('a"b\\c\nd', Status.DEFERRED, 'x"y', limit=1)
     now = time.time()
     text = instance_text([odd], now)
     assert text == reference_text([odd], now)
@@ -107,18 +112,7 @@ def test_a_label_value_that_needs_quoting_is_escaped_as_the_format_says() -> Non
 
 def test_the_sidecar_metrics_carry_the_instances_and_the_registry() -> None:
     metrics = Metrics()
-    view = InstanceView(
-        id="llama-a",
-        status=Status.PENDING,
-        reason="not_registered",
-        desired=DesiredLimit(limit_bytes=4 << 30, revision=1, updated_at=0.0),
-        effective_limit_bytes=None,
-        mapped_bytes=0,
-        overage_bytes=0,
-        last_seen_s_ago=None,
-        engine=None,
-        observed=None,
-    )
+    view = _unreported("llama-a", Status.PENDING, "not_registered", limit=4 << 30)
     metrics.add_instances(lambda: [view])
     body, content_type = metrics.render()
     text = body.decode()
