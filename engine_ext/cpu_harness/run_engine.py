@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from engine_ext._signals import at_default
 from engine_ext.cpu_harness import (
     ServerProcess,
     launch_sglang_server,
@@ -62,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # engine group on it, afterwards the ``finally`` below does. SIGHUP too (a terminal
     # closing), unless ignored (nohup): by default it ended this process at once and the
     # engine, in a session of its own, ran on
-    for signum in (signal.SIGTERM, signal.SIGINT, *at_default(signal.SIGHUP)):
+    hangup = (signal.SIGHUP,) if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL else ()
+    for signum in (signal.SIGTERM, signal.SIGINT, *hangup):
         signal.signal(signum, _exit)
     model_dir = make_tiny_model_dir(args.model_dir or Path(tempfile.mkdtemp()) / "model")
     extra = ["--host", args.host, "--served-model-name", args.served_model_name]
