@@ -37,7 +37,6 @@ from pathlib import Path
 from types import FrameType
 
 from ._errors import EngineExtConfigError
-from ._signals import at_default
 
 __all__ = [
     "OWNER_FILE",
@@ -367,8 +366,10 @@ class RuntimeDir:
         SIGHUP too where it would end the process (its default: a terminal that closes
         under ``vllm serve`` ended the engine with its socket and dir left behind); a
         hangup the process ignores (``nohup``) or handles itself is left as it is."""
-        for signum in (signal.SIGINT, signal.SIGTERM, *at_default(signal.SIGHUP)):
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous = signal.getsignal(signum)
+            if signum == signal.SIGHUP and previous != signal.SIG_DFL:
+                continue
             signal.signal(signum, _chained(self.remove_now, then, signum, previous))
 
 

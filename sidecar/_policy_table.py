@@ -29,17 +29,8 @@ class PolicyTable:
     def get(self, instance_id: str) -> PolicyRow | None:
         return self._rows.get(instance_id)
 
-    def __contains__(self, instance_id: object) -> bool:
-        return instance_id in self._rows
-
     def __iter__(self) -> Iterator[str]:
         return iter(self._rows)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def values(self) -> Iterable[PolicyRow]:
-        return self._rows.values()
 
     def on_device(self, device_id: str) -> list[PolicyRow]:
         """The rows placed on ``device_id``, by instance id."""

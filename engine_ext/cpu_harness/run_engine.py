@@ -61,9 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # engine group on it, afterwards the ``finally`` below does. SIGHUP too (a terminal
     # closing), unless ignored (nohup): by default it ended this process at once and the
     # engine, in a session of its own, ran on
-    hangup = (signal.SIGHUP,) if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL else ()
-    for signum in (signal.SIGTERM, signal.SIGINT, *hangup):
-        signal.signal(signum, _exit)
+    signal.signal(signal.SIGTERM, _exit)
+    signal.signal(signal.SIGINT, _exit)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, _exit)
     model_dir = make_tiny_model_dir(args.model_dir or Path(tempfile.mkdtemp()) / "model")
     extra = ["--host", args.host, "--served-model-name", args.served_model_name]
     server: ServerProcess

@@ -36,8 +36,7 @@ def test_the_device_index_matches_a_scan_of_the_rows(
             rows.update({iid: row, other.id: other})
         else:
             assert table.pop(iid) == rows.pop(iid, None)
-    assert dict(zip(table, table.values(), strict=True)) == rows
-    assert len(table) == len(rows)
+    assert {iid: table.get(iid) for iid in table} == rows
     devices = {p.device_id for p in rows.values() if p.device_id is not None}
     assert table.device_ids() == devices
     for device in devices | {"gpu9"}:
