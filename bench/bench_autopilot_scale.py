@@ -6,8 +6,9 @@ sidecar: ``off`` (no device budget: the autopilot has nothing to do) and ``on`` 
 device budgeted: the autopilot passes over every device at least every
 ``KVSIDECAR_AUTOPILOT_INTERVAL_S``). In each: ``--puts`` operator PUTs ~10 ms apart with
 no engine reporting, then again while the engines report at ``--report-rate`` a second
-(1,024 engines at the default 5 s heartbeat make 205). Measured: PUT p50/p99 and the
-sidecar's CPU (``/proc/<pid>/stat``) over each phase; ratios on/off.
+(1,024 engines at the default 5 s heartbeat make 205); first, ``--idle-s`` with neither.
+Measured: PUT p50/p99 and the sidecar's CPU (``/proc/<pid>/stat``) over each phase;
+ratios on/off.
 
     python bench/bench_autopilot_scale.py [--instances 1024] [--devices 8] [--puts 300]
 
@@ -70,6 +71,8 @@ class _Run:
             KVSIDECAR_DB_PATH=str(tmp / "s.db"),
             KVSIDECAR_PORT=self.url.rsplit(":", 1)[1],
             KVSIDECAR_MAX_INSTANCES=str(max(1024, args.instances)),
+            # the stand-ins report in the last phase only: none turns unreachable before it
+            KVSIDECAR_HEARTBEAT_TIMEOUT_S="600",
         )
         self.log = (tmp / "sidecar.log").open("wb")
         self.proc = subprocess.Popen(
@@ -101,6 +104,13 @@ class _Run:
                 r = self.client.put(f"/devices/gpu{d}/budget", json={"budget": "60G"})
                 r.raise_for_status()
         time.sleep(1)
+
+    def idle(self, seconds: float) -> tuple[list[float], float]:
+        """The sidecar's CPU (cores) while nothing happens: no PUT, no report (no PUT
+        latencies: the list is empty)."""
+        cpu0, t0 = _cpu_s(self.proc.pid), time.monotonic()
+        time.sleep(seconds)
+        return [], (_cpu_s(self.proc.pid) - cpu0) / (time.monotonic() - t0)
 
     def puts(self) -> tuple[list[float], float]:
         """PUT latencies and the sidecar's CPU (cores) over them."""
@@ -161,21 +171,30 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--puts", type=int, default=300)
     parser.add_argument("--report-rate", type=float, default=205.0)
+    parser.add_argument("--idle-s", type=float, default=5.0, help="length of the idle phase")
     args = parser.parse_args()
     results: dict[tuple[str, str], tuple[list[float], float]] = {}
     for on in (False, True):
         run = _Run(args, on)
         try:
+            results["on" if on else "off", "idle"] = run.idle(args.idle_s)
             results["on" if on else "off", "quiet"] = run.puts()
             results["on" if on else "off", "reporting"] = run.reporting()
         finally:
             run.close()
     print(
         f"{args.instances} instances on {args.devices} devices, {args.puts} PUTs per phase, "
-        f"reports at {args.report_rate:g}/s in the second phase"
+        f"reports at {args.report_rate:g}/s in the last phase; idle: {args.idle_s:g} s with "
+        "neither"
     )
     print(f"{'phase':<10} {'autopilot':<9} {'PUT p50':>9} {'PUT p99':>9} {'CPU':>6}")
-    for phase in ("quiet", "reporting"):
+    for phase in ("idle", "quiet", "reporting"):
+        if phase == "idle":
+            (_, c_off), (_, c_on) = results["off", phase], results["on", phase]
+            print(f"{'idle':<10} {'off':<9} {'':>9} {'':>9} {c_off:6.2f}")
+            print(f"{'idle':<10} {'on':<9} {'':>9} {'':>9} {c_on:6.2f}")
+            print(f"{'idle':<10} on / off  {'':>9} {'':>9} {c_on / max(c_off, 1e-3):5.2f}x")
+            continue
         for mode in ("off", "on"):
             times, cpu = results[mode, phase]
             print(

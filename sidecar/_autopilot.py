@@ -24,7 +24,6 @@ from ._errors import (
     DeviceMoveError,
     InvalidInputError,
     RequestError,
-    RevisionRejectedError,
     StoreError,
     UnknownDeviceError,
     UnknownInstanceError,
@@ -69,6 +68,10 @@ class Autopilot:
         self._policies = PolicyTable()
         self._targets: dict[str, Target] = {}  # instance -> last target of the pass
         self._would: dict[str, list[Change]] = {}  # device -> dry-run plan
+        # device -> the inputs of its last pass, kept only when that pass had nothing to
+        # write (or was a dry run): the same inputs plan the same nothing, so the pass is
+        # skipped (an idle device costs its members' snapshot per tick, no plan)
+        self._planned: dict[str, tuple[DeviceRow, int, list[Member]]] = {}
         self._busy_at: dict[str, float] = {}  # instance -> monotonic time it was last busy
         # instance -> (largest demand seen within the busy hold, monotonic time seen)
         self._peak: dict[str, tuple[int, float]] = {}
@@ -590,15 +593,22 @@ class Autopilot:
         dev = self._devices.get(device_id) if dev is None else dev
         if dev is None or dev.budget_bytes is None:
             self._would.pop(device_id, None)
+            self._planned.pop(device_id, None)
             return
-        members = self._members(device_id)
+        members = self._members(device_id)  # (the busy hold and liveness: time moves them)
+        hysteresis = int(self._settings.autopilot_hysteresis * dev.budget_bytes)
+        inputs = (dev, hysteresis, members)
+        if self._planned.get(device_id) == inputs:
+            return  # a pure function of these inputs planned nothing to write last time
+        self._planned.pop(device_id, None)
         targets = compute_targets(dev.budget_bytes, members)
         for m in members:
             if m.live and m.pin is not None:
                 targets[m.id] = Target(m.id, m.pin, "operator")
         self._targets.update(targets)
-        hysteresis = int(self._settings.autopilot_hysteresis * dev.budget_bytes)
         changes = plan(dev.budget_bytes, members, targets, hysteresis)
+        if not changes or not self._row_active(dev):
+            self._planned[device_id] = inputs  # writes fail and are retried: never kept
         if not self._row_active(dev):
             if changes != self._would.get(device_id):
                 for c in changes:
@@ -623,68 +633,85 @@ class Autopilot:
             self._would[device_id] = changes
             return
         self._would.pop(device_id, None)
-        for change in changes:
-            await self._write(device_id, change)
+        await self._write_all(device_id, changes)
 
     async def _write(self, device_id: str, change: Change, *, reason_text: str = "") -> None:
-        source = "operator" if change.reason == "operator" else "policy"
-        who = (
-            self._pin_sources.get(change.id, "an operator")
-            if source == "operator"
-            else "the autopilot"
-        )
-        # The policy's source and reason first: a reader (GET runs while this awaits) never
-        # sees the new limit beside the source and reason of the one before it.
-        previous = self.policy(change.id)
-        p = replace(previous, source=source, reason=change.reason, changed_at=time.time())
-        self._policies[change.id] = p
-        # An operator's pin is written under its own revision (the one the PUT was judged
-        # by), so a client that repeats it reads an idempotent repeat, not a stale one.
-        rec = self._service.records().get(change.id)
-        revision = previous.pin_revision
-        if (
-            change.reason != "operator"
-            or revision is None
-            or change.new != previous.pin_bytes
-            or rec is None
-            or revision <= rec.row.revision
-        ):
-            revision = None
-        what = f"{who} on device {device_id} ({change.reason}; shrink before grow)"
+        await self._write_all(device_id, [change], reason_text=reason_text)
+
+    async def _write_all(
+        self, device_id: str, changes: list[Change], *, reason_text: str = ""
+    ) -> None:
+        """Write a pass's changes: the limits in one durable write, then the policy rows in
+        another (one commit each, however many instances the pass moves: a pin on a
+        device of 128 instances shrinks 127 of them). All or none: a refused write
+        leaves every limit and source as it was, and the next pass plans it again."""
+        if not changes:
+            return
+        records = self._service.records()
+        previous: dict[str, PolicyRow] = {}
+        rows: list[PolicyRow] = []
+        writes: list[tuple[str, int | None, int | None, str]] = []
+        now = time.time()
+        for change in changes:
+            source = "operator" if change.reason == "operator" else "policy"
+            who = (
+                self._pin_sources.get(change.id, "an operator")
+                if source == "operator"
+                else "the autopilot"
+            )
+            old = previous[change.id] = self.policy(change.id)
+            rows.append(replace(old, source=source, reason=change.reason, changed_at=now))
+            # An operator's pin is written under its own revision (the one the PUT was
+            # judged by), so a client that repeats it reads an idempotent repeat, not a
+            # stale one; if the engine reported a newer one meanwhile, the next one.
+            rec = records.get(change.id)
+            revision = old.pin_revision
+            if (
+                change.reason != "operator"
+                or revision is None
+                or change.new != old.pin_bytes
+                or rec is None
+                or revision <= rec.row.revision
+            ):
+                revision = None
+            what = f"{who} on device {device_id} ({change.reason}; shrink before grow)"
+            writes.append((change.id, change.new, revision, what))
+        # The policies' sources and reasons first: a reader (GET runs while this awaits)
+        # never sees a new limit beside the source and reason of the one before it.
+        self._policies.update(rows)
         try:
-            try:
-                view = await self._service.set_limit(change.id, change.new, revision, source=what)
-            except RevisionRejectedError:
-                # the engine reported a newer revision meanwhile: the pin takes the next one
-                view = await self._service.set_limit(change.id, change.new, None, source=what)
+            stored = await self._service.set_limits(writes)
         except BaseException:
-            if self._policies.get(change.id) is p:
-                self._policies[change.id] = previous  # no limit written: nor its source
+            for p in rows:
+                if self._policies.get(p.id) is p:
+                    self._policies[p.id] = previous[p.id]  # no limit written: nor its source
             raise
-        await self._store.put_policies([p])
-        self.changes.labels(source).inc()
-        self._awaiting[change.id] = (view.desired.revision, time.monotonic())
-        _log.info(
-            "autopilot %s: %s %s -> %s (%s%s)",
-            device_id,
-            change.id,
-            format_size(change.old),
-            format_size(change.new),
-            change.reason,
-            f"; {reason_text}" if reason_text else "",
-            extra={
-                "fields": {
-                    "event": "autopilot_change",
-                    "device": device_id,
-                    "instance": change.id,
-                    "source": source,
-                    "old_limit_bytes": change.old,
-                    "new_limit_bytes": change.new,
-                    "reason": change.reason,
-                    "revision": view.desired.revision,
-                }
-            },
-        )
+        await self._store.put_policies(rows)
+        decided = time.monotonic()
+        for change, p, row in zip(changes, rows, stored, strict=True):
+            self.changes.labels(p.source).inc()
+            self._awaiting[change.id] = (row.revision, decided)
+            _log.info(
+                "autopilot %s: %s %s -> %s (%s%s)",
+                device_id,
+                change.id,
+                format_size(change.old),
+                format_size(change.new),
+                change.reason,
+                f"; {reason_text}" if reason_text else "",
+                extra={
+                    "fields": {
+                        "event": "autopilot_change",
+                        "device": device_id,
+                        "instance": change.id,
+                        "source": p.source,
+                        "old_limit_bytes": change.old,
+                        "new_limit_bytes": change.new,
+                        "reason": change.reason,
+                        "revision": row.revision,
+                    }
+                },
+            )
 
     def _observe_applied(self) -> None:
         for iid, (revision, since) in list(self._awaiting.items()):

@@ -9,7 +9,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import httpx
@@ -37,6 +37,7 @@ from ._metrics import Metrics
 from ._models import InstanceView
 from ._pusher import PushManager, PushOutcome
 from ._reports import report_problem
+from ._revisions import Decision
 from ._settings import SidecarSettings
 from ._store import InstanceRow, Registration, Store
 from ._transport import ReplyTooLarge, UnixSocketRouter, bounded_exchange, unix_transport
@@ -153,19 +154,40 @@ class InstanceService:
         ``source`` says who asked (for the audit line), e.g. ``PUT from 10.0.0.7``."""
         async with self._admit(instance_id):
             row, decision = await self._store.set_desired(instance_id, limit, revision)
-        if decision.changed:
-            old = self._records.get(instance_id)
-            audit_limit_change(
-                instance_id,
-                source=source,
-                old_limit=None if old is None else old.row.limit_bytes,
-                new_limit=row.limit_bytes,
-                old_revision=0 if old is None else old.row.revision,
-                revision=row.revision,
-            )
-            self._metrics.limit_set(instance_id, row.revision)
-            self._take_row(row)
+        self._took_limit(row, decision, source)
         return self.get(instance_id)
+
+    async def set_limits(
+        self, writes: Sequence[tuple[str, int | None, int | None, str]]
+    ) -> tuple[InstanceRow, ...]:
+        """:meth:`set_limit` for several known instances, ``(instance_id, limit, revision,
+        source)`` each, in one durable write (one commit: all or none, in order); a
+        ``revision`` an engine's report overtook meanwhile becomes the next one. Returns
+        each instance's row as stored. An id neither known nor being admitted
+        (:meth:`admission`): :class:`UnknownInstanceError`, nothing written."""
+        for instance_id, *_ in writes:
+            if instance_id not in self._creating:
+                self._record(instance_id)
+        results = await self._store.set_desired_many([w[:3] for w in writes])
+        for (_, _, _, source), (row, decision) in zip(writes, results, strict=True):
+            self._took_limit(row, decision, source)
+        return tuple(row for row, _ in results)
+
+    def _took_limit(self, row: InstanceRow, decision: Decision, source: str) -> None:
+        """A desired limit was stored: the audit line, the metric, the push."""
+        if not decision.changed:
+            return
+        old = self._records.get(row.id)
+        audit_limit_change(
+            row.id,
+            source=source,
+            old_limit=None if old is None else old.row.limit_bytes,
+            new_limit=row.limit_bytes,
+            old_revision=0 if old is None else old.row.revision,
+            revision=row.revision,
+        )
+        self._metrics.limit_set(row.id, row.revision)
+        self._take_row(row)
 
     async def clear_limit(self, instance_id: str, *, source: str = "api") -> InstanceView:
         """Back to unlimited, as a new revision. Unknown ids are a 404 (nothing to clear)."""

@@ -14,7 +14,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from engine_ext.protocol import MAX_REVISION
 
-from ._errors import SidecarConfigError, StoreError
+from ._errors import RevisionRejectedError, SidecarConfigError, StoreError
 from ._revisions import Decision, decide
 
 __all__ = ["InstanceRow", "Registration", "Store"]
@@ -211,6 +211,27 @@ class Store:
     ) -> tuple[InstanceRow, Decision]:
         """Validate ``revision`` against the stored one and write; raises to change nothing."""
         return await self._run(lambda: self._set_desired_sync(instance_id, limit, revision))
+
+    async def set_desired_many(
+        self, writes: Sequence[tuple[str, int | None, int | None]]
+    ) -> list[tuple[InstanceRow, Decision]]:
+        """Several ``(instance_id, limit, revision)`` writes in one transaction (one commit:
+        all or none), in order. A ``revision`` the stored one has reached meanwhile (an
+        engine reported a newer one) is written as the next revision instead: the
+        autopilot's writes, whose revision is only ever its own pin's."""
+
+        def body() -> list[tuple[InstanceRow, Decision]]:
+            out = []
+            for instance_id, limit, revision in writes:
+                try:
+                    out.append(self._desired(instance_id, limit, revision))
+                except RevisionRejectedError:
+                    if revision is None:
+                        raise
+                    out.append(self._desired(instance_id, limit, None))
+            return out
+
+        return await self._run(lambda: self._transaction(body))
 
     async def adopt(self, instance_id: str, limit: int | None, revision: int) -> InstanceRow | None:
         """Take an engine's newer revision as the desired one; None if not newer."""
@@ -458,17 +479,20 @@ class Store:
     def _set_desired_sync(
         self, instance_id: str, limit: int | None, revision: int | None
     ) -> tuple[InstanceRow, Decision]:
-        def body() -> tuple[InstanceRow, Decision]:
-            current = self._get(instance_id) or InstanceRow(instance_id, None, 0, time.time())
-            decision = decide(current.limit_bytes, current.revision, limit, revision)
-            if not decision.changed:
-                return current, decision
-            row = replace(
-                current, limit_bytes=limit, revision=decision.revision, updated_at=time.time()
-            )
-            return self._put(row), decision
+        return self._transaction(lambda: self._desired(instance_id, limit, revision))
 
-        return self._transaction(body)
+    def _desired(
+        self, instance_id: str, limit: int | None, revision: int | None
+    ) -> tuple[InstanceRow, Decision]:
+        """One desired-limit write, inside the caller's transaction."""
+        current = self._get(instance_id) or InstanceRow(instance_id, None, 0, time.time())
+        decision = decide(current.limit_bytes, current.revision, limit, revision)
+        if not decision.changed:
+            return current, decision
+        row = replace(
+            current, limit_bytes=limit, revision=decision.revision, updated_at=time.time()
+        )
+        return self._put(row), decision
 
     def _adopt_sync(self, instance_id: str, limit: int | None, revision: int) -> InstanceRow | None:
         def body() -> InstanceRow | None:

@@ -99,6 +99,52 @@ def test_store_durable_wal_and_unchanged_on_rejection(tmp_path: Path) -> None:
     assert (loaded.limit_bytes, loaded.revision, loaded.engine) == (5 * GiB, 4, "vllm")
 
 
+def test_store_writes_many_limits_in_one_commit_all_or_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``set_desired_many``: one transaction for the lot, in order; a revision an engine
+    overtook becomes the next one; a write refused half-way leaves every row as it was."""
+    db = tmp_path / "s.db"
+
+    async def scenario() -> None:
+        store = Store(db)
+        await store.open()
+        try:
+            await store.set_desired("a", GiB, None)
+            await store.adopt("b", 2 * GiB, 5)  # b's engine reported revision 5
+            commits = []
+            transaction = store._transaction
+            monkeypatch.setattr(
+                store, "_transaction", lambda body: commits.append(1) or transaction(body)
+            )
+            results = await store.set_desired_many(
+                [("a", 3 * GiB, None), ("b", 4 * GiB, 3), ("c", None, 2)]
+            )
+            assert len(commits) == 1
+            assert [(r.id, r.limit_bytes, r.revision, d.changed) for r, d in results] == [
+                ("a", 3 * GiB, 2, True),
+                ("b", 4 * GiB, 6, True),  # 3 is stale against 5: the next one
+                ("c", None, 2, True),
+            ]
+            before = _rows(db)
+            put, calls = store._put, []
+
+            def failing(row: InstanceRow) -> InstanceRow:
+                calls.append(row.id)
+                if len(calls) == 2:
+                    raise sqlite3.OperationalError("disk I/O error")
+                return put(row)
+
+            monkeypatch.setattr(store, "_put", failing)
+            with pytest.raises(sidecar.StoreError):
+                await store.set_desired_many([("a", GiB, None), ("b", GiB, None)])
+            assert calls == ["a", "b"] and _rows(db) == before
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
 def test_store_refuses_a_newer_schema_and_an_unwritable_path(tmp_path: Path) -> None:
     db = tmp_path / "future.db"
     with sqlite3.connect(db) as conn:
