@@ -6,7 +6,8 @@ sidecar: ``off`` (no device budget: the autopilot has nothing to do) and ``on`` 
 device budgeted: the autopilot passes over every device at least every
 ``KVSIDECAR_AUTOPILOT_INTERVAL_S``). In each: ``--puts`` operator PUTs ~10 ms apart with
 no engine reporting, then again while the engines report at ``--report-rate`` a second
-(1,024 engines at the default 5 s heartbeat make 205); first, ``--idle-s`` with neither.
+(1,024 engines at the default 5 s heartbeat make 205); first, ``--idle-s`` with neither,
+and 30 ``GET /instances`` in a row.
 Measured: PUT p50/p99 and the sidecar's CPU (``/proc/<pid>/stat``) over each phase;
 ratios on/off.
 
@@ -112,6 +113,17 @@ class _Run:
         time.sleep(seconds)
         return [], (_cpu_s(self.proc.pid) - cpu0) / (time.monotonic() - t0)
 
+    def listing(self, count: int = 30) -> tuple[list[float], float]:
+        """``GET /instances`` latencies (every view, with the autopilot's policy fields) and
+        the sidecar's CPU over them."""
+        times = []
+        cpu0, t0 = _cpu_s(self.proc.pid), time.monotonic()
+        for _ in range(count):
+            started = time.perf_counter()
+            self.client.get("/instances").raise_for_status()
+            times.append(time.perf_counter() - started)
+        return times, (_cpu_s(self.proc.pid) - cpu0) / (time.monotonic() - t0)
+
     def puts(self) -> tuple[list[float], float]:
         """PUT latencies and the sidecar's CPU (cores) over them."""
         times = []
@@ -178,6 +190,7 @@ def main() -> None:
         run = _Run(args, on)
         try:
             results["on" if on else "off", "idle"] = run.idle(args.idle_s)
+            results["on" if on else "off", "list"] = run.listing()
             results["on" if on else "off", "quiet"] = run.puts()
             results["on" if on else "off", "reporting"] = run.reporting()
         finally:
@@ -188,6 +201,12 @@ def main() -> None:
         "neither"
     )
     print(f"{'phase':<10} {'autopilot':<9} {'PUT p50':>9} {'PUT p99':>9} {'CPU':>6}")
+    for mode in ("off", "on"):
+        times, _ = results[mode, "list"]
+        print(
+            f"GET /instances, autopilot {mode}: p50 {_p(times, 0.5) * 1e3:.1f} ms, "
+            f"p99 {_p(times, 0.99) * 1e3:.1f} ms ({len(times)} in a row)"
+        )
     for phase in ("idle", "quiet", "reporting"):
         if phase == "idle":
             (_, c_off), (_, c_on) = results["off", phase], results["on", phase]
