@@ -8,6 +8,8 @@ gets, whatever the loop skipped.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,23 @@ def _settled(c: httpx.Client, *engines: SimEngine) -> bool:
     )
 
 
+@contextmanager
+def _settled_device(
+    tmp_path: Path, count: int, budget: str
+) -> Iterator[tuple[ThreadedSidecar, httpx.Client, list[SimEngine]]]:
+    """A sidecar with ``count`` stand-in engines on one budgeted device, split settled."""
+    with (
+        ThreadedSidecar(_settings(tmp_path / "s.db")) as s,
+        httpx.Client(base_url=s.url, timeout=30) as c,
+    ):
+        engines = [SimEngine(c, chr(ord("a") + i), DEV) for i in range(count)]
+        for e in engines:
+            assert e.register().status_code == 200
+        assert c.put(f"/devices/{DEV}/budget", json={"budget": budget}).status_code == 200
+        wait_until(lambda: _settled(c, *engines), what="the idle split")
+        yield s, c, engines
+
+
 @pytest.fixture
 def plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Each device the loop (or a request) computed targets for, in order."""
@@ -64,15 +83,7 @@ def test_an_idle_device_is_planned_again_only_when_an_input_moves(
     """Settled and idle: no pass plans again, tick after tick. A report with a demand
     plans at once, and the end of the busy hold (time alone, no report) does too: the
     split goes back to equal without any engine reporting."""
-    with (
-        ThreadedSidecar(_settings(tmp_path / "s.db")) as s,
-        httpx.Client(base_url=s.url, timeout=30) as c,
-    ):
-        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
-        for e in (a, b):
-            assert e.register().status_code == 200
-        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
-        wait_until(lambda: _settled(c, a, b), what="the idle split")
+    with _settled_device(tmp_path, 2, "8G") as (_, c, (a, b)):
         assert _limits(c) == {"a": 4 * GiB, "b": 4 * GiB}
         time.sleep(BUSY_HOLD_S + 4 * INTERVAL_S)  # nothing busy, nothing in flight
         before = len(plans)
@@ -101,21 +112,11 @@ def test_an_idle_device_is_planned_again_only_when_an_input_moves(
         assert _limits(c) == {"a": 4 * GiB, "b": 4 * GiB}
 
 
-def test_a_pass_whose_write_failed_is_planned_again_though_nothing_moved(
-    tmp_path: Path, plans: list[str]
-) -> None:
+def test_a_pass_whose_write_failed_is_planned_again_though_nothing_moved(tmp_path: Path) -> None:
     """The database refuses the pass's writes for a while; no engine reports meanwhile. The
     plan is the same at every tick, and it must be tried again at every tick (a skip here
     would leave b without its memory until some engine happened to report)."""
-    with (
-        ThreadedSidecar(_settings(tmp_path / "s.db")) as s,
-        httpx.Client(base_url=s.url, timeout=30) as c,
-    ):
-        a, b = SimEngine(c, "a", DEV), SimEngine(c, "b", DEV)
-        for e in (a, b):
-            assert e.register().status_code == 200
-        assert c.put(f"/devices/{DEV}/budget", json={"budget": "8G"}).status_code == 200
-        wait_until(lambda: _settled(c, a, b), what="the idle split")
+    with _settled_device(tmp_path, 2, "8G") as (s, c, (a, b)):
         service = s.app.state.service
         real = service.set_limits
         refused: list[list[str]] = []
@@ -147,15 +148,7 @@ def test_a_pin_that_shrinks_every_other_instance_is_one_write_of_limits(
     before the answer in one commit for the limits and one for their sources (plus the
     pin's own row), not two per instance: at 128 instances a device that was 254
     commits (~0.35 ms each on the dev machine) inside one PUT."""
-    with (
-        ThreadedSidecar(_settings(tmp_path / "s.db")) as s,
-        httpx.Client(base_url=s.url, timeout=30) as c,
-    ):
-        engines = [SimEngine(c, f"e{i}", DEV) for i in range(6)]
-        for e in engines:
-            assert e.register().status_code == 200
-        assert c.put(f"/devices/{DEV}/budget", json={"budget": "12G"}).status_code == 200
-        wait_until(lambda: _settled(c, *engines), what="the idle split")
+    with _settled_device(tmp_path, 6, "12G") as (s, c, engines):
         assert set(_limits(c).values()) == {2 * GiB}
         store = s.app.state.service._store
         commits: list[int] = []
@@ -163,9 +156,9 @@ def test_a_pin_that_shrinks_every_other_instance_is_one_write_of_limits(
         monkeypatch.setattr(
             store, "_transaction", lambda body: commits.append(1) or transaction(body)
         )
-        r = c.put("/instances/e0/limit", json={"limit": "7G"})
+        r = c.put("/instances/a/limit", json={"limit": "7G"})
         assert r.status_code == 200, r.text
         shrunk = {iid for iid, limit in _limits(c).items() if limit < 2 * GiB}
-        assert shrunk == {"e1", "e2", "e3", "e4", "e5"}  # written before the answer
+        assert shrunk == {"b", "c", "d", "e", "f"}  # written before the answer
         assert len(commits) <= 3, f"{len(commits)} commits for one pin"  # (was 1 + 2 * 5)
-        wait_until(lambda: _settled(c, *engines) and _limits(c)["e0"] == 7 * GiB, what="pinned")
+        wait_until(lambda: _settled(c, *engines) and _limits(c)["a"] == 7 * GiB, what="pinned")
