@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -132,6 +133,32 @@ def _assert_nothing_left(engine: Engine, held: set[str], log: str) -> None:
     assert sorted(p for p in ours if os.path.exists(p)) == [], log[-4000:]
     assert not engine.socket_path.parent.exists(), sorted(engine.socket_path.parent.iterdir())
     assert "ForeignThreadError" not in log, "the block pool was mutated off its thread"
+
+
+def _exits_or_says_why(engine: Engine, timeout_s: float) -> None:
+    """Wait for the server process; if it outlives ``timeout_s``, fail with what is still
+    running and the end of its log, so a rare hang says where it stood (a bare
+    ``TimeoutExpired`` said nothing, once, in CI)."""
+    try:
+        engine.server.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        import psutil  # type: ignore[import-untyped]
+
+        alive = []
+        for pid in engine.server.pids():
+            try:
+                proc = psutil.Process(pid)
+                alive.append(
+                    f"{pid} {proc.name()} {proc.status()} {' '.join(proc.cmdline())[:120]}"
+                )
+            except psutil.Error:
+                continue
+        pytest.fail(
+            f"the server did not exit within {timeout_s:g} s of the signal; still running:\n"
+            + "\n".join(alive)
+            + "\nlog tail:\n"
+            + engine.server.log_tail(8000)
+        )
 
 
 def _complete_texts(engine: Engine, prompts: list[str], max_tokens: int) -> list[str]:
@@ -307,7 +334,7 @@ def test_sigint_to_the_process_group_leaves_nothing_behind(tmp_path: Path, model
             wait_until(lambda: engine.state()["num_running_requests"] >= 1, what="a request runs")
             held = _ipc_paths(engine.server)
             os.killpg(engine.server.proc.pid, signal.SIGINT)
-            engine.server.proc.wait(timeout=60)
+            _exits_or_says_why(engine, timeout_s=60)
     finally:
         log = engine.server.log_tail(400_000)
         engine.server.stop()
