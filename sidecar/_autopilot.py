@@ -72,6 +72,9 @@ class Autopilot:
         # write (or was a dry run): the same inputs plan the same nothing, so the pass is
         # skipped (an idle device costs its members' snapshot per tick, no plan)
         self._planned: dict[str, tuple[DeviceRow, int, list[Member]]] = {}
+        # instance -> (what its last Member was built from, that Member): an unchanged
+        # instance yields the same object, so the snapshot above compares by identity
+        self._built: dict[str, tuple[tuple[object, ...], Member]] = {}
         self._busy_at: dict[str, float] = {}  # instance -> monotonic time it was last busy
         # instance -> (largest demand seen within the busy hold, monotonic time seen)
         self._peak: dict[str, tuple[int, float]] = {}
@@ -446,6 +449,7 @@ class Autopilot:
                 self._peak,
                 self._awaiting,
                 self._pin_sources,
+                self._built,
             ):
                 table.pop(instance_id, None)
         return True
@@ -764,6 +768,28 @@ class Autopilot:
         peak = self._peak.get(rec.row.id)
         if peak is None or demand >= peak[0] or now - peak[1] > hold:
             peak = self._peak[rec.row.id] = (demand, now)
+        recent = peak[0] if busy else 0
+        # everything the Member is made of: the row, report and policy objects (replaced,
+        # never changed in place, on every change) and the values computed above
+        made_of = (rec.row, obs, p, rec.may_hold, live, busy, recent)
+        built = self._built.get(rec.row.id)
+        if built is not None and _same_inputs(built[0], made_of):
+            return built[1]
+        member = self._build_member(rec, p, live, busy, recent, pinned, pin)
+        self._built[rec.row.id] = (made_of, member)
+        return member
+
+    def _build_member(
+        self,
+        rec: InstanceRecord,
+        p: PolicyRow,
+        live: bool,
+        busy: bool,
+        recent: int,
+        pinned: int,
+        pin: int | None,
+    ) -> Member:
+        obs = rec.observed
         if obs is None:  # not heard from since the sidecar started: its stored floor
             return Member(
                 rec.row.id,
@@ -785,7 +811,7 @@ class Autopilot:
             mapped=obs.mapped_bytes,
             waiting=obs.waiting_bytes,
             pinned=pinned,
-            recent=peak[0] if busy else 0,
+            recent=recent,
             busy=busy,
             floor=obs.floor_bytes,
             capacity=obs.capacity_bytes,
@@ -855,6 +881,11 @@ class Autopilot:
         rec = self._service.records().get(p.id)
         limit = None if rec is None else rec.row.limit_bytes
         return UNBOUNDED if limit is None else limit
+
+
+def _same_inputs(old: tuple[object, ...], new: tuple[object, ...]) -> bool:
+    """The row, report and policy are the same objects; the computed values are equal."""
+    return old[0] is new[0] and old[1] is new[1] and old[2] is new[2] and old[3:] == new[3:]
 
 
 def _may_hold(state: EngineState) -> int:
