@@ -21,20 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from engine_ext.cpu_harness import free_port
+from _sidecar_process import SidecarProcess
 
 
 def _state(i: int, passes: int = 1) -> dict[str, Any]:
@@ -65,31 +58,15 @@ class _Run:
 
     def __init__(self, args: argparse.Namespace, on: bool) -> None:
         self.args, self.on = args, on
-        tmp = Path(tempfile.mkdtemp(prefix="bench-autopilot-scale-"))
-        self.url = f"http://127.0.0.1:{free_port()}"
-        env = dict(
-            os.environ,
-            KVSIDECAR_DB_PATH=str(tmp / "s.db"),
-            KVSIDECAR_PORT=self.url.rsplit(":", 1)[1],
-            KVSIDECAR_MAX_INSTANCES=str(max(1024, args.instances)),
-            # the stand-ins report in the last phase only: none turns unreachable before it
-            KVSIDECAR_HEARTBEAT_TIMEOUT_S="600",
+        self.sidecar = SidecarProcess(
+            {
+                "KVSIDECAR_MAX_INSTANCES": str(max(1024, args.instances)),
+                # the stand-ins report in the last phase only: none turns unreachable before it
+                "KVSIDECAR_HEARTBEAT_TIMEOUT_S": "600",
+            }
         )
-        self.log = (tmp / "sidecar.log").open("wb")
-        self.proc = subprocess.Popen(
-            ["kvsidecar", "serve"], env=env, stdout=self.log, stderr=self.log
-        )
+        self.url, self.pid = self.sidecar.url, self.sidecar.pid
         self.client = httpx.Client(base_url=self.url, timeout=60)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if self.client.get("/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise SystemExit(f"the sidecar did not start; log {tmp / 'sidecar.log'}")
-            time.sleep(0.1)
         for i in range(args.instances):
             body = {
                 "engine": "vllm",
@@ -109,25 +86,25 @@ class _Run:
     def idle(self, seconds: float) -> tuple[list[float], float]:
         """The sidecar's CPU (cores) while nothing happens: no PUT, no report (no PUT
         latencies: the list is empty)."""
-        cpu0, t0 = _cpu_s(self.proc.pid), time.monotonic()
+        cpu0, t0 = _cpu_s(self.pid), time.monotonic()
         time.sleep(seconds)
-        return [], (_cpu_s(self.proc.pid) - cpu0) / (time.monotonic() - t0)
+        return [], (_cpu_s(self.pid) - cpu0) / (time.monotonic() - t0)
 
     def listing(self, count: int = 30) -> tuple[list[float], float]:
         """``GET /instances`` latencies (every view, with the autopilot's policy fields) and
         the sidecar's CPU over them."""
         times = []
-        cpu0, t0 = _cpu_s(self.proc.pid), time.monotonic()
+        cpu0, t0 = _cpu_s(self.pid), time.monotonic()
         for _ in range(count):
             started = time.perf_counter()
             self.client.get("/instances").raise_for_status()
             times.append(time.perf_counter() - started)
-        return times, (_cpu_s(self.proc.pid) - cpu0) / (time.monotonic() - t0)
+        return times, (_cpu_s(self.pid) - cpu0) / (time.monotonic() - t0)
 
     def puts(self) -> tuple[list[float], float]:
         """PUT latencies and the sidecar's CPU (cores) over them."""
         times = []
-        cpu0, t0 = _cpu_s(self.proc.pid), time.monotonic()
+        cpu0, t0 = _cpu_s(self.pid), time.monotonic()
         for i in range(self.args.puts):
             started = time.perf_counter()
             self.client.put(
@@ -136,7 +113,7 @@ class _Run:
             )
             times.append(time.perf_counter() - started)
             time.sleep(0.01)
-        return times, (_cpu_s(self.proc.pid) - cpu0) / (time.monotonic() - t0)
+        return times, (_cpu_s(self.pid) - cpu0) / (time.monotonic() - t0)
 
     def reporting(self) -> tuple[list[float], float]:
         """:meth:`puts` while the engines report at ``--report-rate`` a second."""
@@ -172,9 +149,7 @@ class _Run:
 
     def close(self) -> None:
         self.client.close()
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.log.close()
+        self.sidecar.stop()
 
 
 def main() -> None:

@@ -17,11 +17,8 @@ Timings never go in tests; ``tests/unit/test_sidecar_metrics_text.py`` checks th
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,9 +28,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from _sidecar_process import SidecarProcess
 from support.metrics_reference import reference_text
 
-from engine_ext.cpu_harness import free_port
 from engine_ext.protocol import EngineState, Status
 from sidecar._metrics import instance_text
 from sidecar._models import DesiredLimit, EngineInfo, InstanceView
@@ -95,25 +92,10 @@ def _percentiles(times: list[float]) -> str:
 
 
 def _serve_rounds(args: argparse.Namespace) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
-    port = free_port()
-    env = dict(os.environ, KVSIDECAR_DB_PATH=str(tmp / "s.db"), KVSIDECAR_PORT=str(port))
-    env["KVSIDECAR_MAX_INSTANCES"] = str(max(1024, args.instances))
-    log = (tmp / "sidecar.log").open("wb")
-    proc = subprocess.Popen(["kvsidecar", "serve"], env=env, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
+    sidecar = SidecarProcess({"KVSIDECAR_MAX_INSTANCES": str(max(1024, args.instances))})
+    url = sidecar.url
     try:
         client = httpx.Client(base_url=url, timeout=30)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if client.get("/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit(f"the sidecar did not start; log {tmp / 'sidecar.log'}")
-            time.sleep(0.1)
         for i in range(args.instances):
             client.put(f"/instances/engine-{i:05d}/limit", json={"limit": f"{i + 1}MiB"})
 
@@ -155,9 +137,7 @@ def _serve_rounds(args: argparse.Namespace) -> None:
         print(f"  p99 scraping / quiet          {s99 / q99:.2f}x")
         print(f"  scrape ({len(scrapes)})                  {_percentiles(scrapes)}")
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        sidecar.stop()
 
 
 def main() -> None:

@@ -20,9 +20,7 @@ time, and the POSTs sent. Ratios are against ``none`` in the same run. Run:
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_vllm as steps  # first: it sets the CPU environment vLLM reads at import
 import httpx
+from _sidecar_process import SidecarProcess
 
 from engine_ext import LimitMailbox, load_engine_settings
 from engine_ext._sidecar_client import SidecarClient
@@ -55,33 +54,6 @@ class Mode:
     wall_per_step: list[float] = field(default_factory=list)
     cpu_per_step: list[float] = field(default_factory=list)
     posts_per_s: list[float] = field(default_factory=list)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _start_sidecar(db_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sidecar.cli", "serve", "--port", str(port), "--db", str(db_dir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or process.poll() is not None:
-            process.kill()
-            raise RuntimeError("the sidecar did not start (python -m sidecar.cli serve)")
-        time.sleep(0.05)
 
 
 def _client(mode: Mode, url: str, interval: float | None, state: Any) -> SidecarClient:
@@ -110,12 +82,10 @@ def run(
     rounds: int, num_requests: int, warm: bool, interval: float | None = None
 ) -> dict[str, Mode]:
     modes = {name: Mode(name) for name in MODES}
-    with (
-        tempfile.TemporaryDirectory(prefix="kvs-reports-") as scratch,
-        tempfile.TemporaryDirectory(prefix="kvs-reports-db-") as db_dir,
-    ):
+    with tempfile.TemporaryDirectory(prefix="kvs-reports-") as scratch:
         model_dir = make_tiny_model_dir(Path(scratch) / "model")
-        sidecar, url = _start_sidecar(Path(db_dir) / "sidecar.db")
+        sidecar = SidecarProcess(keep_log=False)
+        url = sidecar.url
         try:
             with steps.pool_class(True):
                 kv = steps.WARM_KV_BYTES if warm else 64 << 20
@@ -141,8 +111,7 @@ def run(
                             mode.client.stop()
                     engine.shutdown()
         finally:
-            sidecar.terminate()
-            sidecar.wait(timeout=30)
+            sidecar.stop()
     return modes
 
 

@@ -16,43 +16,13 @@ the run with no stream, all in one run on one machine.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import httpx
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from engine_ext.cpu_harness import free_port
-
-
-def _serve(db: Path, port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVSIDECAR_MAX_WAIT_S": "300"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar.cli", "serve", "--port", str(port), "--db", str(db)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError("the sidecar did not start")
-        time.sleep(0.1)
+from _sidecar_process import SidecarProcess
 
 
 def _open_streams(port: int, count: int) -> list[socket.socket]:
@@ -95,33 +65,31 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=120.0, help="per stream count")
     args = parser.parse_args()
     counts = [int(c) for c in args.streams.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        proc = _serve(Path(tmp) / "sidecar.db", port)
-        try:
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
-                for n in range(args.instances):
-                    client.put(f"/instances/i{n}/limit", json={"limit": "1G"})
-                base: float | None = None
-                print(f"{args.instances} instances; PUT latency with event streams open")
-                for count in counts:
-                    socks = _open_streams(port, count)
-                    time.sleep(1.0)
-                    lat = _put_latencies(client, args.puts, args.deadline_s)
-                    for sock in socks:
-                        sock.close()
-                    time.sleep(0.5)
-                    p50 = statistics.median(lat)
-                    p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
-                    base = p50 if base is None else base
-                    note = "" if len(lat) == args.puts else f" (only {len(lat)} PUTs in time)"
-                    print(
-                        f"  streams {count:4d}: p50 {p50 * 1e3:7.1f} ms  p99 {p99 * 1e3:7.1f} ms"
-                        f"  p50 / no streams {p50 / base:6.2f}x{note}"
-                    )
-        finally:
-            proc.terminate()
-            proc.wait()
+    sidecar = SidecarProcess({"KVSIDECAR_MAX_WAIT_S": "300"}, keep_log=False)
+    port = int(sidecar.url.rsplit(":", 1)[1])
+    try:
+        with httpx.Client(base_url=sidecar.url, timeout=300) as client:
+            for n in range(args.instances):
+                client.put(f"/instances/i{n}/limit", json={"limit": "1G"})
+            base: float | None = None
+            print(f"{args.instances} instances; PUT latency with event streams open")
+            for count in counts:
+                socks = _open_streams(port, count)
+                time.sleep(1.0)
+                lat = _put_latencies(client, args.puts, args.deadline_s)
+                for sock in socks:
+                    sock.close()
+                time.sleep(0.5)
+                p50 = statistics.median(lat)
+                p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+                base = p50 if base is None else base
+                note = "" if len(lat) == args.puts else f" (only {len(lat)} PUTs in time)"
+                print(
+                    f"  streams {count:4d}: p50 {p50 * 1e3:7.1f} ms  p99 {p99 * 1e3:7.1f} ms"
+                    f"  p50 / no streams {p50 / base:6.2f}x{note}"
+                )
+    finally:
+        sidecar.stop()
 
 
 if __name__ == "__main__":
