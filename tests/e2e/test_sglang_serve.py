@@ -169,7 +169,10 @@ def _run_with_aborts(engine: Engine, limit_change: bool) -> list[tuple[list[int]
             revision = engine.set_limit(warm["mapped_bytes"] - 4 * warm["page_bundle_bytes"])
         results = [f.result() for f in futures]
         outcomes = [f.result() for f in gone]
-    assert outcomes.count("aborted") == 6
+    # aborts happened: at least the four seen running (a quick moment of the machine may
+    # let one run its 1,500 tokens within the client's 1.5 s, as one CI run saw; the kept
+    # requests' tokens and prefix hits do not depend on it)
+    assert outcomes.count("aborted") >= 4, outcomes
     if limit_change:
         applied = engine.wait_state(revision, status="applied")
         limit = warm["mapped_bytes"] - 4 * warm["page_bundle_bytes"]
